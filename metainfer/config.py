@@ -1,0 +1,226 @@
+"""Model spec parsed from config.json, and the engine's configuration.
+
+Dimensions are read from the checkpoint's config, never hard-coded. Both hub-style keys
+(`rope_theta`, `rope_scaling`) and transformers-v5 keys (`rope_parameters`) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# architecture name (config "architectures") -> model family module in metainfer.models
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "dense",
+    "Qwen2ForCausalLM": "dense",
+    "LlamaForCausalLM": "dense",
+    "MistralForCausalLM": "dense",
+}
+_MODEL_TYPE_TO_ARCH = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine needs to know about a dense decoder checkpoint."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    partial_rotary_factor: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelSpec:
+        arch = _route_architecture(cfg)
+        model_type = cfg.get("model_type", "")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta, rope_scaling = _rope_settings(cfg)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_file(cls, path: str) -> ModelSpec:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _route_architecture(cfg: dict) -> str:
+    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    for arch in cfg.get("architectures") or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    arch = _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""))
+    if arch and not cfg.get("architectures"):
+        return arch
+    given = cfg.get("architectures") or cfg.get("model_type")
+    raise ValueError(f"unsupported architecture {given!r}; supported architectures: {supported}")
+
+
+def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """Return (theta, scaling dict or None) from old-style or v5-style keys."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = None if kind in (None, "default") else {**params, "rope_type": kind}
+        return float(theta), scaling
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    else:
+        scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype, spec_dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is the checkpoint's dtype on CUDA and fp32 on the CPU (CPU bf16 matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(spec_dtype.replace("torch.", ""), torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    return dev
+
+
+@dataclass
+class EngineConfig:
+    """All engine options of `LLM(...)`, validated once."""
+
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+    cpu_kv_cache_gib: float = 2.0
+    # filled by finalize()
+    spec: ModelSpec | None = None
+    model_dir: str | None = None
+    gguf_file: str | None = None
+    torch_device: torch.device | None = None
+    torch_dtype: torch.dtype | None = None
+
+    def finalize(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
+        if self.max_model_len is None:
+            self.max_model_len = spec.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, min(self.max_model_len, 16384))
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self.torch_device = resolve_device(self.device)
+        self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
+
+
+def locate_model(model: str) -> tuple[str, str | None]:
+    """Return (folder, gguf file or None) for a model folder or a .gguf path."""
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"model file {model!r} does not exist")
+        return os.path.dirname(os.path.abspath(model)), model
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is neither a model folder nor a .gguf file")
+    ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
+    if not os.path.exists(os.path.join(model, "config.json")) and len(ggufs) == 1:
+        return model, os.path.join(model, ggufs[0])
+    if not os.path.exists(os.path.join(model, "config.json")):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    return model, None

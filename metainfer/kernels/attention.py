@@ -1,0 +1,479 @@
+"""Attention over the paged KV cache: decode (one query per sequence) and prefill/extend.
+
+Contracts (docs/CONTRACTS.md):
+- `paged_decode_attention(q[B,Hq,D], k_cache[N,S,Hk,D], v_cache, block_tables i32[B,M],
+  context_lens i32[B], scale) -> o[B,Hq,D]`: the query of sequence b attends to its
+  `context_lens[b]` cached tokens (the new token is already stored); rows with context 0 give 0.
+- `paged_prefill_attention(q[T,Hq,D], k_cache, v_cache, cu_seqlens_q i32[B+1], context_lens i32[B],
+  block_tables, max_seqlen_q: int, scale) -> o[T,Hq,D]`: the q_len new tokens of sequence b are the
+  last of its context_lens[b] stored tokens; query i sits at position context_len - q_len + i and
+  attends causally. One kernel covers plain prefill, prefix-cache hits and chunked prefill.
+GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype.
+
+Both Triton kernels gather K/V token by token through the block table (physical row =
+block_tables[b, t // S] * S + t % S), so every block size works, including 1.
+The decode launcher never reads GPU values on the host (no .item()/.tolist()), so it can be
+captured in a CUDA graph: the grid depends only on shapes and the host ints given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import cdiv, next_pow2, require_triton, tl, triton
+
+LOG2E = 1.4426950408889634
+DEFAULT_MAX_NUM_SPLITS = 32
+# ~4 resident programs per SM on an H200 (132 SMs): split the KV range until the grid reaches it.
+_TARGET_DECODE_PROGRAMS = 512
+_DECODE_BLOCK_N = 64
+
+# ----------------------------------------------------------------------------------------------
+# torch references (the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _gather_context(k_cache, v_cache, block_table_row, length):
+    """The first `length` cached tokens of one sequence as dense [length, Hk, D] K and V."""
+    block_size = k_cache.shape[1]
+    blocks = block_table_row[: cdiv(length, block_size)].long()
+    k = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    v = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    return k, v
+
+
+def _attend(q, k, v, scale, first_pos):
+    """fp32 attention of q[Lq,Hq,D] over k/v[L,Hk,D]; query i sits at position first_pos + i."""
+    num_q, num_heads = q.shape[:2]
+    length, num_kv_heads = k.shape[:2]
+    qh = q.float().transpose(0, 1).unsqueeze(0)
+    kh = k.float().transpose(0, 1).unsqueeze(0)
+    vh = v.float().transpose(0, 1).unsqueeze(0)
+    mask = None
+    if num_q > 1:  # a single query is the last position and sees every key
+        key_pos = torch.arange(length, device=q.device)
+        q_pos = first_pos + torch.arange(num_q, device=q.device)
+        mask = key_pos[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )
+    return out[0].transpose(0, 1)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    **_tuning,
+) -> torch.Tensor:
+    """Tuning kwargs of the Triton launcher (max_num_splits, workspace, ...) are accepted and ignored."""
+    out = torch.empty_like(q) if out is None else out
+    for b, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            out[b].zero_()
+            continue
+        k, v = _gather_context(k_cache, v_cache, block_tables[b], length)
+        out[b] = _attend(q[b : b + 1], k, v, scale, length - 1)[0].to(out.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    **_tuning,
+) -> torch.Tensor:
+    out = torch.empty_like(q) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for b, length in enumerate(context_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        k, v = _gather_context(k_cache, v_cache, block_tables[b], length)
+        out[start:end] = _attend(q[start:end], k, v, scale, length - (end - start)).to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: decode with split-KV
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits,
+    q_stride_b, q_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h,
+    bt_stride_b, out_stride_b, out_stride_h,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
+    contiguous token range of the context. Writes normalised partial outputs + log2-sum-exp
+    (or the final output directly when there is a single split)."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
+    # The reduce kernel recomputes the same formula to know how many splits are live.
+    ctx = tl.load(context_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    qd_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_page = tok % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
+        s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if ONE_PASS:
+        # Empty context: acc is 0 and l_i is 0 -> write zeros.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    else:
+        if start < end:
+            rows = (seq * num_q_heads + heads) * num_splits + split
+            tl.store(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=qd_mask)
+            tl.store(part_lse_ptr + rows, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
+    num_splits, out_stride_b, out_stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the live splits of one (sequence, q head) by their log-sum-exp weights."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    ctx = tl.load(context_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.where(ctx > 0, tl.cdiv(ctx, tl.maximum(chunk, 1)), 0)
+
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < live
+    rows = (seq * num_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+    lse_max = tl.where(live > 0, tl.max(lse, axis=0), 0.0)
+    w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
+    block_n: int = _DECODE_BLOCK_N,
+) -> int:
+    """Splits per (sequence, kv head): enough programs to fill the GPU, never more than
+    max_num_splits or than max_context_len / block_n. Host ints only (graph-capturable)."""
+    useful = cdiv(max(1, max_context_len), block_n)
+    wanted = cdiv(_TARGET_DECODE_PROGRAMS, max(1, batch * num_kv_heads))
+    return max(1, min(max_num_splits, wanted, useful))
+
+
+def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of split scratch: partial outputs [B,Hq,splits,D] + log-sum-exp [B,Hq,splits]."""
+    return batch * num_q_heads * num_splits * (head_dim + 1)
+
+
+def alloc_decode_workspace(
+    max_batch: int,
+    num_q_heads: int,
+    head_dim: int,
+    max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Scratch for paged_decode_attention_triton(workspace=...), valid for any batch <= max_batch
+    launched with the same (or a smaller) max_num_splits."""
+    numel = decode_workspace_numel(max_batch, num_q_heads, head_dim, max_num_splits)
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 models keep fp32 accuracy (no TF32); 16-bit inputs ignore the option.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Split-KV paged decode. Splits come from shapes only (batch, Hk, M*S) and max_num_splits;
+    `workspace` (see alloc_decode_workspace) avoids an allocation per call; `out` may be given."""
+    require_triton()
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    group = num_q_heads // num_kv_heads
+    block_n = block_n or _DECODE_BLOCK_N
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    max_num_splits = max_num_splits or DEFAULT_MAX_NUM_SPLITS
+    num_splits = decode_num_splits(
+        batch, num_kv_heads, block_tables.shape[1] * block_size, max_num_splits, block_n
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+
+    one_pass = num_splits == 1
+    if one_pass:
+        part_out = part_lse = out  # unused placeholders
+    else:
+        numel = decode_workspace_numel(batch, num_q_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
+            raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
+        split_rows = batch * num_q_heads * num_splits
+        part_out = workspace[: split_rows * head_dim]
+        part_lse = workspace[split_rows * head_dim : split_rows * (head_dim + 1)]
+
+    use_dot = group > 1
+    block_g = max(16, next_pow2(group)) if use_dot else 1
+    block_d = max(16, next_pow2(head_dim))
+    scale_log2e = float(scale) * LOG2E
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_out, part_lse,
+        scale_log2e, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if not one_pass:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_out, part_lse, context_lens, out,
+            num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(num_splits),
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: prefill / extend (varlen causal flash attention over the paged cache)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_tile(
+    acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    scale_log2e, d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update with keys n0..n0+BLOCK_N; CAUSAL_MASK only on diagonal tiles."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    t_mask = tok < ctx
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    in_page = tok % BLOCK_SIZE
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+    if CAUSAL_MASK:
+        s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    scale_log2e,
+    q_stride_t, q_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h,
+    bt_stride_b, out_stride_t, out_stride_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = (BLOCK_M queries of one sequence, one q head)."""
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+
+    ctx = tl.load(context_lens_ptr + seq)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    q_pos = ctx - q_len + rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_tokens = (q_start + rows).to(tl.int64)
+    q_mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=q_mask, other=0.0)
+
+    kv_head = head // GROUP
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys below the first query of this tile are visible to every row: no causal mask there.
+    # The first masked tile contains key (ctx - q_len + m0) <= every row's position, so each
+    # row sees a finite score before any fully masked tile (no NaN from -inf - -inf).
+    diag_start = (ctx - q_len + m0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)
+    for n0 in range(0, diag_start, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )
+    for n0 in range(diag_start, hi, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of the new tokens over the paged cache. `max_seqlen_q` is a host
+    int (>= every q_len) that sizes the grid; no GPU value is read on the host."""
+    require_triton()
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    if out is None:
+        out = torch.empty_like(q)
+    batch = context_lens.shape[0]
+    max_seqlen_q = int(max_seqlen_q)
+    if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
+        return out
+    # fp32 tiles are twice the bytes: cap them so shared memory and registers stay sane.
+    block_m = block_m or min(64 if q.dtype == torch.float32 else 128, max(16, next_pow2(max_seqlen_q)))
+    block_n = block_n or 64
+    if min(block_m, block_n) < 16 or (block_m & (block_m - 1)) or (block_n & (block_n - 1)):
+        raise ValueError(f"block_m/block_n must be powers of two >= 16, got {block_m}/{block_n}")
+    block_d = max(16, next_pow2(head_dim))
+    grid = (cdiv(max_seqlen_q, block_m), num_q_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,84 @@
+"""Scatter the new tokens' K/V into the paged cache.
+
+Contract: `store_kv(k[T,Hk,D], v[T,Hk,D], k_cache[N,S,Hk,D], v_cache, slot_mapping i32[T])`
+writes cache[slot // S, slot % S] = k/v; slot -1 marks padding and is skipped. k and v may be
+strided views of the fused qkv output (token stride != Hk*D).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import next_pow2, require_triton, tl, triton
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h,
+    num_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
+        src_k = token * k_stride_t + heads[:, None] * k_stride_h + dims[None, :]
+        src_v = token * v_stride_t + heads[:, None] * v_stride_h + dims[None, :]
+        dst_k = block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h + dims[None, :]
+        dst_v = block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + dims[None, :]
+        k = tl.load(k_ptr + src_k, mask=mask)
+        v = tl.load(v_ptr + src_v, mask=mask)
+        tl.store(k_cache_ptr + dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    require_triton()
+    num_tokens, num_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    if num_tokens == 0:
+        return
+    block_h, block_d = next_pow2(num_heads), next_pow2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=max(1, min(8, block_h * block_d // 256)),
+    )

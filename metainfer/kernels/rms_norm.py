@@ -1,0 +1,129 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Contract (docs/CONTRACTS.md): y = x * rsqrt(mean(x^2) + eps) * w with fp32 math and the output in
+x's dtype; any leading shape `[..., H]` (Qwen3's q_norm/k_norm run on `[T, heads, D]` views of
+the qkv projection, so the kernels take strided rows instead of forcing a copy).
+The fused variant first stores residual <- x + residual (rounded to residual's dtype, as an
+unfused model would) and normalises that rounded sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import next_pow2, require_triton, tl, triton
+
+# ----------------------------------------------------------------------------------------------
+# torch reference (the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = (x.float() + residual.float()).to(residual.dtype)
+    residual.copy_(summed)
+    return rms_norm_ref(residual, weight, eps).to(x.dtype), residual
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, y_ptr, w_ptr,
+    n_rows, inner_rows, hidden, eps,
+    x_stride0, x_stride1, r_stride0, r_stride1, y_stride0, y_stride1,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # Rows are addressed as (outer, inner) of a [outer, inner, H] view so that strided views
+    # (e.g. per-head slices of a fused qkv tensor) need no copy.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    outer = rows // inner_rows
+    inner = rows % inner_rows
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < hidden
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    x_off = (outer * x_stride0 + inner * x_stride1)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r_off = (outer * r_stride0 + inner * r_stride1)[:, None] + cols[None, :]
+        summed = (x + tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32))
+        summed = summed.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + r_off, summed, mask=mask)
+        x = summed.to(tl.float32)
+
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = x * inv_rms[:, None] * w[None, :]
+    y_off = (outer * y_stride0 + inner * y_stride1)[:, None] + cols[None, :]
+    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """View `[..., H]` as `[outer, inner, H]` without copying (raises if impossible)."""
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    if t.dim() == 3:
+        return t
+    return t.view(-1, 1, t.shape[-1])
+
+
+def _launch_rms_norm(x, residual, weight, eps):
+    require_triton()
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
+    if x.stride(-1) != 1 or (x.dim() > 3 and not x.is_contiguous()):
+        x = x.contiguous()
+    x3 = _rows_view(x)
+    r3 = x3
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.stride(-1) != 1:
+            raise ValueError("residual must have a unit last stride (it is updated in place)")
+        r3 = _rows_view(residual)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y3 = _rows_view(y)
+    n_rows = x3.shape[0] * x3.shape[1]
+    if n_rows == 0:
+        return y
+
+    block_h = next_pow2(hidden)
+    if block_h > 65536:
+        raise ValueError(f"hidden size {hidden} too large for the single-pass RMSNorm kernel")
+    # Several short rows per program (head-wise norms, D=128) so each program moves ~4K elements.
+    block_rows = max(1, min(64, 4096 // block_h))
+    num_warps = max(1, min(16, block_rows * block_h // 512))
+    grid = (triton.cdiv(n_rows, block_rows),)
+    _rms_norm_kernel[grid](
+        x3, r3, y3, weight,
+        n_rows, x3.shape[1], hidden, float(eps),
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+    return y
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_rms_norm(x, None, weight, eps)
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_rms_norm(x, residual, weight, eps), residual

@@ -1,0 +1,68 @@
+"""Paged attention layer and the per-step attention metadata.
+
+The model runner builds one `AttentionMetadata` per step and installs it with
+`forward_context(meta)`; attention layers read it, so `model.forward(input_ids, positions)`
+keeps a plain signature (and CUDA graphs capture the same buffers every replay).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int32 [T], -1 = do not store
+    context_lens: torch.Tensor  # int32 [B], tokens in cache after this step's store
+    block_tables: torch.Tensor  # int32 [B, M], padded with -1
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [B+1], prefill only
+    max_seqlen_q: int = 1
+
+
+_CURRENT: list[AttentionMetadata | None] = [None]
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata):
+    _CURRENT[0] = meta
+    try:
+        yield
+    finally:
+        _CURRENT[0] = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    meta = _CURRENT[0]
+    if meta is None:
+        raise RuntimeError("attention called outside forward_context(); the model runner sets it")
+    return meta
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V into the paged cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)  # views into the runner's KV pool
+        self._store = ops.store_kv
+        self._decode = ops.paged_decode_attention
+        self._prefill = ops.paged_prefill_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self._store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            out = self._prefill(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
+                                meta.block_tables, meta.max_seqlen_q, self.scale)
+        else:
+            out = self._decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,155 @@
+"""Linear layers that own their tensor-parallel sharding.
+
+Each parameter carries a `weight_loader(param, full_tensor[, shard_id])` that slices this
+rank's part out of the full checkpoint tensor, so the loader needs no model knowledge.
+Per-rank dims (see docs/CONTRACTS.md): column layers split the output dim, row layers the
+input dim and all-reduce their output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metainfer.distributed.communication import reducer
+from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    _check_shape(param, loaded, name)
+    param.data.copy_(loaded)
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what} ({a}) is not divisible by tensor_parallel_size ({b})")
+    return a // b
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        default_weight_loader(param, loaded, name)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks; no communication."""
+
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
+        super().__init__(in_features, _divide(out_features, get_tp_size(), "output features"), bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        rows = param.shape[0]
+        if loaded.shape[0] != rows * self.tp_size:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {rows * self.tp_size}")
+        shard = loaded.narrow(0, self.tp_rank * rows, rows)
+        _check_shape(param, shard, name)
+        param.data.copy_(shard)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column layers fused along the output dim (gate_up); shard_id = index."""
+
+    def __init__(self, in_features, output_sizes: list[int], bias=False, dtype=torch.float32):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        if shard_id is None:
+            raise ValueError(f"tensor {name!r}: fused gate_up needs a shard id")
+        part = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        if loaded.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {self.output_sizes[shard_id]}")
+        shard = loaded.narrow(0, self.tp_rank * part, part)
+        dst = param.data.narrow(0, offset, part)
+        _check_shape(dst, shard, name)
+        dst.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+        else:
+            _divide(tp, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads = 1
+        self.total_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, dtype)
+
+    def kv_head_for_rank(self) -> int:
+        """Index of the first global KV head this rank holds (replication when Hkv < tp)."""
+        if self.total_kv_heads >= self.tp_size:
+            return self.tp_rank * self.num_kv_heads
+        return self.tp_rank * self.total_kv_heads // self.tp_size
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        d = self.head_dim
+        if shard_id == "q":
+            size, start, dst_off = self.num_heads * d, self.tp_rank * self.num_heads * d, 0
+            expected = self.num_heads * d * self.tp_size
+        elif shard_id in ("k", "v"):
+            size, start = self.num_kv_heads * d, self.kv_head_for_rank() * d
+            dst_off = self.num_heads * d + (0 if shard_id == "k" else self.num_kv_heads * d)
+            expected = self.total_kv_heads * d
+        else:
+            raise ValueError(f"tensor {name!r}: fused qkv needs shard id q, k or v")
+        if loaded.shape[0] != expected:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {expected}")
+        dst = param.data.narrow(0, dst_off, size)
+        shard = loaded.narrow(0, start, size)
+        _check_shape(dst, shard, name)
+        dst.copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial outputs all-reduced; bias added once."""
+
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
+        super().__init__(_divide(in_features, get_tp_size(), "input features"), out_features, bias, dtype)
+        self.reduce = reducer()
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        if param.dim() == 1:  # bias: full on every rank, added after the reduce
+            default_weight_loader(param, loaded, name)
+            return
+        cols = param.shape[1]
+        if loaded.shape[1] != cols * self.tp_size:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns, expected {cols * self.tp_size}")
+        shard = loaded.narrow(1, self.tp_rank * cols, cols)
+        _check_shape(param, shard, name)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

