@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-
 from metainfer.config import EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
 from metainfer.outputs import RequestOutput
@@ -38,7 +37,10 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, list):
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         engine = self.llm_engine

@@ -35,6 +35,10 @@ class ModelRunner:
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pin = self.device.type == "cuda"
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_cudagraphs()
 
     # -- construction -----------------------------------------------------------------
     def _build_model(self):
@@ -141,10 +145,11 @@ class ModelRunner:
                 logit_rows.append(cu[-1] - 1)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-        dev = self.device
+        dev, pin = self.device, self.pin
 
         def to_dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            host = torch.tensor(values, dtype=dtype)
+            return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
@@ -158,11 +163,70 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward one batch; returns logits [num sampling seqs, V] (maybe zero rows)."""
+        """Forward one batch; returns logits [num sampling seqs, V] (maybe zero rows).
+
+        Decode batches that fit a captured bucket replay its CUDA graph; everything else
+        (prefill, CPU, enforce_eager) runs eagerly.
+        """
         input_ids, positions, meta, logit_rows = self.prepare(batch)
+        num_seqs = len(batch.seqs)
+        if not batch.is_prefill and num_seqs <= self.max_graph_batch:
+            return self.model.compute_logits(self._replay(input_ids, positions, meta, num_seqs))
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden[logit_rows])
+
+    # -- CUDA graphs (decode) ---------------------------------------------------------------
+    max_graph_batch = 0
+
+    def _capture_cudagraphs(self) -> None:
+        """Capture the decode forward for each batch bucket, largest first, one memory pool."""
+        cfg = self.config
+        max_bs = min(cfg.max_num_seqs, 512)
+        self.graph_batch_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
+        if max_bs not in self.graph_batch_sizes:
+            self.graph_batch_sizes.append(max_bs)
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        dev = self.device
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+        }
+        self.static_hidden = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.dtype, device=dev)
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.graph_batch_sizes):
+                meta = self._static_meta(bs)
+                graph = torch.cuda.CUDAGraph()
+                with forward_context(meta):
+                    self.static_hidden[:bs] = self.model(self.static["input_ids"][:bs], self.static["positions"][:bs])
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.static_hidden[:bs] = self.model(self.static["input_ids"][:bs],
+                                                             self.static["positions"][:bs])
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.max_graph_batch = max_bs
+        self._bucket_of = [next(b for b in self.graph_batch_sizes if b >= n) for n in range(max_bs + 1)]
+
+    def _static_meta(self, bs: int) -> AttentionMetadata:
+        s = self.static
+        return AttentionMetadata(False, s["slot_mapping"][:bs], s["context_lens"][:bs], s["block_tables"][:bs])
+
+    def _replay(self, input_ids, positions, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
+        bucket, s = self._bucket_of[num_seqs], self.static
+        s["slot_mapping"].fill_(-1)
+        s["context_lens"].zero_()
+        s["input_ids"][:num_seqs].copy_(input_ids)
+        s["positions"][:num_seqs].copy_(positions)
+        s["slot_mapping"][:num_seqs].copy_(meta.slot_mapping)
+        s["context_lens"][:num_seqs].copy_(meta.context_lens)
+        s["block_tables"][:num_seqs, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.graphs[bucket].replay()
+        return self.static_hidden[:num_seqs]
 
     @staticmethod
     def sampling_seqs(batch: ScheduledBatch) -> list[Sequence]:

@@ -8,8 +8,8 @@ needs Triton nor initialises CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -1,0 +1,1 @@
+"""Benchmarks: latency, throughput, HF baselines, serving."""

@@ -1,0 +1,95 @@
+"""HF transformers at the same shapes: eager, and static cache + torch.compile.
+
+Weights are random at the real dims (from config.json), like our dummy format; for a
+GGUF model the real weights are loaded. TTFT and TPOT are measured exactly as in
+bench/latency.py: generate(max_new_tokens=1) vs generate(max_new_tokens=output_len).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from metainfer.bench.common import environment, sync, write_json
+
+
+def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, dummy: bool):
+    import transformers
+
+    if model.endswith(".gguf"):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model), gguf_file=os.path.basename(model), dtype=dtype).to(device).eval()
+    if dummy:
+        config = transformers.AutoConfig.from_pretrained(model)
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: int = 3, mode: str = "eager") -> dict:
+    device = next(hf_model.parameters()).device
+    vocab = hf_model.config.vocab_size
+    ids = torch.randint(0, min(vocab, 10000), (batch_size, input_len), device=device)
+    kwargs = {"do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+    hf_model.generation_config.eos_token_id = None
+    if mode == "compile":
+        kwargs["cache_implementation"] = "static"
+        hf_model.forward = torch.compile(hf_model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def timed(n: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        out = hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
+        assert out.shape[1] == input_len + n
+        return time.perf_counter() - start
+
+    compile_start = time.perf_counter()
+    timed(1), timed(output_len)  # warm-up (and compilation)
+    warmup = time.perf_counter() - compile_start
+    ttft = statistics.median(timed(1) for _ in range(iters))
+    total = statistics.median(timed(output_len) for _ in range(iters))
+    tpot = (total - ttft) / max(1, output_len - 1)
+    return {"mode": mode, "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+            "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "decode_tok_s": batch_size / tpot,
+            "e2e_output_tok_s": batch_size * output_len / total, "warmup_s": warmup}
+
+
+def add_parser(sub, add_engine_args) -> None:
+    p = sub.add_parser("baseline", help="HF transformers eager / static+compile at the same shapes")
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(bench_func=main)
+
+
+def main(args: argparse.Namespace, engine_kwargs) -> dict:
+    from metainfer.config import resolve_device, resolve_dtype
+
+    kw = engine_kwargs(args)
+    device = resolve_device(kw["device"])
+    dtype = resolve_dtype(kw["dtype"], "bfloat16", device)
+    results = []
+    for mode in args.modes.split(","):
+        hf = load_hf_model(kw["model"], dtype, device, dummy=kw["load_format"] == "dummy")
+        try:
+            results.append(time_hf(hf, args.batch_size, args.input_len, args.output_len, args.iters, mode))
+        finally:
+            del hf
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        r = results[-1]
+        print(f"HF {mode}: TTFT {r['ttft_ms']:.2f} ms  TPOT {r['tpot_ms']:.3f} ms  {r['decode_tok_s']:.1f} tok/s"
+              f"  (warm-up {r['warmup_s']:.1f} s)", flush=True)
+    record = {"bench": "baseline", "model": kw["model"], "results": results, "env": environment()}
+    write_json(args.output_json, record)
+    return record

@@ -1,0 +1,85 @@
+"""Shared benchmark helpers: environment record, measured copy bandwidth, weight bytes, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+
+def environment() -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (the practical HBM ceiling)."""
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    elapsed = (time.perf_counter() - start) / iters
+    del src, dst
+    return 2 * n * 4 / elapsed
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step must read: every parameter except the embedding table
+    (one row is read), counting a tied LM head once."""
+    seen, total = set(), 0
+    embed = getattr(getattr(model, "model", model), "embed_tokens", None)
+    embed_ptr = embed.weight.data_ptr() if embed is not None else None
+    tied = embed is not None and model.lm_head.weight.data_ptr() == embed_ptr
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() == embed_ptr and not tied:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def write_json(path: str | None, record: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    t = torch.tensor(values, dtype=torch.float64)
+    return {"mean": t.mean().item(), "median": t.median().item(), "p99": t.quantile(0.99).item()}

@@ -1,0 +1,102 @@
+"""`metainfer bench latency`: TTFT, TPOT, tok/s and achieved weight bandwidth vs a measured copy.
+
+TTFT = wall time of a generate with max_tokens=1 (prefill + first sample). TPOT =
+(full generate - TTFT) / (output_len - 1). Weight bandwidth = decode weight bytes / TPOT,
+set against a device-to-device copy measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from metainfer.bench.common import copy_bandwidth, decode_weight_bytes, environment, sync, write_json
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(0, min(vocab, 10000), (length,), generator=g).tolist()}
+            for _ in range(batch)]
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: int = 3,
+                warmup: int = 1, progress: bool = True) -> dict:
+    from metainfer import SamplingParams
+
+    engine = llm.llm_engine
+    device = engine.config.torch_device
+    prompts = random_prompts(batch_size, input_len, engine.spec.vocab_size)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    def timed(params) -> float:
+        sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        timed(first), timed(full)
+    ttfts, totals = [], []
+    for i in range(iters):
+        engine.block_manager.hash_to_block.clear()  # no prefix-cache hits between iterations
+        ttfts.append(timed(first))
+        engine.block_manager.hash_to_block.clear()
+        totals.append(timed(full))
+        if progress:
+            print(f"  iter {i + 1}/{iters}: ttft {ttfts[-1] * 1e3:.2f} ms, total {totals[-1]:.3f} s", flush=True)
+    ttft = statistics.median(ttfts)
+    total = statistics.median(totals)
+    tpot = (total - ttft) / max(1, output_len - 1)
+    weight_bytes = decode_weight_bytes(engine.runner.model)
+    copy_bw = copy_bandwidth(device) if device.type == "cuda" else None
+    achieved = weight_bytes / tpot
+    record = {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters,
+        "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "total_s": total,
+        "decode_tok_s": batch_size / tpot, "e2e_output_tok_s": batch_size * output_len / total,
+        "weight_bytes": weight_bytes, "achieved_weight_bw_GBs": achieved / 1e9,
+    }
+    if copy_bw is not None:
+        record.update({
+            "copy_bw_GBs": copy_bw / 1e9, "bw_ratio": achieved / copy_bw,
+            "roofline_tpot_ms": weight_bytes / copy_bw * 1e3,
+            "roofline_tok_s": batch_size * copy_bw / weight_bytes,
+        })
+    return record
+
+
+def add_parser(sub, add_engine_args) -> None:
+    p = sub.add_parser("latency", help="TTFT / TPOT / bandwidth for one batch shape")
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(bench_func=main)
+
+
+def main(args: argparse.Namespace, engine_kwargs) -> dict:
+    from metainfer import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    startup = time.perf_counter() - start
+    try:
+        record = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.iters)
+    finally:
+        llm.close()
+    record.update({"bench": "latency", "model": args.model, "startup_s": startup,
+                   "tp": args.tp, "enforce_eager": args.enforce_eager, "env": environment()})
+    print(f"batch {args.batch_size} in {args.input_len} out {args.output_len}: "
+          f"TTFT {record['ttft_ms']:.2f} ms  TPOT {record['tpot_ms']:.3f} ms  "
+          f"{record['decode_tok_s']:.1f} tok/s  weights {record['achieved_weight_bw_GBs']:.0f} GB/s"
+          + (f" = {record['bw_ratio']:.1%} of copy {record['copy_bw_GBs']:.0f} GB/s" if "bw_ratio" in record else ""))
+    write_json(args.output_json, record)
+    return record

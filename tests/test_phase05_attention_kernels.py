@@ -1,0 +1,324 @@
+"""Phase 5 attention kernels: KV store, paged decode (split-KV), paged prefill/extend.
+
+References are checked against a naive float64 attention over dense per-sequence K/V with a
+materialised causal mask; Triton kernels (interpreted on CPU, fp32/fp16) against the references.
+Every case scatters the sequences into shuffled cache blocks full of garbage, so a wrong
+block-table lookup or an unmasked read shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from metainfer.kernels import (
+    alloc_decode_workspace,
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    paged_prefill_attention_ref,
+    paged_prefill_attention_triton,
+    store_kv_ref,
+    store_kv_triton,
+)
+
+ON_GPU = os.environ.get("METAINFER_TEST_GPU") == "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+triton = pytest.importorskip("triton")
+
+# Triton vs reference: fp16/bf16 add the rounding of softmax probabilities before P@V.
+ATTN_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def _close(actual, expected, dtype):
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
+@dataclass
+class PagedBatch:
+    k_cache: torch.Tensor  # [N, S, Hk, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [B, M], padded with -1
+    context_lens: torch.Tensor  # int32 [B]
+    dense_k: list  # per sequence [L, Hk, D]
+    dense_v: list
+
+
+def make_paged_batch(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
+    """Random per-sequence K/V scattered (by a plain Python loop) into shuffled blocks of a cache
+    whose other slots hold garbage; block tables padded with -1 past each sequence's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-length // block_size) for length in context_lens]
+    num_blocks = sum(blocks_needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    v_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
+    block_tables = torch.full((len(context_lens), max(blocks_needed) + 1), -1, dtype=torch.int32)
+    dense_k, dense_v = [], []
+    for b, length in enumerate(context_lens):
+        k = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
+        blocks = [order.pop() for _ in range(blocks_needed[b])]
+        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for pos in range(length):
+            k_cache[blocks[pos // block_size], pos % block_size] = k[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v[pos]
+        dense_k.append(k)
+        dense_v.append(v)
+    to = dict(device=device)
+    return PagedBatch(k_cache.to(**to), v_cache.to(**to), block_tables.to(**to),
+                      torch.tensor(context_lens, dtype=torch.int32, device=device), dense_k, dense_v)
+
+
+def naive_attention(q, k, v, scale, first_pos):
+    """float64 softmax(q k^T * scale + causal mask) v with an explicit mask matrix; query i sits at
+    position first_pos + i. q [Lq, Hq, D], k/v [L, Hk, D]."""
+    num_q, num_heads, _ = q.shape
+    length, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_q, num_heads, v.shape[-1], dtype=torch.float64)
+    mask = torch.zeros(num_q, length, dtype=torch.bool)
+    for i in range(num_q):
+        mask[i, : first_pos + i + 1] = True
+    for h in range(num_heads):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        scores = (q[:, h].double() @ kh.T) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out[:, h] = weights @ vh
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------
+
+
+def _store_kv_inputs(dtype, block_size, device, num_tokens=7, hk=2, head_dim=64):
+    """k/v as strided views into a fused qkv tensor, slots spread over blocks, two -1 pads."""
+    hq = 2 * hk
+    qkv = _randn(num_tokens, (hq + 2 * hk) * head_dim, dtype=dtype, device=device)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
+    v = qkv[:, (hq + hk) * head_dim :].view(num_tokens, hk, head_dim)
+    num_blocks = max(4, -(-num_tokens * 3 // block_size))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(1))[:num_tokens]
+    slots[1] = slots[4] = -1
+    kv = _randn(2, num_blocks, block_size, hk, head_dim, dtype=dtype, seed=2, device=device)
+    return k, v, kv[0], kv[1], slots.to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_store_kv_ref_matches_loop(block_size):
+    k, v, k_cache, v_cache, slots = _store_kv_inputs(torch.float32, block_size, "cpu")
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_exp[slot // block_size, slot % block_size] = k[t]
+            v_exp[slot // block_size, slot % block_size] = v[t]
+    store_kv_ref(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_exp, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_exp, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_store_kv_triton_matches_ref(dtype, block_size):
+    k, v, k_cache, v_cache, slots = _store_kv_inputs(dtype, block_size, DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+DECODE_CONTEXTS = [0, 1, 17, 33, 70]  # empty row, single token, crossing 16/32-token blocks
+
+
+@pytest.mark.parametrize("group,hk,head_dim,block_size", [
+    (1, 2, 64, 16), (4, 2, 128, 1), (8, 1, 64, 32), (4, 1, 128, 16),
+])
+def test_decode_ref_matches_naive(group, hk, head_dim, block_size):
+    batch = make_paged_batch(DECODE_CONTEXTS, block_size, hk, head_dim, torch.float32, device="cpu")
+    hq, scale = group * hk, head_dim**-0.5
+    q = _randn(len(DECODE_CONTEXTS), hq, head_dim, seed=5)
+    out = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, scale)
+    for b, length in enumerate(DECODE_CONTEXTS):
+        if length == 0:
+            assert torch.count_nonzero(out[b]) == 0, "context_len 0 must give zeros"
+            continue
+        expected = naive_attention(q[b : b + 1], batch.dense_k[b], batch.dense_v[b], scale, length - 1)[0]
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+DECODE_KERNEL_CASES = [  # (group, hk, head_dim, block_size, dtype)
+    (1, 2, 64, 16, torch.float32),
+    (4, 2, 128, 16, torch.float32),
+    (8, 1, 64, 32, torch.float32),
+    (4, 1, 64, 32, torch.float16),
+    (8, 1, 128, 16, torch.float16),
+    (1, 2, 128, 32, torch.float16),
+    (4, 1, 64, 1, torch.float32),
+    (8, 1, 64, 4, torch.float16),
+]
+
+
+def _decode_case_id(case):
+    group, hk, head_dim, block_size, dtype = case
+    return f"g{group}-hk{hk}-d{head_dim}-s{block_size}-{str(dtype).split('.')[-1]}"
+
+
+@pytest.mark.parametrize("max_num_splits", [1, 3], ids=["one-pass", "split3"])
+@pytest.mark.parametrize("case", DECODE_KERNEL_CASES, ids=_decode_case_id)
+def test_decode_triton_matches_ref(case, max_num_splits):
+    group, hk, head_dim, block_size, dtype = case
+    batch = make_paged_batch(DECODE_CONTEXTS, block_size, hk, head_dim, dtype)
+    q = _randn(len(DECODE_CONTEXTS), group * hk, head_dim, dtype=dtype, seed=5, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+    expected = paged_decode_attention_ref(*args)
+    out = paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.count_nonzero(out[0]) == 0
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_decode_triton_workspace_out_and_strided_q(dtype):
+    """Caller-owned workspace/out (CUDA-graph style) and q as a view of the fused qkv output."""
+    hq, hk, head_dim, contexts = 8, 2, 64, [40, 0, 5]
+    batch = make_paged_batch(contexts, 16, hk, head_dim, dtype)
+    qkv = _randn(len(contexts), (hq + 2 * hk) * head_dim, dtype=dtype, device=DEVICE)
+    q = qkv[:, : hq * head_dim].view(len(contexts), hq, head_dim)
+    workspace = alloc_decode_workspace(8, hq, head_dim, max_num_splits=4, device=DEVICE)
+    out = torch.full((len(contexts), hq, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.1)
+    result = paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace, out=out, block_n=16)
+    assert result is out
+    _close(out, paged_decode_attention_ref(*args), dtype)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace[:10], block_n=16)
+
+
+def test_decode_num_splits_is_shape_only():
+    assert decode_num_splits(1, 8, 32768) == 32  # batch 1: split to fill the GPU, capped at the default
+    assert decode_num_splits(256, 8, 32768) == 1  # big batches already fill it
+    assert decode_num_splits(1, 8, 100, block_n=64) == 2  # never more splits than BLOCK_N chunks
+    assert decode_num_splits(4, 8, 4096, max_num_splits=4) == 4
+    assert decode_workspace_numel(2, 4, 64, 3) == 2 * 4 * 3 * 65
+
+
+def test_triton_launchers_do_not_sync_the_host(monkeypatch):
+    """No .item()/.tolist()/int()/bool() on tensors in the launchers (CUDA-graph capturable).
+    The interpreter itself runs the kernels, so only the launcher bodies are checked: the kernel
+    launch is stubbed out."""
+    from metainfer.kernels import attention
+
+    batch = make_paged_batch([5, 20], 16, 1, 64, torch.float32)
+    q = _randn(2, 4, 64, device=DEVICE)
+    launched = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.name, grid))
+
+    monkeypatch.setattr(attention, "_decode_split_kernel", FakeKernel("split"))
+    monkeypatch.setattr(attention, "_decode_reduce_kernel", FakeKernel("reduce"))
+    monkeypatch.setattr(attention, "_prefill_kernel", FakeKernel("prefill"))
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host sync in a launcher")
+
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.1,
+                                  max_num_splits=4, block_n=16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    paged_prefill_attention_triton(_randn(5, 4, 64), batch.k_cache, batch.v_cache, cu, batch.context_lens,
+                                   batch.block_tables, 3, 0.1)
+    monkeypatch.undo()
+    assert [name for name, _ in launched] == ["split", "reduce", "prefill"]
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill / extend
+# ----------------------------------------------------------------------------------------------
+
+# (q_len, context_len) per sequence: plain prefill, prefix-cache hit / chunked prefill
+# (q_len < context_len, crossing block boundaries), a one-token extend.
+PREFILL_SEQS = [(17, 17), (5, 37), (1, 16), (20, 50)]
+
+
+def _prefill_inputs(seqs, group, hk, head_dim, block_size, dtype, device=DEVICE, seed=0):
+    batch = make_paged_batch([c for _, c in seqs], block_size, hk, head_dim, dtype, seed=seed, device=device)
+    q_lens = [q for q, _ in seqs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = _randn(sum(q_lens), group * hk, head_dim, dtype=dtype, seed=seed + 7, device=device)
+    return batch, q, cu, max(q_lens)
+
+
+@pytest.mark.parametrize("group,hk,head_dim,block_size", [
+    (1, 2, 64, 16), (4, 1, 128, 1), (8, 1, 64, 32),
+])
+def test_prefill_ref_matches_naive(group, hk, head_dim, block_size):
+    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, torch.float32, "cpu")
+    scale = head_dim**-0.5
+    out = paged_prefill_attention_ref(q, batch.k_cache, batch.v_cache, cu, batch.context_lens,
+                                      batch.block_tables, max_q, scale)
+    for b, (q_len, length) in enumerate(PREFILL_SEQS):
+        s, e = cu[b].item(), cu[b + 1].item()
+        expected = naive_attention(q[s:e], batch.dense_k[b], batch.dense_v[b], scale, length - q_len)
+        torch.testing.assert_close(out[s:e].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+PREFILL_KERNEL_CASES = [  # (group, hk, head_dim, block_size, dtype)
+    (1, 2, 64, 16, torch.float32),
+    (4, 1, 128, 32, torch.float32),
+    (8, 1, 64, 16, torch.float16),
+    (4, 1, 64, 1, torch.float16),
+    (1, 1, 128, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_KERNEL_CASES, ids=_decode_case_id)
+def test_prefill_triton_matches_ref(case):
+    group, hk, head_dim, block_size, dtype = case
+    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
+    args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, head_dim**-0.5)
+    expected = paged_prefill_attention_ref(*args)
+    out = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
+    assert out.dtype == dtype and out.shape == q.shape
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_prefill_triton_default_tiles_and_empty_sequence(dtype):
+    """Launcher-chosen tiles (BLOCK_M from max_seqlen_q) and a sequence with no new tokens."""
+    seqs = [(3, 40), (0, 9), (33, 33)]
+    batch, q, cu, max_q = _prefill_inputs(seqs, 4, 1, 64, 16, dtype, seed=3)
+    args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, 0.125)
+    _close(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args), dtype)
+
+
+def test_aot_compile_sm90_phase05_kernels():
+    from tests.test_phase01_kernels import run_aot_check
+
+    run_aot_check(["store_kv", "decode", "prefill"])
