@@ -134,9 +134,9 @@ class LLMEngine:
         sampling = self.runner.sampling_seqs(batch)
         logits = self.runner.execute(batch)
         result = self.sampler(logits, sampling) if sampling else None
-        self.scheduler.after_step(batch)
-        if batch.is_prefill:
+        if batch.is_prefill:  # before after_step, which zeroes num_scheduled_tokens
             self.stats["prompt_tokens"] += batch.num_tokens
+        self.scheduler.after_step(batch)
         touched: dict[str, Request] = {}
         now = time.monotonic()
         for i, seq in enumerate(sampling):
