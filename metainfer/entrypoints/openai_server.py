@@ -653,9 +653,9 @@ class OpenAIServer:
         group = await self.submit(items)
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(self._stream_completion(group, req, params, base, model, created, include_usage),
-                                group.close)
+            head, finals, include_usage = self._stream_head(req, base, "text_completion", created, model)
+            return self._event_stream(group, self._completion_chunks(group, req, params, head, finals), head, finals,
+                                      include_usage)
         try:
             finals = await self.collect(group, request)
         finally:
@@ -675,58 +675,76 @@ class OpenAIServer:
         return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": self.usage(finals)})
 
+    @staticmethod
+    def _stream_head(req, base: str, obj: str, created: int, model: str) -> tuple[dict, dict, bool]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": base, "object": obj, "created": created, "model": model}
+        if include_usage:
+            head["usage"] = None  # OpenAI's chunks carry usage: null until the last one
+        return head, {}, include_usage
+
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
-    async def _stream_completion(self, group: _Group, req, params, base, model, created, include_usage):
+    async def _pieces(self, group: _Group, n: int, params: SamplingParams, echo: bool, want_tokens: bool,
+                      finals: dict[str, RequestOutput]):
+        """What is new per choice since its last yield: (choice, index, text, first new token).
+
+        Text a stop string may still cut off (the last len(longest stop) - 1 characters) is held
+        back until the choice finishes; a finished choice is yielded once, with finish_reason."""
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         sent: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
-        text_offset: dict[int, int] = {}
         done: set[int] = set()
-        finals: dict[str, RequestOutput] = {}
-        extra = {"usage": None} if include_usage else {}
-        try:
+        async for out in group.outputs():
+            finals[out.request_id] = out
+            for c in out.outputs:
+                index = group.position[out.request_id] * n + c.index
+                if index in done:
+                    continue
+                finished = c.finish_reason is not None
+                start, first = sent.get(index, 0), sent_tokens.get(index, 0)
+                end = len(c.text) if finished else max(start, len(c.text) - hold)
+                text = c.text[start:end]
+                if echo and index not in sent:
+                    text = self._prompt_text(out) + text
+                if not text and not finished and not (want_tokens and len(c.token_ids) > first):
+                    continue
+                sent[index], sent_tokens[index] = end, len(c.token_ids)
+                if finished:
+                    done.add(index)
+                yield c, index, text, first
+
+    def _event_stream(self, group: _Group, chunks, head: dict, finals: dict, include_usage: bool) -> _EventStream:
+        """SSE framing for both endpoints: the chunks, an error event if the engine failed, the
+        usage chunk (stream_options.include_usage), then [DONE]; the group is always released."""
+
+        async def events():
             try:
-                async for out in group.outputs():
-                    finals[out.request_id] = out
-                    for c in out.outputs:
-                        index = group.position[out.request_id] * req.n + c.index
-                        if index in done:
-                            continue
-                        finished = c.finish_reason is not None
-                        start = sent.get(index, 0)
-                        end = len(c.text) if finished else max(start, len(c.text) - hold)
-                        delta = c.text[start:end]
-                        if index not in sent and req.echo:
-                            delta = self._prompt_text(out) + delta
-                        new_ids = c.token_ids[sent_tokens.get(index, 0):]
-                        want_lp = req.logprobs is not None and bool(new_ids)
-                        if not delta and not finished and not want_lp and index in sent:
-                            continue
-                        logprobs = None
-                        if req.logprobs is not None:
-                            first = sent_tokens.get(index, 0)
-                            logprobs = self.choice_logprobs(new_ids, (c.logprobs or [])[first:],
-                                                            text_offset.get(index, 0))
-                        sent[index], sent_tokens[index] = end, len(c.token_ids)
-                        text_offset[index] = text_offset.get(index, 0) + len(delta)
-                        if finished:
-                            done.add(index)
-                        choice = {"index": index, "text": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                        yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [choice], **extra})
-            except EngineError as exc:
-                yield _sse(OpenAIError(500, str(exc), "server_error", None, "engine_error").body())
+                try:
+                    async for obj in chunks:
+                        yield _sse(obj)
+                except EngineError as exc:
+                    yield _sse(OpenAIError(500, str(exc), "server_error", None, "engine_error").body())
+                else:
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": self.usage(finals)})
                 yield "data: [DONE]\n\n"
-                return
-            if include_usage:
-                yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": self.usage(finals)})
-            yield "data: [DONE]\n\n"
-        finally:
-            group.close()
+            finally:
+                group.close()
+
+        return _EventStream(events(), group.close)
+
+    async def _completion_chunks(self, group: _Group, req: CompletionRequest, params, head: dict, finals: dict):
+        offsets: dict[int, int] = {}
+        want_logprobs = req.logprobs is not None
+        async for c, index, text, first in self._pieces(group, req.n, params, req.echo, want_logprobs, finals):
+            logprobs = None
+            if want_logprobs:
+                logprobs = self.choice_logprobs(c.token_ids[first:], (c.logprobs or [])[first:], offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
     # -- /v1/chat/completions -----------------------------------------------------------------
     async def chat_completions(self, request: Request):
@@ -759,9 +777,9 @@ class OpenAIServer:
         group = await self.submit([(base, prompt, params)])
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(self._stream_chat(group, req, params, base, model, created, include_usage, top_k),
-                                group.close)
+            head, finals, include_usage = self._stream_head(req, base, "chat.completion.chunk", created, model)
+            return self._event_stream(group, self._chat_chunks(group, req, params, head, finals, top_k), head,
+                                      finals, include_usage)
         try:
             finals = await self.collect(group, request)
         finally:
@@ -776,56 +794,20 @@ class OpenAIServer:
         return JSONResponse({"id": base, "object": "chat.completion", "created": created, "model": model,
                              "choices": choices, "usage": self.usage(finals)})
 
-    async def _stream_chat(self, group: _Group, req, params, base, model, created, include_usage, top_k):
-        hold = max((len(s) for s in params.stop_strings), default=1) - 1
-        sent: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        finals: dict[str, RequestOutput] = {}
-        extra = {"usage": None} if include_usage else {}
-
-        def chunk(index, delta, finish_reason=None, logprobs=None, stop_reason=None):
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            if finish_reason is not None:
-                choice["stop_reason"] = stop_reason
-            return _sse({"id": base, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [choice], **extra})
-
-        try:
-            for index in range(req.n):
-                yield chunk(index, {"role": "assistant", "content": ""})
-            try:
-                async for out in group.outputs():
-                    finals[out.request_id] = out
-                    for c in out.outputs:
-                        if c.index in done:
-                            continue
-                        finished = c.finish_reason is not None
-                        start = sent.get(c.index, 0)
-                        end = len(c.text) if finished else max(start, len(c.text) - hold)
-                        delta = c.text[start:end]
-                        first = sent_tokens.get(c.index, 0)
-                        new_ids = c.token_ids[first:]
-                        if not delta and not finished and not (req.logprobs and new_ids):
-                            continue
-                        logprobs = None
-                        if req.logprobs:
-                            logprobs = {"content": self.chat_logprobs(new_ids, (c.logprobs or [])[first:], top_k)}
-                        sent[c.index], sent_tokens[c.index] = end, len(c.token_ids)
-                        if finished:
-                            done.add(c.index)
-                        yield chunk(c.index, {"content": delta} if delta else {}, c.finish_reason, logprobs,
-                                    c.stop_reason)
-            except EngineError as exc:
-                yield _sse(OpenAIError(500, str(exc), "server_error", None, "engine_error").body())
-                yield "data: [DONE]\n\n"
-                return
-            if include_usage:
-                yield _sse({"id": base, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": self.usage(finals)})
-            yield "data: [DONE]\n\n"
-        finally:
-            group.close()
+    async def _chat_chunks(self, group: _Group, req: ChatCompletionRequest, params, head: dict, finals: dict,
+                           top_k: int):
+        for index in range(req.n):
+            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        async for c, index, text, first in self._pieces(group, req.n, params, False, req.logprobs, finals):
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self.chat_logprobs(c.token_ids[first:], (c.logprobs or [])[first:], top_k)}
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            yield {**head, "choices": [choice]}
 
     # -- the rest ---------------------------------------------------------------------------
     def model_card(self, name: str) -> dict:
