@@ -46,7 +46,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits shard per rank, gathered along the vocabulary and cut to the true size."""
+    """Logits shard per rank, gathered along the vocabulary to rank 0 and cut to the true size.
+
+    Only rank 0 samples, so only rank 0 gets `[T, V]`; the other ranks get their own shard
+    back (they take part in the gather but their result is unused)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
         super().__init__(vocab_size, hidden_size, dtype)

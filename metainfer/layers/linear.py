@@ -75,7 +75,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column layers fused along the output dim (gate_up); shard_id = index."""
 
     def __init__(self, in_features, output_sizes: list[int], bias=False, dtype=torch.float32):
-        self.output_sizes = output_sizes
+        for size in output_sizes:  # each part is split on its own, so each must divide
+            _divide(size, get_tp_size(), "output features of a merged part")
+        self.output_sizes = list(output_sizes)
         super().__init__(in_features, sum(output_sizes), bias, dtype)
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
@@ -100,8 +102,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp:
             self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
-        else:
-            _divide(tp, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+        else:  # fewer KV heads than ranks: each rank holds one replicated KV head
+            if tp % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp}) is not a multiple of num_key_value_heads "
+                                 f"({num_kv_heads}); KV heads can only be replicated evenly")
             self.num_kv_heads = 1
         self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim

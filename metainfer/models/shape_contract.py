@@ -1,0 +1,100 @@
+"""Per-rank shape contract: every parameter's expected shape on one TP rank, from formulas.
+
+The formulas are docs/CONTRACTS.md's, written here independently of the layers, so that a
+layer that shards wrongly (sliced twice, KV heads not replicated, vocabulary not padded)
+disagrees with the contract. `check_param_shapes(model, spec, tp_size)` compares a built
+model with it; the TP runner runs it on every rank after loading. This is the seed of the
+shape checker.
+
+Symbols (per rank): Hq = heads / tp, Hk = max(1, kv_heads / tp), D = head_dim,
+I = intermediate_size, H = hidden_size, V = vocab_size, Vp = ceil(V / tp).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from metainfer.config import ModelSpec
+
+
+class ShapeContractError(ValueError):
+    """A built model whose parameters disagree with the per-rank contract."""
+
+
+def validate_tp_config(spec: ModelSpec, tp_size: int) -> None:
+    """Raise ValueError, naming the config field, when the model cannot be split `tp_size` ways."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if spec.num_heads % tp_size:
+        raise ValueError(f"num_attention_heads ({spec.num_heads}) is not divisible by "
+                         f"tensor_parallel_size ({tp_size})")
+    kv = spec.num_kv_heads
+    if kv >= tp_size and kv % tp_size:
+        raise ValueError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_size ({tp_size})")
+    if kv < tp_size and tp_size % kv:
+        raise ValueError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads ({kv}); "
+                         "KV heads can only be replicated evenly")
+    if spec.intermediate_size % tp_size:
+        raise ValueError(f"intermediate_size ({spec.intermediate_size}) is not divisible by "
+                         f"tensor_parallel_size ({tp_size})")
+
+
+def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:
+    validate_tp_config(spec, tp_size)
+    return {
+        "H": spec.hidden_size,
+        "D": spec.head_dim,
+        "Hq": spec.num_heads // tp_size,
+        "Hk": max(1, spec.num_kv_heads // tp_size),
+        "I": spec.intermediate_size // tp_size,
+        "Vp": -(-spec.vocab_size // tp_size),
+    }
+
+
+def expected_param_shapes(spec: ModelSpec, tp_size: int) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> per-rank shape, for the dense family (Qwen3 / Qwen2 / Llama)."""
+    if spec.family != "dense":
+        raise ValueError(f"no shape contract for model family {spec.family!r}")
+    d = per_rank_dims(spec, tp_size)
+    h, hd, hq, hk = d["H"], d["D"], d["Hq"], d["Hk"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["Vp"], h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.qkv_proj.weight"] = ((hq + 2 * hk) * hd, h)
+        if spec.qkv_bias:
+            shapes[p + "self_attn.qkv_proj.bias"] = ((hq + 2 * hk) * hd,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, hq * hd)
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_up_proj.weight"] = (2 * d["I"], h)
+        shapes[p + "mlp.down_proj.weight"] = (h, d["I"])
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:  # tied: lm_head shares embed_tokens' parameter
+        shapes["lm_head.weight"] = (d["Vp"], h)
+    return shapes
+
+
+def shape_mismatches(model: nn.Module, spec: ModelSpec, tp_size: int) -> list[str]:
+    """Human-readable differences between the model's parameters and the contract (empty = ok)."""
+    expected = expected_param_shapes(spec, tp_size)
+    actual = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    problems = [f"{name}: missing (expected {shape})" for name, shape in expected.items() if name not in actual]
+    problems += [f"{name}: not in the contract (shape {shape})" for name, shape in actual.items()
+                 if name not in expected]
+    problems += [f"{name}: shape {actual[name]}, contract {shape}" for name, shape in expected.items()
+                 if name in actual and actual[name] != shape]
+    if spec.tie_word_embeddings and hasattr(model, "lm_head"):
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            problems.append("lm_head.weight: tie_word_embeddings is set but lm_head does not share embed_tokens")
+    return problems
+
+
+def check_param_shapes(model: nn.Module, spec: ModelSpec, tp_size: int, rank: int | None = None) -> None:
+    problems = shape_mismatches(model, spec, tp_size)
+    if problems:
+        where = f" on rank {rank}" if rank is not None else ""
+        raise ShapeContractError(f"parameter shapes{where} break the tp={tp_size} contract:\n  "
+                                 + "\n  ".join(problems))
