@@ -46,6 +46,9 @@ class ModelRunner:
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)
+        for module in model.modules():  # bind the device's GEMM once, at build time
+            if hasattr(module, "matmul"):
+                module.matmul = ops.linear
         model.eval()
         self._load(model)
         return model
