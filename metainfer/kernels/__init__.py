@@ -25,6 +25,7 @@ from .attention import (
     paged_prefill_attention_ref,
     paged_prefill_attention_triton,
 )
+from .gemv import linear_ref, linear_triton
 from .kv_cache import store_kv_ref, store_kv_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
@@ -41,6 +42,7 @@ class KernelOps:
     store_kv: Callable
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
+    linear: Callable = linear_ref
     backend: str = "torch"
 
 
@@ -63,6 +65,7 @@ TRITON_OPS = KernelOps(
     store_kv=store_kv_triton,
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
+    linear=linear_triton,
     backend="triton",
 )
 

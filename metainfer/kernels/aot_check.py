@@ -76,7 +76,7 @@ def _cases(op: str):
                        (bf16, 16, 2, 64, 32, 8), (bf16, 8, 1, 128, 1, 8), (fp32, 8, 2, 128, 16, 8)]
         else:
             configs = [(bf16, 32, 8, 128, 16, 16), (bf16, 32, 8, 128, 16, 2048), (bf16, 32, 32, 128, 1, 2048),
-                       (bf16, 16, 2, 64, 32, 2048), (fp32, 8, 2, 128, 16, 2048)]
+                       (bf16, 16, 2, 64, 32, 2048), (bf16, 8, 2, 256, 16, 2048), (fp32, 8, 2, 128, 16, 2048)]
         for dtype, hq, hk, head_dim, block, n in configs:
             cache = torch.zeros(2, 4, block, hk, head_dim, dtype=dtype)
             tables = torch.zeros(2, 4096 // block, dtype=torch.int32)

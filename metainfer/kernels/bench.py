@@ -10,6 +10,8 @@ elementwise code for the small ops. Bandwidth figures count the bytes each op mu
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import sys
 
@@ -94,6 +96,44 @@ def _prefill_case(batch, q_len, ctx, dev, dtype, hq, hk, d, s):
                 sdpa_dense_ms=peer, max_abs_err=err)
 
 
+def sweep_prefill(results):
+    """Tile/warp/stage sweep of the prefill kernel (for choosing the launcher defaults)."""
+    from .attention import paged_prefill_attention_triton
+
+    dev, dtype, hq, hk, d, s = "cuda", torch.bfloat16, 32, 8, 128, 16
+    for batch, q_len, ctx in [(1, 4096, 4096), (1, 512, 4096)]:
+        kv, tables, lens = _paged(batch, ctx, hk, d, s, dtype, dev)
+        q = torch.randn(batch * q_len, hq, d, dtype=dtype, device=dev)
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device=dev) * q_len
+        visible = sum(ctx - q_len + i + 1 for i in range(q_len)) * batch
+        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+            fn = functools.partial(paged_prefill_attention_triton, q, kv[0], kv[1], cu, lens, tables, q_len, d**-0.5,
+                                   block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                ms = _bench(fn, rep=20)
+            except Exception as exc:  # noqa: BLE001 - out of resources etc.: report and go on
+                results.append(dict(op="sweep_prefill", q_len=q_len, cfg=[bm, bn, warps, stages], error=str(exc)[:80]))
+                continue
+            results.append(dict(op="sweep_prefill", q_len=q_len, ctx=ctx, cfg=[bm, bn, warps, stages], ms=ms,
+                                tflops=4 * visible * hq * d / ms / 1e9))
+
+
+def sweep_decode(results):
+    """block_n x max_num_splits sweep of the decode kernel."""
+    from .attention import paged_decode_attention_triton
+
+    dev, dtype, hq, hk, d, s = "cuda", torch.bfloat16, 32, 8, 128, 16
+    for batch, ctx in [(1, 1024), (1, 8192), (8, 4096)]:
+        kv, tables, lens = _paged(batch, ctx, hk, d, s, dtype, dev)
+        q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
+        for bn, splits in itertools.product((32, 64, 128), (8, 16, 32, 64)):
+            fn = functools.partial(paged_decode_attention_triton, q, kv[0], kv[1], tables, lens, d**-0.5,
+                                   max_num_splits=splits, block_n=bn)
+            ms = _bench(fn, rep=20)
+            results.append(dict(op="sweep_decode", batch=batch, ctx=ctx, cfg=[bn, splits], ms=ms,
+                                tb_s=2 * batch * ctx * hk * d * 2 / 1e9 / ms))
+
+
 def bench_small_ops(results, quick):
     for tokens in ([1, 4096] if quick else [1, 64, 4096, 16384]):
         results.extend(_small_ops_case(tokens))
@@ -159,6 +199,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="write results here")
+    parser.add_argument("--sweep", action="store_true", help="only sweep decode/prefill tile configs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench: needs CUDA", file=sys.stderr)
@@ -166,10 +207,14 @@ def main(argv=None) -> int:
     import triton
 
     results = []
-    check_cuda_graph(results)
-    bench_decode(results, args.quick)
-    bench_prefill(results, args.quick)
-    bench_small_ops(results, args.quick)
+    if args.sweep:
+        sweep_decode(results)
+        sweep_prefill(results)
+    else:
+        check_cuda_graph(results)
+        bench_decode(results, args.quick)
+        bench_prefill(results, args.quick)
+        bench_small_ops(results, args.quick)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     for r in results:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}))

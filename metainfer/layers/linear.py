@@ -47,8 +47,11 @@ class LinearBase(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         raise NotImplementedError
 
+    # y = x W^T (+ b); the model runner binds the device's kernel (KernelOps.linear) at build
+    matmul = staticmethod(F.linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -155,5 +158,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.reduce(F.linear(x, self.weight))
+        y = self.reduce(self.matmul(x, self.weight, None))
         return y if self.bias is None else y + self.bias
