@@ -323,7 +323,13 @@ def main():
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")
+    p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
+    if args.print_table:
+        with open(os.path.join(OUT, "gpu_results.json")) as f:
+            RESULTS.update(json.load(f))
+        print(table())
+        return
     RESULTS["env"]["copy_bw_GBs"] = copy_bandwidth(torch.device("cuda")) / 1e9
     for name in args.sections.split(","):
         globals()[name](args)
