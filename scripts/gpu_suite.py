@@ -14,6 +14,7 @@ Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -160,6 +161,7 @@ def graphs(args):
                          "preemptions": llm.llm_engine.scheduler.num_preemptions,
                          "prefix_hit_tokens": llm.llm_engine.block_manager.prefix_hit_tokens}
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     base = results["eager"]["tokens"]
     summary = {k: {"equal_to_eager": v["tokens"] == base, "preemptions": v["preemptions"],
@@ -200,19 +202,21 @@ def latency(args):
     bs1 = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)
     bs8 = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
-    # the same engine with cuBLAS for every GEMM (graphs re-captured): what the Triton GEMV buys
-    runner = llm.llm_engine.runner
-    for module in runner.model.modules():
-        if hasattr(module, "matmul"):
-            module.matmul = torch.nn.functional.linear
-    runner._capture_cudagraphs()
-    bs1_cublas = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    bs1_gemv = None
+    if args.gemv:  # the same engine with the Triton GEMV for M <= 4 (graphs re-captured)
+        from metainfer.kernels.gemv import linear_triton
+        for module in llm.llm_engine.runner.model.modules():
+            if hasattr(module, "matmul"):
+                module.matmul = linear_triton
+        llm.llm_engine.runner._capture_cudagraphs()
+        bs1_gemv = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     runner = llm.llm_engine.runner
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
-           "bs1_cublas_gemm": bs1_cublas,
+           "bs1_triton_gemv": bs1_gemv,
            "num_kv_blocks": runner.num_blocks, "graph_batch_sizes": runner.graph_batch_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     return res
 
@@ -226,6 +230,7 @@ def throughput(args):
     res = run_throughput(llm, progress=False)
     print(json.dumps(res, indent=1))
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
     return res
 
@@ -275,6 +280,7 @@ def profile(args):
         out[name] = {"device_ms_by_kind_32_tokens": buckets, "top_kernels_ms": top}
         print(name, json.dumps(out[name], indent=1), flush=True)
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     return out
 
@@ -323,6 +329,7 @@ def main():
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")
+    p.add_argument("--gemv", action="store_true", help="also time the Triton GEMV variant")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
     if args.print_table:

@@ -111,12 +111,14 @@ class ModelRunner:
             hidden = self.model(ids, positions)
         self.model.compute_logits(hidden[cu[1:].long() - 1])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         self._release_kv_cache()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        non_torch = (total - free) - torch.cuda.memory_reserved()
-        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch
+        # everything held now (weights, other engines, non-torch memory) plus the forward's transient peak
+        used = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used - activation_peak
+        peak, non_torch = activation_peak, used - torch.cuda.memory_reserved()
         log.info("profile: peak %.2f GiB, non-torch %.2f GiB, KV budget %.2f GiB",
                  peak / 2**30, non_torch / 2**30, budget / 2**30)
         return budget

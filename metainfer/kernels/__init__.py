@@ -25,7 +25,7 @@ from .attention import (
     paged_prefill_attention_ref,
     paged_prefill_attention_triton,
 )
-from .gemv import linear_ref, linear_triton
+from .gemv import linear_ref
 from .kv_cache import store_kv_ref, store_kv_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
@@ -65,7 +65,8 @@ TRITON_OPS = KernelOps(
     store_kv=store_kv_triton,
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
-    linear=linear_triton,
+    # cuBLAS: the Triton GEMV measured slower in the engine (docs/PERFORMANCE.md, run 1)
+    linear=linear_ref,
     backend="triton",
 )
 
