@@ -172,21 +172,39 @@ def graphs(args):
 
 @section("agreement")
 def agreement(args):
+    """Teacher-forced vs HF bf16, and (the yardstick) HF bf16 and ours vs HF fp32, same weights."""
     import transformers
 
-    from metainfer.bench.agreement import copy_hf_weights, teacher_forced
+    from metainfer.bench.agreement import copy_hf_weights, teacher_forced_logits
 
     folder = model_dir(args)
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompt_len, n = 32, 256
+    tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref32 = hf32(tokens[None].cuda()).logits[0, prompt_len - 1:prompt_len + n - 1].float()
+        hf16 = hf32.to(torch.bfloat16)
+        ref16 = hf16(tokens[None].cuda()).logits[0, prompt_len - 1:prompt_len + n - 1].float()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
               gpu_memory_utilization=0.5)
-    copy_hf_weights(llm, hf)
-    result = teacher_forced(llm, hf, prompt_len=32, positions=256)
+    copy_hf_weights(llm, hf16)
+    ours = teacher_forced_logits(llm, tokens, prompt_len, n)
+
+    def compare(a, b):
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        return {"top1": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+                "cos_mean": cos.mean().item(), "cos_min": cos.min().item()}
+
+    result = {"positions": n, "ours_bf16_vs_hf_bf16": compare(ours, ref16),
+              "ours_bf16_vs_hf_fp32": compare(ours, ref32), "hf_bf16_vs_hf_fp32": compare(ref16, ref32)}
+    result["top1_agreement"] = result["ours_bf16_vs_hf_bf16"]["top1"]
+    result["cosine_mean"] = result["ours_bf16_vs_hf_bf16"]["cos_mean"]
     print(json.dumps(result, indent=1))
-    del llm, hf
+    del llm, hf16, hf32
+    gc.collect()
     torch.cuda.empty_cache()
     return result
 

@@ -22,19 +22,15 @@ def copy_hf_weights(llm, hf_model) -> None:
 
 
 @torch.inference_mode()
-def teacher_forced(llm, hf_model, prompt_len: int = 32, positions: int = 256, seed: int = 0) -> dict:
+def teacher_forced_logits(llm, tokens: torch.Tensor, prompt_len: int, positions: int) -> torch.Tensor:
+    """Our logits for positions prompt_len-1 .. prompt_len+positions-2, each step fed the true token:
+    one paged prefill, then decode steps through the runner (CUDA graphs when captured)."""
     engine = llm.llm_engine
     runner, bm = engine.runner, engine.block_manager
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, min(engine.spec.vocab_size, 10000), (prompt_len + positions,), generator=g)
-    device = next(hf_model.parameters()).device
-    ref_logits = hf_model(tokens[None].to(device)).logits[0, prompt_len - 1: prompt_len + positions - 1].float()
-
     seq = Sequence("teacher-forced", 0, tokens[:prompt_len].tolist(), SamplingParams(max_tokens=positions))
     bm.allocate(seq)
-    ours = []
     seq.num_scheduled_tokens = seq.num_tokens - seq.num_computed_tokens
-    batch = ScheduledBatch([seq], is_prefill=True)
+    batch, ours = ScheduledBatch([seq], is_prefill=True), []
     for step in range(positions):
         ours.append(runner.execute(batch)[0].float())
         seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -43,7 +39,17 @@ def teacher_forced(llm, hf_model, prompt_len: int = 32, positions: int = 256, se
         seq.num_scheduled_tokens = 1
         batch = ScheduledBatch([seq], is_prefill=False)
     bm.free_sequence(seq)
-    ours = torch.stack(ours)
+    return torch.stack(ours)
+
+
+@torch.inference_mode()
+def teacher_forced(llm, hf_model, prompt_len: int = 32, positions: int = 256, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.llm_engine.spec.vocab_size
+    tokens = torch.randint(0, min(vocab, 10000), (prompt_len + positions,), generator=g)
+    device = next(hf_model.parameters()).device
+    ref_logits = hf_model(tokens[None].to(device)).logits[0, prompt_len - 1: prompt_len + positions - 1].float()
+    ours = teacher_forced_logits(llm, tokens, prompt_len, positions).to(ref_logits.device)
     top1 = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(ours, ref_logits, dim=-1)
     return {"positions": positions, "prompt_len": prompt_len, "top1_agreement": top1,

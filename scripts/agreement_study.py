@@ -1,0 +1,80 @@
+"""How much top-1 agreement does bf16 rounding alone allow with random (0.02-init) weights?
+
+Teacher-forced over the same tokens: HF bf16 vs HF fp32, ours bf16 vs HF bf16, ours bf16 vs
+HF fp32, ours fp32 vs HF fp32. Runs on the CPU at reduced depth with the Qwen3-8B widths.
+Usage: python scripts/agreement_study.py [--layers 4] [--positions 128] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from metainfer import LLM  # noqa: E402
+from metainfer.bench.agreement import copy_hf_weights  # noqa: E402
+
+
+def logits_hf(model, tokens, start, n):
+    with torch.inference_mode():
+        return model(tokens[None]).logits[0, start - 1:start + n - 1].float()
+
+
+def compare(a, b):
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return {"top1": (a.argmax(-1) == b.argmax(-1)).float().mean().item(), "cos_mean": cos.mean().item()}
+
+
+def ours_logits(llm, hf, tokens, prompt_len, n):
+    from metainfer.bench.agreement import teacher_forced_logits
+    return teacher_forced_logits(llm, tokens, prompt_len, n)
+
+
+def main():
+    import transformers
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--positions", type=int, default=128)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = json.load(open(os.path.join(here, "benchmarks", "configs", "qwen3-8b.json")))
+    cfg["num_hidden_layers"] = args.layers
+    folder = tempfile.mkdtemp()
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    from tests.tiny_models import qwen_tokenizer_dir
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), folder)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf16 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    hf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf32.state_dict().items()})
+    prompt_len, n = 32, args.positions
+    tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
+    ref32, ref16 = logits_hf(hf32, tokens, prompt_len, n), logits_hf(hf16, tokens, prompt_len, n)
+    results = {"config": f"Qwen3-8B widths, {args.layers} layers, 0.02 init", "positions": n,
+               "hf_bf16_vs_hf_fp32": compare(ref16, ref32)}
+    for dtype, model in (("bfloat16", hf16), ("float32", hf32)):
+        llm = LLM(folder, device="cpu", dtype=dtype, load_format="dummy", max_model_len=512, num_kv_blocks=64)
+        copy_hf_weights(llm, model)
+        ours = ours_logits(llm, model, tokens, prompt_len, n)
+        tag = "bf16" if dtype == "bfloat16" else "fp32"
+        results[f"ours_{tag}_vs_hf_fp32"] = compare(ours, ref32)
+        results[f"ours_{tag}_vs_hf_bf16"] = compare(ours, ref16)
+        del llm
+    print(json.dumps(results, indent=1))
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
