@@ -17,13 +17,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "dense",
     "Qwen2ForCausalLM": "dense",
     "LlamaForCausalLM": "dense",
-    "MistralForCausalLM": "dense",
 }
 _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
 }
 
 
@@ -204,6 +202,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, min(self.max_model_len, 16384))
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.load_format == "gguf" and self.gguf_file is None:
+            raise ValueError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
+        if self.load_format == "safetensors" and self.gguf_file is not None:
+            raise ValueError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)

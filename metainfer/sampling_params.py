@@ -35,6 +35,10 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
+    def validate(self) -> None:
+        """Re-check the fields (they may have been changed after construction)."""
+        self._validate()
+
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
@@ -66,7 +70,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

@@ -47,6 +47,23 @@ def test_bad_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0)])
+def test_bad_params_reach_the_engine_then_it_serves(setup, field, value):
+    _, llm = setup
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    setattr(params, field, value)  # changed after construction: the engine checks again
+    with pytest.raises(ValueError, match=field):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, OK, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_load_format_must_match_the_source(setup):
+    folder, _ = setup
+    with pytest.raises(ValueError, match="load_format='gguf' needs a .gguf model"):
+        LLM(folder, device="cpu", load_format="gguf")
+
+
 def test_batch_with_one_bad_prompt_queues_nothing(setup):
     _, llm = setup
     with pytest.raises(ValueError, match="longer than max_model_len"):
@@ -77,3 +94,5 @@ def test_bad_engine_options(setup):
         LLM(folder, device="cpu", block_size=0)
     with pytest.raises(ValueError, match="dtype"):
         LLM(folder, device="cpu", dtype="float8")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(folder, device="cpu", max_num_batched_tokens=0)

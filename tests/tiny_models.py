@@ -26,10 +26,15 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.5, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
 
 
+ROPE = {"rope_type": "default", "rope_theta": 1e6}  # not the 10000 default, so theta must be read
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 def tiny_config(arch: str, **overrides):
     import transformers as tf
 
-    kw = {**BASE, **overrides}
+    kw = {**BASE, "rope_parameters": dict(ROPE), **overrides}
     if arch == "qwen3":
         kw.setdefault("head_dim", 16)
         return tf.Qwen3Config(**kw)
@@ -48,6 +53,10 @@ def build_tiny_model(folder: str, arch: str, seed: int = 0, **overrides):
     config = tiny_config(arch, **overrides)
     cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM}[arch]
     model = cls(config).eval()
+    with torch.no_grad():  # norm weights away from 1, so a swapped or unloaded norm shows
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
     if arch == "qwen2":  # make the qkv biases matter
         with torch.no_grad():
             for layer in model.model.layers:
@@ -77,3 +86,21 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
 def make_prompts(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def assert_matches_hf(model, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]],
+                      tie_tolerance: float = 1e-4) -> None:
+    """Greedy tokens must equal HF's. The one allowed exception is a genuine fp32 tie: at the first
+    differing position HF's top-2 logits are within `tie_tolerance` and we chose the other one
+    of the two; after that the continuations legitimately differ and are not compared."""
+    for prompt, ours, ref in zip(prompts, got, expected):
+        assert len(ours) == len(ref), f"length {len(ours)} != {len(ref)}"
+        if ours == ref:
+            continue
+        i = next(k for k in range(len(ref)) if ours[k] != ref[k])
+        logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+        top2 = logits.topk(2)
+        margin = (top2.values[0] - top2.values[1]).item()
+        assert margin < tie_tolerance and ours[i] in top2.indices.tolist(), (
+            f"diverged from HF at generated token {i} (HF margin {margin:.3g}): {ours} != {ref}")

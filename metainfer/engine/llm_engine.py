@@ -76,6 +76,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
+        params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -130,6 +131,9 @@ class LLMEngine:
         """Run one scheduled batch; return outputs of requests that changed."""
         batch = self.scheduler.schedule()
         if batch is None:
+            if self.requests:  # work exists but nothing could be scheduled: fail loudly, never spin
+                raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished "
+                                   f"request(s) and {self.block_manager.num_free_blocks} free KV blocks")
             return []
         sampling = self.runner.sampling_seqs(batch)
         logits = self.runner.execute(batch)

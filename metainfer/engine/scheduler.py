@@ -68,7 +68,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)  # one token per sequence
+        while self.running and len(scheduled) < limit:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
                 if self.running:

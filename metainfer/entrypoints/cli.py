@@ -100,7 +100,12 @@ def cmd_chat(args) -> int:
                 break
             history.append({"role": "user", "content": line})
             ids = llm.apply_chat_template(history)
-            engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, sampling_params(args))
+            try:
+                engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, sampling_params(args))
+            except ValueError as err:  # e.g. the history outgrew max_model_len: say so, keep going
+                print(f"error: {err}", file=sys.stderr)
+                history.pop()
+                continue
             printed = 0
             while engine.has_unfinished_requests():
                 for out in engine.step():
