@@ -3,6 +3,8 @@
 Layers pick their collective once, at construction, through `reducer()` / `gatherer()`:
 with one rank these are the identity, so a TP=1 model makes no distributed call at all.
 The rank and world size are captured when the collective is chosen, not read per step.
+The all-reduce itself was chosen once, when the process joined the TP group (the custom
+peer-to-peer all-reduce or NCCL on CUDA, gloo on the CPU: see custom_all_reduce.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.distributed.parallel_state import get_group_all_reduce, get_tp_rank, get_tp_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +49,11 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def reducer() -> Callable[[torch.Tensor], torch.Tensor]:
-    """The all-reduce used by row-parallel layers and the vocab-parallel embedding."""
-    return all_reduce if get_tp_size() > 1 else identity
+    """The all-reduce used by row-parallel layers and the vocab-parallel embedding: the one
+    chosen when this process joined the TP group (plain `all_reduce` outside a group)."""
+    if get_tp_size() == 1:
+        return identity
+    return get_group_all_reduce() or all_reduce
 
 
 def gatherer() -> Callable[[torch.Tensor], torch.Tensor]:

@@ -5,6 +5,10 @@ before the model is built; layers read it at construction, so the per-step path 
 again. The TP group is torch.distributed's default group: NCCL on CUDA (one GPU per rank),
 gloo on the CPU. Rank 0 owns the rendezvous store, bound to a port the OS picks (port 0), so
 two engines on one host never collide and no port is hard-coded.
+
+Joining the group also chooses, once, the all-reduce the row-parallel layers will use
+(`make_all_reduce`: the custom peer-to-peer all-reduce on CUDA where it can run, else NCCL;
+gloo on the CPU); `communication.reducer()` hands it out.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from metainfer.distributed.custom_all_reduce import make_all_reduce
 
 # Collectives and the rendezvous give up after this long (a rank that died mid-step).
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -28,6 +34,7 @@ class TPState:
 
 
 _STATE = TPState()
+_GROUP_ALL_REDUCE = None  # chosen by init_tp_group, released by destroy_tp_group
 
 
 def set_tp_state(rank: int, size: int) -> None:
@@ -93,19 +100,35 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def init_tp_group(rank: int, world_size: int, store: dist.Store, device: torch.device,
-                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, custom_all_reduce: bool | None = None) -> None:
     """Join the TP group (the rank state is set separately: `set_tp_state` or `tp_state`).
-    `device` is this rank's device from `rank_device`."""
+    `device` is this rank's device from `rank_device`. `custom_all_reduce=None`: on unless
+    METAINFER_DISABLE_CUSTOM_ALL_REDUCE=1 (see custom_all_reduce.py); a collective step."""
+    global _GROUP_ALL_REDUCE
     device = torch.device(device)
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # bind the NCCL communicator to this rank's GPU eagerly
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
+    try:
+        _GROUP_ALL_REDUCE = make_all_reduce(device, world_size, enabled=custom_all_reduce)
+    except BaseException:
+        dist.destroy_process_group()  # callers only tear down a group they know they joined
+        raise
+
+
+def get_group_all_reduce():
+    """The all-reduce chosen when this process joined the TP group, or None outside one."""
+    return _GROUP_ALL_REDUCE
 
 
 def destroy_tp_group() -> None:
     """Leave the TP group (idempotent) and return to rank 0 of 1."""
+    global _GROUP_ALL_REDUCE
+    chosen, _GROUP_ALL_REDUCE = _GROUP_ALL_REDUCE, None
+    if hasattr(chosen, "close"):  # the custom all-reduce's symmetric buffer
+        chosen.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     set_tp_state(0, 1)
