@@ -47,7 +47,7 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, stream=False)
         except ValueError:
             for request_id in ids:
                 engine.abort_request(request_id)

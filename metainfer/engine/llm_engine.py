@@ -34,6 +34,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finished_time: float | None = None
+    stream: bool = True  # report progress every step (else only when finished)
 
     @property
     def finished(self) -> bool:
@@ -74,7 +75,9 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, stream: bool = True) -> None:
+        """Queue a request. `stream=False` (offline use) reports it only when finished and
+        detokenizes once at the end unless stop strings need the text as it grows."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
@@ -87,7 +90,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contain ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, ids, params, seqs)
+        for seq in seqs:
+            seq.incremental_detokenize = stream or bool(params.stop_strings)
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, stream=stream)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -151,10 +156,12 @@ class LLMEngine:
         self.stats["generation_tokens"] += len(sampling)
         outputs = []
         for request in touched.values():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.finished_time = now
                 del self.requests[request.request_id]
-            outputs.append(self._request_output(request))
+            if finished or request.stream:
+                outputs.append(self._request_output(request))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
@@ -163,9 +170,12 @@ class LLMEngine:
             seq.cumulative_logprob += logprob[0]
             seq.output_logprobs.append({**logprob[1], token: logprob[0]})
         prev_len = len(seq.output_text)
-        self.detokenizer.update(seq)
+        if seq.incremental_detokenize:
+            self.detokenizer.update(seq)
         reason = self._finish_reason(seq, token, prev_len)
         if reason is not None:
+            if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+                self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
             seq.finish_reason = reason
             self.scheduler.finish(seq)
 
@@ -180,10 +190,8 @@ class LLMEngine:
             if p.stop_strings and self._cut_at_stop_string(seq, prev_text_len):
                 return "stop"
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            self.detokenizer.flush(seq)
             return "length"
         if seq.num_tokens >= self.config.max_model_len:
-            self.detokenizer.flush(seq)
             return "length"
         return None
 

@@ -45,6 +45,7 @@ class Sequence:
         self.output_logprobs: list[dict[int, float]] = []
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        self.incremental_detokenize = True
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
