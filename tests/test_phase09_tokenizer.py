@@ -44,3 +44,16 @@ def test_incremental_text_equals_full_decode(llm):
     out = llm.generate("你好, tell me", SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_streamed_deltas_equal_offline_text(llm):
+    """The incremental detokenizer (streaming) and the one-shot decode (offline) agree."""
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    offline = llm.generate("你好, tell me", params, use_tqdm=False)[0].outputs[0]
+    engine = llm.llm_engine
+    engine.add_request("stream-1", "你好, tell me", params, stream=True)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert len(texts) == 40 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == offline.text
