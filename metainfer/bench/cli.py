@@ -21,7 +21,7 @@ def register(sub, add_engine_args, engine_kwargs) -> None:
 def _run(args, engine_kwargs) -> int:
     if args.bench_command == "serve":
         from metainfer.bench import serve
-        serve.main(args)
-        return 0
+        record = serve.main(args)
+        return 0 if record and record.get("completed") else 1
     args.bench_func(args, engine_kwargs)
     return 0

@@ -223,10 +223,12 @@ class LLMEngine:
 
     # -- observability ------------------------------------------------------------------
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Requests (not sequences: n > 1 counts once) with a sequence running."""
+        return len({s.request_id for s in self.scheduler.running})
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        running = {s.request_id for s in self.scheduler.running}
+        return len({s.request_id for s in self.scheduler.waiting} - running)
 
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
