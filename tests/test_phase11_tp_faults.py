@@ -135,6 +135,28 @@ def test_double_slicing_caught_by_contract(model_dir, monkeypatch):
         check_param_shapes(model, spec, 2, rank=1)
 
 
+def _slice_twice(self, param, loaded, shard_id=None, name=""):
+    """A row-parallel loader that slices the checkpoint tensor and then slices its shard again."""
+    if param.dim() == 1:
+        param.data = loaded.clone()
+        return
+    cols = loaded.shape[1] // self.tp_size
+    part = cols // self.tp_size
+    param.data = loaded.narrow(1, self.tp_rank * cols, cols).narrow(1, self.tp_rank * part, part).clone()
+
+
+def hook_slice_twice():
+    linear.RowParallelLinear.weight_loader = _slice_twice
+
+
+def test_double_slicing_stops_a_real_tp_engine(model_dir, monkeypatch):
+    """Through LLM(tensor_parallel_size=2): every rank's runner checks the contract after loading."""
+    monkeypatch.setattr(linear.RowParallelLinear, "weight_loader", _slice_twice)
+    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_slice_twice,))
+    with pytest.raises(Exception, match=r"o_proj.weight: shape \(64, 16\), contract \(64, 32\)"):
+        LLM(model_dir[0], device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
 def test_kv_heads_not_replicated_caught_by_contract(model_dir, monkeypatch):
     """KV heads split as kv_heads // tp (0 when kv_heads < tp) instead of replicated."""
     original = linear.QKVParallelLinear.__init__
