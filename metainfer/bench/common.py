@@ -83,3 +83,20 @@ def percentiles(values: list[float]) -> dict:
         return {"mean": None, "median": None, "p99": None}
     t = torch.tensor(values, dtype=torch.float64)
     return {"mean": t.mean().item(), "median": t.median().item(), "p99": t.quantile(0.99).item()}
+
+
+def run_on_engine(name: str, args, engine_kwargs, measure) -> dict:
+    """Start an engine from CLI args (timing the start), run `measure(llm) -> record`, close it,
+    and add what every benchmark record carries."""
+    from metainfer import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    startup = time.perf_counter() - start
+    try:
+        record = measure(llm)
+    finally:
+        llm.close()
+    record.update({"bench": name, "model": args.model, "startup_s": startup, "tp": args.tp,
+                   "enforce_eager": args.enforce_eager, "env": environment()})
+    return record

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from metainfer.bench.common import copy_bandwidth, decode_weight_bytes, environment, sync, write_json
+from metainfer.bench.common import copy_bandwidth, decode_weight_bytes, run_on_engine, sync, write_json
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -83,17 +83,8 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
-    from metainfer import LLM
-
-    start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
-    startup = time.perf_counter() - start
-    try:
-        record = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.iters)
-    finally:
-        llm.close()
-    record.update({"bench": "latency", "model": args.model, "startup_s": startup,
-                   "tp": args.tp, "enforce_eager": args.enforce_eager, "env": environment()})
+    record = run_on_engine("latency", args, engine_kwargs, lambda llm: run_latency(
+        llm, args.batch_size, args.input_len, args.output_len, args.iters))
     print(f"batch {args.batch_size} in {args.input_len} out {args.output_len}: "
           f"TTFT {record['ttft_ms']:.2f} ms  TPOT {record['tpot_ms']:.3f} ms  "
           f"{record['decode_tok_s']:.1f} tok/s  weights {record['achieved_weight_bw_GBs']:.0f} GB/s"

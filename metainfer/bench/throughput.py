@@ -11,7 +11,7 @@ import argparse
 import random
 import time
 
-from metainfer.bench.common import environment, sync, write_json
+from metainfer.bench.common import run_on_engine, sync, write_json
 
 
 def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out: int, seed: int = 0):
@@ -58,18 +58,8 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
-    from metainfer import LLM
-
-    start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
-    startup = time.perf_counter() - start
-    try:
-        record = run_throughput(llm, args.num_seqs, args.min_input_len, args.max_input_len,
-                                args.min_output_len, args.max_output_len)
-    finally:
-        llm.close()
-    record.update({"bench": "throughput", "model": args.model, "startup_s": startup, "tp": args.tp,
-                   "env": environment()})
+    record = run_on_engine("throughput", args, engine_kwargs, lambda llm: run_throughput(
+        llm, args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len))
     print(f"{record['num_seqs']} seqs: {record['output_tok_s']:.1f} output tok/s, "
           f"{record['total_tok_s']:.1f} total tok/s in {record['elapsed_s']:.1f} s "
           f"({record['preemptions']} preemptions)")
