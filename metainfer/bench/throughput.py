@@ -14,13 +14,15 @@ import time
 from metainfer.bench.common import run_on_engine, sync, write_json
 
 
-def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out: int, seed: int = 0):
+def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out: int, seed: int = 0,
+                  vocab: int = 10001):
     from metainfer import SamplingParams
 
     rng = random.Random(seed)
     prompts, params = [], []
+    top = min(vocab - 1, 10000)
     for _ in range(num_seqs):
-        prompts.append({"prompt_token_ids": [rng.randint(0, 10000) for _ in range(rng.randint(min_in, max_in))]})
+        prompts.append({"prompt_token_ids": [rng.randint(0, top) for _ in range(rng.randint(min_in, max_in))]})
         params.append(SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min_out, max_out)))
     return prompts, params
 
@@ -29,8 +31,9 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     from metainfer import SamplingParams
 
     device = llm.llm_engine.config.torch_device
-    prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out)
-    llm.generate("Benchmark: ", SamplingParams(max_tokens=8), use_tqdm=False)
+    prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out,
+                                    vocab=llm.llm_engine.spec.vocab_size)
+    llm.generate(prompts[0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     sync(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
