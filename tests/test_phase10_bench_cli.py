@@ -1,0 +1,45 @@
+"""The benchmark commands run end to end on a tiny model (CPU) and write their JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from metainfer.entrypoints import cli
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("bench"))
+    build_tiny_model(folder, "qwen3")
+    return folder
+
+
+def test_bench_latency_json(model_dir, tmp_path):
+    out = tmp_path / "latency.json"
+    assert cli.main(["bench", "latency", "--model", model_dir, "--device", "cpu", "--batch-size", "2",
+                     "--input-len", "8", "--output-len", "4", "--iters", "1", "--output-json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["bench"] == "latency" and record["batch_size"] == 2 and record["tpot_ms"] > 0
+    assert record["env"]["torch"] and record["startup_s"] > 0
+
+
+def test_bench_throughput_json(model_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert cli.main(["bench", "throughput", "--model", model_dir, "--device", "cpu", "--num-seqs", "6",
+                     "--min-input-len", "5", "--max-input-len", "40", "--min-output-len", "3",
+                     "--max-output-len", "9", "--output-json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["num_seqs"] == 6 and 6 * 3 <= record["output_tokens"] <= 6 * 9
+    assert record["output_tok_s"] > 0
+
+
+def test_bench_baseline_eager_json(model_dir, tmp_path):
+    out = tmp_path / "baseline.json"
+    assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",
+                     "--batch-size", "1", "--input-len", "8", "--output-len", "4", "--iters", "1",
+                     "--output-json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["results"][0]["mode"] == "eager" and record["results"][0]["tpot_ms"] > 0
