@@ -177,6 +177,8 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     cpu_kv_cache_gib: float = 2.0
+    # launch step n+1 before reading step n back (None: on for a single CUDA GPU, off elsewhere)
+    async_scheduling: bool | None = None
     # filled by finalize()
     spec: ModelSpec | None = None
     model_dir: str | None = None
@@ -212,6 +214,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the workers "
+                             "read their input ids from rank 0's host)")
 
 
 def locate_model(model: str) -> tuple[str, str | None]:

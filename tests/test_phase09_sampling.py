@@ -113,7 +113,7 @@ def _draw(params: SamplingParams, logits: torch.Tensor, n: int = 4000) -> torch.
     torch.manual_seed(0)
     sampler = Sampler(vocab_size=logits.numel(), eos_token_ids=())
     seqs = [Sequence("r", 0, [0], params) for _ in range(n)]
-    out = sampler(logits.expand(n, -1).clone(), seqs)
+    out = sampler(logits.expand(n, -1).clone(), seqs).to_host().result()
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits.numel()).float() / n
 
 
@@ -155,4 +155,4 @@ def test_penalties_move_probability():
     assert got[0] == pytest.approx(2.0 / 2 - 0.5 - 0.25 * 2)
     assert got[4] == pytest.approx(0.5)  # prompt token: repetition penalty only
     assert got[1] == pytest.approx(1.9)
-    assert sampler(logits, [seq]).token_ids == [1]
+    assert sampler(logits, [seq]).to_host().result().token_ids == [1]

@@ -16,8 +16,8 @@ from metainfer.config import ModelSpec
 from metainfer.distributed.communication import identity
 from metainfer.distributed.parallel_state import tp_state
 from metainfer.engine import tp_runner
-from metainfer.kernels import REF_OPS
-from metainfer.layers import linear, rotary
+from metainfer.kernels import REF_OPS, qkv_prep
+from metainfer.layers import linear
 from metainfer.loader import load_weights
 from metainfer.loader.safetensors import iterate_safetensors
 from metainfer.models.dense import DenseForCausalLM
@@ -33,20 +33,18 @@ def _no_all_reduce_reducer():
     return identity
 
 
-def _rotary_interleaved(self, positions, q, k):
-    """GPT-J style rotary (rotate adjacent pairs) where the checkpoints want neox (halves)."""
-    cos_sin = self.cos_sin_cache[positions]
-    half = cos_sin.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-
-    def rotate(x):
-        x = x.reshape(x.shape[0], -1, self.head_dim)
-        pairs = x[..., :2 * half]
-        even, odd = pairs[..., 0::2], pairs[..., 1::2]
-        turned = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-        return torch.cat([turned, x[..., 2 * half:]], dim=-1).flatten(1)
-
-    return rotate(q), rotate(k)
+def _rotary_interleaved(positions, q, k, cos_sin, head_dim):
+    """GPT-J style rotary (rotate adjacent pairs) where the checkpoints want neox (halves); in
+    place, like the reference it replaces inside the fused q/k-norm + rotary + KV-store op."""
+    cs = cos_sin[positions.long()]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for x in (q, k):
+        heads = x.view(x.shape[0], -1, head_dim)
+        pairs = heads[..., :2 * half]
+        even, odd = pairs[..., 0::2].clone(), pairs[..., 1::2].clone()
+        pairs.copy_(torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2))
+    return q, k
 
 
 def _kv_head_zero(self):
@@ -58,7 +56,7 @@ def hook_drop_all_reduce():
 
 
 def hook_interleaved_rotary():
-    rotary.RotaryEmbedding.forward = _rotary_interleaved
+    qkv_prep.rotary_neox_ref = _rotary_interleaved
 
 
 def hook_kv_head_zero():
@@ -67,7 +65,7 @@ def hook_kv_head_zero():
 
 FAULTS = {
     "missing all-reduce": (hook_drop_all_reduce, linear, "reducer", _no_all_reduce_reducer, 2),
-    "interleaved rotary": (hook_interleaved_rotary, rotary.RotaryEmbedding, "forward", _rotary_interleaved, 2),
+    "interleaved rotary": (hook_interleaved_rotary, qkv_prep, "rotary_neox_ref", _rotary_interleaved, 2),
     # heads 4, KV heads 2, tp 4: ranks 2 and 3 must hold KV head 1, not head 0
     "KV head replication": (hook_kv_head_zero, linear.QKVParallelLinear, "kv_head_for_rank", _kv_head_zero, 4),
 }

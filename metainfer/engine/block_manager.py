@@ -110,15 +110,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs, start = self.block_size, seq.num_hashed_blocks
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // bs  # never hash a PENDING token
         prev = self.blocks[seq.block_table[start - 1]].hash if start else None
-        for i in range(start, seq.num_computed_tokens // bs):
+        for i in range(start, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 tokens = tuple(seq.block_tokens(i, bs))
                 block.hash, block.token_ids = chain_hash(prev, tokens), tokens
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             prev = block.hash
-        seq.num_hashed_blocks = max(start, seq.num_computed_tokens // bs)
+        seq.num_hashed_blocks = max(start, full)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release in reverse so a prefix's tail is evicted before its head."""

@@ -3,19 +3,28 @@
 The offline `LLM` and the server both drive it through add_request / step / abort_request.
 A rejected request raises ValueError before anything is queued, so the engine keeps
 serving the others.
+
+Async scheduling (`EngineConfig.async_scheduling`, on by default for one CUDA GPU): a step
+launches batch n+1 before reading batch n's sampled ids back, so the host's scheduling,
+input packing and output handling overlap the GPU's forward instead of idling it. Tokens
+not yet read are PENDING placeholders (engine/sequence.py); the next step's inputs take
+them from the device. A sequence that stops on EOS or a stop string was already scheduled
+once more; that extra token is discarded. Penalties need every token on the host, so a
+step with a running penalised sequence first reads back what is in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.model_runner import ModelRunner
-from metainfer.engine.sampler import Sampler
-from metainfer.engine.scheduler import Scheduler
+from metainfer.engine.sampler import HostSample, Sampler
+from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.outputs import CompletionOutput, RequestOutput
@@ -41,6 +50,16 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+@dataclass
+class LaunchedStep:
+    """A batch whose forward and sampling are queued on the device, not yet read back."""
+
+    batch: ScheduledBatch
+    sampling: list[Sequence]
+    token_index: list[int]  # per sampling sequence: where its PENDING token sits in token_ids
+    sampled: HostSample | None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -56,12 +75,15 @@ class LLMEngine:
             log.warning("KV pool holds %d tokens < max_model_len %d; capping max_model_len",
                         capacity, config.max_model_len)
             config.max_model_len = capacity
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len)
+        self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
+        self.in_flight: deque[LaunchedStep] = deque()
         eos = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, config.torch_device)
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -133,39 +155,58 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return outputs of requests that changed."""
+        """Launch one scheduled batch and read back the ones beyond the lookahead; return the
+        outputs of requests that changed."""
+        touched: dict[str, Request] = {}
+        if self.in_flight and any(s.params.has_penalties for s in self.scheduler.running):
+            self._read_back(0, touched)  # penalties count the in-flight tokens' values
         batch = self.scheduler.schedule()
-        if batch is None:
-            if self.requests:  # work exists but nothing could be scheduled: fail loudly, never spin
-                raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished "
-                                   f"request(s) and {self.block_manager.num_free_blocks} free KV blocks")
-            return []
+        if batch is not None:
+            self.in_flight.append(self._launch(batch))
+        elif not self.in_flight and self.requests:  # work exists but nothing could run: fail loudly
+            raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished "
+                               f"request(s) and {self.block_manager.num_free_blocks} free KV blocks")
+        self._read_back(self.lookahead if batch is not None else 0, touched)
+        return [self._request_output(r) for r in touched.values() if r.finished or r.stream]
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
         sampling = self.runner.sampling_seqs(batch)
         logits = self.runner.execute(batch)
-        result = self.sampler(logits, sampling) if sampling else None
+        sampled = self.sampler(logits, sampling) if sampling else None
+        if sampled is not None:
+            self.runner.record_sampled(sampled.token_ids)
         if batch.is_prefill:  # before after_step, which zeroes num_scheduled_tokens
             self.stats["prompt_tokens"] += batch.num_tokens
         self.scheduler.after_step(batch)
-        touched: dict[str, Request] = {}
-        now = time.monotonic()
-        for i, seq in enumerate(sampling):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i])
-            request = self.requests[seq.request_id]
-            request.first_token_time = request.first_token_time or now
-            touched[seq.request_id] = request
-        self.stats["generation_tokens"] += len(sampling)
-        outputs = []
-        for request in touched.values():
-            finished = request.finished
-            if finished:
-                request.finished_time = now
-                del self.requests[request.request_id]
-            if finished or request.stream:
-                outputs.append(self._request_output(request))
-        return outputs
+        index = [seq.add_pending(row) for row, seq in enumerate(sampling)]
+        return LaunchedStep(batch, sampling, index, sampled.to_host() if sampled is not None else None)
+
+    def _read_back(self, keep: int, touched: dict[str, Request]) -> None:
+        """Read back launched steps, oldest first, until `keep` remain in flight."""
+        while len(self.in_flight) > keep:
+            step = self.in_flight.popleft()
+            result = step.sampled.result() if step.sampled is not None else None
+            now = time.monotonic()
+            for i, seq in enumerate(step.sampling):
+                if seq.is_finished:  # stopped or aborted after this step was launched: discard
+                    continue
+                token = result.token_ids[i]
+                seq.resolve_pending(step.token_index[i], token)
+                self._append_token(seq, token, result.logprobs[i])
+                request = self.requests[seq.request_id]
+                request.first_token_time = request.first_token_time or now
+                touched[seq.request_id] = request
+                self.stats["generation_tokens"] += 1
+                if request.finished:
+                    request.finished_time = now
+                    del self.requests[seq.request_id]
+            for seq in step.batch.seqs:
+                if seq.block_table:
+                    self.block_manager.register_full_blocks(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
-        seq.token_ids.append(token)
+        """Account for a token just read back (already in seq.token_ids)."""
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]
             seq.output_logprobs.append({**logprob[1], token: logprob[0]})
@@ -177,11 +218,11 @@ class LLMEngine:
             if seq.stop_reason is None or isinstance(seq.stop_reason, int):
                 self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq)  # also drops a later PENDING token, if one was launched
 
     def _finish_reason(self, seq: Sequence, token: int, prev_text_len: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        p, num_output = seq.params, seq.num_known_output_tokens
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
@@ -189,9 +230,9 @@ class LLMEngine:
                 return "stop"
             if p.stop_strings and self._cut_at_stop_string(seq, prev_text_len):
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.config.max_model_len:
+        if seq.num_known_tokens >= self.config.max_model_len:
             return "length"
         return None
 

@@ -3,24 +3,93 @@ runs the forward pass and returns logits for the sequences that sample this step
 
 Flat, unpadded batches (docs/CONTRACTS.md): input_ids/positions int64 [T], slot_mapping
 int32 [T], cu_seqlens_q int32 [B+1], context_lens int32 [B], block_tables int32 [B, M]
-padded with -1. Host lists become one tensor each, copied to the device once per step.
+padded with -1. All of a step's int fields are packed into one staging buffer and copied to
+the device once; a token still PENDING on the host (async scheduling) is taken from the
+previous step's sampled ids on the device.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metainfer.config import EngineConfig
 from metainfer.engine.scheduler import ScheduledBatch
-from metainfer.engine.sequence import Sequence
+from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import select_ops
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.loader import load_weights
 from metainfer.models.registry import model_class
 
 log = logging.getLogger("metainfer")
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each field of one step sits in the packed int32 staging buffer."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    num_sampling: int
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        t, b, w = self.num_tokens, self.num_seqs, self.table_width
+        sizes = {"ids": t, "positions": t, "slots": t, "src": t, "context_lens": b, "cu": b + 1,
+                 "tables": b * w, "rows": self.num_sampling}
+        out, at = {}, 0
+        for name, n in sizes.items():
+            out[name] = at
+            at += n
+        out["end"] = at
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.offsets["end"]
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        o = self.offsets
+        names = list(o)
+        v = {name: buf[o[name]:o[names[i + 1]]] for i, name in enumerate(names[:-1])}
+        v["tables"] = v["tables"].view(self.num_seqs, self.table_width)
+        return v
+
+
+class StepStaging:
+    """Host buffer(s) a step is packed into, and the device buffer they are copied to.
+
+    CUDA: two pinned host buffers used in turn (a step may be packed while the previous
+    one's upload is still queued behind the GPU work in flight); an event per buffer says
+    when its upload has run. CPU: the host buffer is the model's input itself.
+    """
+
+    def __init__(self, capacity: int, device: torch.device):
+        on_cuda = device.type == "cuda"
+        self._host = [torch.zeros(capacity, dtype=torch.int32, pin_memory=on_cuda) for _ in range(2 if on_cuda else 1)]
+        self._views = [h.numpy() for h in self._host]
+        self._uploaded = [torch.cuda.Event() if on_cuda else None for _ in self._host]
+        self._current = 0
+        self._device = torch.zeros(capacity, dtype=torch.int32, device=device) if on_cuda else self._host[0]
+        self.upload = self._upload_cuda if on_cuda else self._upload_cpu  # chosen once
+
+    def next_host_buffer(self) -> np.ndarray:
+        self._current = (self._current + 1) % len(self._host)
+        if self._uploaded[self._current] is not None:
+            self._uploaded[self._current].synchronize()  # its previous upload has been read
+        return self._views[self._current]
+
+    def _upload_cuda(self, size: int) -> torch.Tensor:
+        self._device[:size].copy_(self._host[self._current][:size], non_blocking=True)
+        self._uploaded[self._current].record()
+        return self._device
+
+    def _upload_cpu(self, size: int) -> torch.Tensor:
+        return self._device
 
 
 class ModelRunner:
@@ -36,7 +105,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pin = self.device.type == "cuda"
+        self._init_step_buffers()
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cudagraphs()
 
@@ -135,36 +204,94 @@ class ModelRunner:
         self.kv_cache = None
 
     # -- one step ---------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
-        input_ids, positions, slots, cu, context_lens, logit_rows = [], [], [], [0], [], []
-        for seq in batch.seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            cu.append(cu[-1] + n)
-            context_lens.append(start + n)
-            if seq.will_sample:
-                logit_rows.append(cu[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-        dev, pin = self.device, self.pin
+    def _init_step_buffers(self) -> None:
+        """Pre-allocated staging for a step's inputs: every int field of a batch is packed
+        into one int32 host buffer and reaches the device with one copy (see StepStaging)."""
+        cfg = self.config
+        self.max_blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        max_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        capacity = StepLayout(max_tokens, cfg.max_num_seqs, self.max_blocks_per_seq, cfg.max_num_seqs).size
+        self.staging = StepStaging(capacity, self.device)
+        # The last launched step's sampled ids; a PENDING input token reads its row here.
+        self.sampled_ids = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
 
-        def to_dev(values, dtype):
-            host = torch.tensor(values, dtype=dtype)
-            return (host.pin_memory() if pin else host).to(dev, non_blocking=True)
+    def record_sampled(self, token_ids: torch.Tensor) -> None:
+        self.sampled_ids[: token_ids.shape[0]].copy_(token_ids)
 
+    def _pack(self, batch: ScheduledBatch, num_rows: int, view: np.ndarray) -> StepLayout:
+        """Fill a host buffer with the batch's fields; decode batches are padded to
+        `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing)."""
+        seqs, bs = batch.seqs, self.block_size
+        width = max(len(s.block_table) for s in seqs)
+        sampling_rows: list[int] = []
+        if batch.is_prefill:
+            ids, pos, cu, ctx, src = [], [], [0], [], []
+            slot_parts = []
+            for seq in seqs:
+                start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+                ids.extend(seq.token_ids[start:start + n])
+                p = np.arange(start, start + n, dtype=np.int64)
+                pos.append(p)
+                slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
+                cu.append(cu[-1] + n)
+                ctx.append(start + n)
+                if seq.will_sample:
+                    sampling_rows.append(cu[-1] - 1)
+            num_tokens, positions, slots = cu[-1], np.concatenate(pos), np.concatenate(slot_parts)
+            src = [-1] * num_tokens  # prefill tokens are always known
+            num_seqs = len(seqs)
+        else:
+            ids, positions, slots, src, ctx = [], [], [], [], []
+            for seq in seqs:
+                p = seq.num_computed_tokens
+                token = seq.token_ids[p:p + 1][0]
+                ids.append(max(token, 0))
+                src.append(seq.sample_row if token == PENDING else -1)
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                ctx.append(p + 1)
+            pad = num_rows - len(seqs)
+            ids += [0] * pad
+            src += [-1] * pad
+            positions += [0] * pad
+            slots += [-1] * pad
+            ctx += [0] * pad
+            num_tokens = num_seqs = num_rows
+            cu = range(num_rows + 1)
+            sampling_rows = list(range(len(seqs)))
+        layout = StepLayout(num_tokens, num_seqs, width, len(sampling_rows))
+        o = layout.offsets
+        view[o["ids"]:o["ids"] + num_tokens] = ids
+        view[o["positions"]:o["positions"] + num_tokens] = positions
+        view[o["slots"]:o["slots"] + num_tokens] = slots
+        view[o["src"]:o["src"] + num_tokens] = src
+        view[o["context_lens"]:o["context_lens"] + num_seqs] = ctx
+        view[o["cu"]:o["cu"] + num_seqs + 1] = cu
+        tables = view[o["tables"]:o["tables"] + num_seqs * width].reshape(num_seqs, width)
+        tables.fill(-1)
+        for row, seq in enumerate(seqs):
+            tables[row, :len(seq.block_table)] = seq.block_table
+        view[o["rows"]:o["rows"] + len(sampling_rows)] = sampling_rows
+        return layout
+
+    def prepare(self, batch: ScheduledBatch, num_rows: int | None = None):
+        """(input_ids i64[T], positions i64[T], AttentionMetadata, logit_rows i64[L]) on the device.
+
+        A PENDING input (async scheduling) takes its id from `sampled_ids`, on the device."""
+        host = self.staging.next_host_buffer()
+        layout = self._pack(batch, num_rows or len(batch.seqs), host)
+        v = layout.views(self.staging.upload(layout.size))
+        src = v["src"]
+        input_ids = torch.where(src >= 0, self.sampled_ids[src.clamp(min=0)], v["ids"].long())
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
-            slot_mapping=to_dev(slots, torch.int32),
-            context_lens=to_dev(context_lens, torch.int32),
-            block_tables=to_dev(tables, torch.int32),
-            cu_seqlens_q=to_dev(cu, torch.int32),
+            slot_mapping=v["slots"],
+            context_lens=v["context_lens"],
+            block_tables=v["tables"],
+            cu_seqlens_q=v["cu"],
             max_seqlen_q=max(s.num_scheduled_tokens for s in batch.seqs),
         )
-        return to_dev(input_ids, torch.long), to_dev(positions, torch.long), meta, to_dev(logit_rows, torch.long)
+        return input_ids, v["positions"].long(), meta, v["rows"].long()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -173,10 +300,12 @@ class ModelRunner:
         Decode batches that fit a captured bucket replay its CUDA graph; everything else
         (prefill, CPU, enforce_eager) runs eagerly.
         """
-        input_ids, positions, meta, logit_rows = self.prepare(batch)
         num_seqs = len(batch.seqs)
         if not batch.is_prefill and num_seqs <= self.max_graph_batch:
-            return self.model.compute_logits(self._replay(input_ids, positions, meta, num_seqs))
+            bucket = self._bucket_of[num_seqs]
+            input_ids, positions, meta, _ = self.prepare(batch, bucket)
+            return self.model.compute_logits(self._replay(input_ids, positions, meta, bucket)[:num_seqs])
+        input_ids, positions, meta, logit_rows = self.prepare(batch)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden[logit_rows])
@@ -191,14 +320,14 @@ class ModelRunner:
         self.graph_batch_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
         if max_bs not in self.graph_batch_sizes:
             self.graph_batch_sizes.append(max_bs)
-        max_blocks = -(-cfg.max_model_len // self.block_size)
+        max_blocks = self.max_blocks_per_seq
         dev = self.device
         self.static = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
             "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            "block_tables": torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=dev),
         }
         self.static_hidden = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.dtype, device=dev)
         pool = None
@@ -221,17 +350,16 @@ class ModelRunner:
         s = self.static
         return AttentionMetadata(False, s["slot_mapping"][:bs], s["context_lens"][:bs], s["block_tables"][:bs])
 
-    def _replay(self, input_ids, positions, meta: AttentionMetadata, num_seqs: int) -> torch.Tensor:
-        bucket, s = self._bucket_of[num_seqs], self.static
-        s["slot_mapping"].fill_(-1)
-        s["context_lens"].zero_()
-        s["input_ids"][:num_seqs].copy_(input_ids)
-        s["positions"][:num_seqs].copy_(positions)
-        s["slot_mapping"][:num_seqs].copy_(meta.slot_mapping)
-        s["context_lens"][:num_seqs].copy_(meta.context_lens)
-        s["block_tables"][:num_seqs, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+    def _replay(self, input_ids, positions, meta: AttentionMetadata, bucket: int) -> torch.Tensor:
+        """Inputs already padded to the bucket (padded rows: slot -1, context 0)."""
+        s = self.static
+        s["input_ids"][:bucket].copy_(input_ids)
+        s["positions"][:bucket].copy_(positions)
+        s["slot_mapping"][:bucket].copy_(meta.slot_mapping)
+        s["context_lens"][:bucket].copy_(meta.context_lens)
+        s["block_tables"][:bucket, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[bucket].replay()
-        return self.static_hidden[:num_seqs]
+        return self.static_hidden[:bucket]
 
     @staticmethod
     def sampling_seqs(batch: ScheduledBatch) -> list[Sequence]:

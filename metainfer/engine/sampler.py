@@ -1,7 +1,8 @@
 """Sampler: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Everything runs on the logits' device as batched tensor ops; the one host sync is the
-caller reading the chosen ids. Sampling uses the exponential-race trick
+Everything runs on the logits' device as batched tensor ops and returns device tensors
+(`SampledBatch`); `SampledBatch.to_host()` starts the copy back and `HostSample.result()`
+waits for it, so the engine can launch the next step before reading this one. Sampling uses the exponential-race trick
 (argmax(p / E), E ~ Exp(1)), which draws from p without a multinomial sync. A request
 with a seed draws its noise from its own generator, so its tokens do not depend on which
 other requests share the batch.
@@ -9,6 +10,7 @@ other requests share the batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,69 +25,132 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
+@dataclass
+class SampledBatch:
+    """One step's choices, still on the device."""
+
+    token_ids: torch.Tensor  # int64 [B]
+    wanted_logprobs: list[int | None]  # per sequence: requested top-k count or None
+    chosen_logprob: torch.Tensor | None = None  # fp32 [B]
+    top_values: torch.Tensor | None = None  # fp32 [B, k]
+    top_ids: torch.Tensor | None = None  # int64 [B, k]
+
+    def to_host(self) -> HostSample:
+        """Start the device-to-host copy (pinned, non-blocking) and mark its completion."""
+        tensors = [t for t in (self.token_ids, self.chosen_logprob, self.top_values, self.top_ids) if t is not None]
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        event = None
+        if self.token_ids.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return HostSample(host, event, self.wanted_logprobs)
+
+
+class HostSample:
+    """A step's sampled ids on their way to the host; `result()` waits for them."""
+
+    def __init__(self, host: list[torch.Tensor], event, wanted_logprobs: list[int | None]):
+        self._host, self._event, self._wanted = host, event, wanted_logprobs
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_list = self._host[0].tolist()
+        if len(self._host) == 1:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        chosen = self._host[1].tolist()
+        top_vals = self._host[2].tolist() if len(self._host) > 2 else None
+        top_ids = self._host[3].tolist() if len(self._host) > 2 else None
+        out = []
+        for row, n in enumerate(self._wanted):
+            if n is None:
+                out.append(None)
+                continue
+            top = {top_ids[row][j]: top_vals[row][j] for j in range(n)} if n else {}
+            out.append((chosen[row], top))
+        return SamplerOutput(token_list, out)
+
+
+def _host_rows(values: list, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def _pinned_rows(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        device = torch.device(device)
+        # Per-row parameters reach CUDA through pinned memory and a non-blocking copy: a plain
+        # torch.tensor(..., device="cuda") would wait for the GPU and undo async scheduling.
+        self._rows = functools.partial(_pinned_rows, device=device) if device.type == "cuda" else _host_rows
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
-        dev = logits.device
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs)
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = self._mask_stop_tokens(logits if logits is not raw else logits.clone(), seqs)
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
-            greedy = torch.tensor([p.greedy for p in params], device=dev)
-            sampled = self._sample(logits, seqs)
-            tokens = torch.where(greedy, tokens, sampled)
-        want_logprobs = [p.logprobs is not None for p in params]
-        if not any(want_logprobs):
-            return SamplerOutput(tokens.tolist(), [None] * len(seqs))
-        return self._with_logprobs(raw, tokens, seqs)
+            temps = self._rows([p.temperature if not p.greedy else 0.0 for p in params], torch.float32)
+            sampled = self._sample(logits, seqs, temps)
+            tokens = torch.where(temps == 0, tokens, sampled)
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return SampledBatch(tokens, wanted)
+        return self._with_logprobs(raw, tokens, wanted)
 
     # -- logits processors -------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev, vocab = logits.device, logits.shape[1]
-        out_counts = torch.zeros_like(logits)
-        seen = torch.zeros_like(logits, dtype=torch.bool)
+        vocab = logits.shape[1]
+        out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
         for row, seq in enumerate(seqs):
             out = seq.output_token_ids
-            if out:
-                ids = torch.tensor(out, device=dev)
-                out_counts[row].scatter_add_(0, ids, torch.ones(len(out), device=dev))
+            out_rows += [row] * len(out)
+            out_ids += out
             if seq.params.repetition_penalty != 1.0:
-                seen[row, torch.tensor(seq.token_ids, device=dev).clamp(max=vocab - 1)] = True
+                seen_rows += [row] * len(seq.token_ids)
+                seen_ids += [min(t, vocab - 1) for t in seq.token_ids]
+        out_counts = torch.zeros_like(logits)
+        flat = self._rows(out_rows, torch.long) * vocab + self._rows(out_ids, torch.long)
+        out_counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=logits.dtype))
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[self._rows(seen_rows, torch.long), self._rows(seen_ids, torch.long)] = True
         p = [s.params for s in seqs]
-        rep = torch.tensor([x.repetition_penalty for x in p], device=dev).unsqueeze(1)
-        presence = torch.tensor([x.presence_penalty for x in p], device=dev).unsqueeze(1)
-        frequency = torch.tensor([x.frequency_penalty for x in p], device=dev).unsqueeze(1)
+        rep = self._rows([x.repetition_penalty for x in p], torch.float32).unsqueeze(1)
+        presence = self._rows([x.presence_penalty for x in p], torch.float32).unsqueeze(1)
+        frequency = self._rows([x.frequency_penalty for x in p], torch.float32).unsqueeze(1)
         seen |= out_counts > 0
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
         return logits - frequency * out_counts - presence * (out_counts > 0).to(logits.dtype)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
-                if ids:
-                    logits[row, ids] = float("-inf")
+                rows += [row] * len(ids)
+                cols += ids
+        logits[self._rows(rows, torch.long), self._rows(cols, torch.long)] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], temps: torch.Tensor) -> torch.Tensor:
+        """temps: fp32 [B] on the device, 0 for greedy rows (their sample is not used)."""
         dev = logits.device
         params = [s.params for s in seqs]
-        temps = torch.tensor([max(p.temperature, 1e-5) if not p.greedy else 1.0 for p in params], device=dev)
-        logits = logits / temps.unsqueeze(1)
+        logits = logits / torch.where(temps == 0, 1.0, temps).unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = self._top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            min_p = self._rows([p.min_p for p in params], torch.float32).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
@@ -95,14 +160,13 @@ class Sampler:
                 noise[row].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
 
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    def _top_k_top_p(self, logits: torch.Tensor, params) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_k = self._rows([p.top_k if p.top_k > 0 else vocab for p in params], torch.long)
         ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
-        top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+        top_p = self._rows([p.top_p for p in params], torch.float32).unsqueeze(1)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it < top_p
         drop |= mass_before >= top_p
@@ -111,20 +175,9 @@ class Sampler:
 
     # -- logprobs ---------------------------------------------------------------------
     @staticmethod
-    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> SampledBatch:
         logprobs = raw.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        k = max(s.params.logprobs or 0 for s in seqs)
+        k = max(n or 0 for n in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        token_list, chosen_list = tokens.tolist(), chosen.tolist()
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        out = []
-        for row, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = {top_ids[row][j]: top_vals[row][j] for j in range(n)} if n else {}
-            out.append((chosen_list[row], top))
-        return SamplerOutput(token_list, out)
+        return SampledBatch(tokens, wanted, chosen, top_vals, top_ids)

@@ -27,8 +27,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -68,9 +70,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
+        done: list[Sequence] = []  # last token in flight (async scheduling); finishes on read-back
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)  # one token per sequence
         while self.running and len(scheduled) < limit:
             seq = self.running.popleft()
+            if seq.reached_length_limit(self.max_model_len):
+                done.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -81,7 +87,7 @@ class Scheduler:
                 self.block_manager.append_slots(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running.extendleft(reversed(scheduled + done))
         return ScheduledBatch(scheduled, is_prefill=False) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -93,15 +99,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and register newly full blocks for prefix caching."""
+        """Advance computed counts once the step is launched (its K/V will be in the cache
+        before any later step runs). Prefix-cache hashing waits for the tokens' values:
+        LLMEngine calls BlockManager.register_full_blocks when it reads the step back."""
         for seq in batch.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.register_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
         seq.status = SequenceStatus.FINISHED
+        seq.drop_pending()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

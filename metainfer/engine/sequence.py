@@ -11,6 +11,10 @@ from metainfer.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
+# Placeholder for a token sampled on the device whose value the host has not read yet
+# (async scheduling: step n+1 is scheduled and launched before step n's tokens arrive).
+PENDING = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -23,6 +27,8 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; a step computes
     `num_scheduled_tokens` more. Prefix-cache hits advance it at allocation.
+    `token_ids` may end with `num_pending` PENDING entries (launched, not yet read back);
+    counts used for scheduling include them, the outputs and hashes only use known tokens.
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams):
@@ -37,6 +43,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_scheduled_tokens = 0
+        self.num_pending = 0  # trailing PENDING entries of token_ids
+        self.sample_row = -1  # row of this sequence in the last launched step's sampled ids
         self.num_cached_prompt_tokens = 0  # first allocation's prefix-cache hit, for stats
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -59,12 +67,46 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Generated tokens the host has read (in-flight ones excluded)."""
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens including in-flight ones (what scheduling and sampling count)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_known_tokens - self.num_prompt_tokens
+
+    def add_pending(self, sample_row: int) -> int:
+        """Reserve the next token for a sampled-but-unread id; returns its index."""
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+        self.sample_row = sample_row
+        return len(self.token_ids) - 1
+
+    def resolve_pending(self, index: int, token: int) -> None:
+        """Fill in the oldest pending token (steps are read back in launch order)."""
+        self.token_ids[index] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """A finished sequence keeps only the tokens that were read back."""
+        if self.num_pending:
+            del self.token_ids[self.num_known_tokens:]
+            self.num_pending = 0
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """Its last token is already launched: a further step would be thrown away."""
+        p = self.params
+        return (p.max_tokens is not None and self.num_output_tokens >= p.max_tokens) or \
+            self.num_tokens >= max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -320,6 +320,9 @@ class TPModelRunner:
 
     sampling_seqs = staticmethod(ModelRunner.sampling_seqs)
 
+    def record_sampled(self, token_ids: torch.Tensor) -> None:
+        self.runner.record_sampled(token_ids)
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Send the step to the workers, run it here too; rank 0's logits [sampling seqs, V]."""
         if self.runner is None:

@@ -27,6 +27,7 @@ from .attention import (
 )
 from .gemv import linear_ref
 from .kv_cache import store_kv_ref, store_kv_triton
+from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
 
@@ -42,6 +43,7 @@ class KernelOps:
     store_kv: Callable
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
+    qk_norm_rope_store: Callable
     linear: Callable = linear_ref
     backend: str = "torch"
 
@@ -54,6 +56,7 @@ REF_OPS = KernelOps(
     store_kv=store_kv_ref,
     paged_decode_attention=paged_decode_attention_ref,
     paged_prefill_attention=paged_prefill_attention_ref,
+    qk_norm_rope_store=qk_norm_rope_store_ref,
     backend="torch",
 )
 
@@ -65,6 +68,7 @@ TRITON_OPS = KernelOps(
     store_kv=store_kv_triton,
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
+    qk_norm_rope_store=qk_norm_rope_store_triton,
     # cuBLAS: the Triton GEMV measured slower in the engine (docs/PERFORMANCE.md, run 1)
     linear=linear_ref,
     backend="triton",
@@ -100,6 +104,8 @@ __all__ = [
     "paged_decode_attention_triton",
     "paged_prefill_attention_ref",
     "paged_prefill_attention_triton",
+    "qk_norm_rope_store_ref",
+    "qk_norm_rope_store_triton",
     "rms_norm_ref",
     "rms_norm_triton",
     "rope_mscale",

@@ -5,16 +5,171 @@ Why own it: at batch 1 a decode step is a stream of weight reads, and a plain Tr
 cuBLAS on the H200 here (DESIGN.md, performance protocol). `linear_triton` uses the kernel
 for M <= MAX_ROWS and cuBLAS otherwise; M is a shape, so under a CUDA graph the choice is
 made once per captured batch size.
+
+Kernel design (`_gemv_kernel`): a program owns BLOCK_N weight rows and one K range (all of K,
+or 1/SPLIT_K of it). Each K-step loads a [BLOCK_N, BLOCK_K] weight tile (BLOCK_K contiguous
+elements a row, so each thread issues 16-byte loads; `evict_first`, the weights are streamed
+once) and does an elementwise fp32 FMA into a [BLOCK_N, BLOCK_K] accumulator per row of x; the
+cross-lane reduction (`tl.sum(axis=1)`) runs once after the loop. x is loaded in w's register
+layout (through 2-D pointers where the 1-D layout would differ, see `_fma_row`), so a K-step has
+no shared-memory traffic and no barrier (checked in the sm_90 PTX). M = 2..4 keeps one such
+accumulator per row (BLOCK_K is divided by the padded row count to hold registers level).
+With SPLIT_K > 1 each program writes an fp32 partial row to a [SPLIT_K, M, N] buffer and a
+second small kernel sums the partials, adds the bias and casts (two launches, deterministic,
+no memset).
+
+Configs are chosen per weight shape once, never in the hot path: `gemv_config(n, k)` looks
+(N, K) up in a small table (`set_gemv_configs` installs a benchmark-chosen one, e.g.
+`metainfer.kernels.gemv_bench.sweep()["table"]`) and falls back to `DEFAULT_CONFIG`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, require_triton, tl, triton
 
 MAX_ROWS = 4
+_REDUCE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of one weight shape (for M = 1; see `gemv_plan` for M > 1).
+
+    num_stages is passed through, but Triton 3.6 software-pipelines only loads that feed a dot:
+    for this loop the sm_90 code is the same for every num_stages (latency is hidden by the
+    programs resident on an SM and the BLOCK_N * BLOCK_K / threads loads in flight per thread)."""
+
+    block_n: int = 8
+    block_k: int = 1024
+    num_warps: int = 8
+    num_stages: int = 1
+    split_k: int = 1
+
+    def __post_init__(self):
+        checks = {
+            "block_n": (self.block_n, 1, 128, True),
+            "block_k": (self.block_k, 16, 8192, True),
+            "num_warps": (self.num_warps, 1, 16, True),
+            "num_stages": (self.num_stages, 1, 8, False),
+            "split_k": (self.split_k, 1, 64, False),
+        }
+        for name, (value, lo, hi, pow2) in checks.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
+                    or (pow2 and value & (value - 1)):
+                kind = "a power of two" if pow2 else "an integer"
+                raise ValueError(f"GemvConfig.{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_any(cls, value) -> GemvConfig:
+        """A GemvConfig, or a dict with its field names (as `to_dict` / JSON give it)."""
+        if isinstance(value, GemvConfig):
+            return value
+        if isinstance(value, Mapping):
+            names = {f.name for f in fields(cls)}
+            unknown = set(value) - names
+            if unknown:
+                raise ValueError(f"unknown GemvConfig fields {sorted(unknown)} (known: {sorted(names)})")
+            return cls(**value)
+        raise ValueError(f"a GEMV config must be a GemvConfig or a dict, got {type(value).__name__}")
+
+
+# The first untuned kernel of DESIGN.md (8 rows x 1,024 columns, 8 warps): 3.91 TB/s overall.
+DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=1, split_k=1)
+
+# Qwen3-8B decode shapes (N, K). Until `gemv_bench.sweep()` has been run on the target GPU these
+# are guesses: the defaults where the grid has thousands of programs; for the two 4096-row
+# shapes (512 programs of 8 rows for 132 SMs) fewer rows a program or a K split.
+BUILTIN_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): DEFAULT_CONFIG,                                     # qkv
+    (4096, 4096): GemvConfig(block_n=4, block_k=1024, num_warps=4),   # o_proj
+    (24576, 4096): DEFAULT_CONFIG,                                    # gate_up
+    (4096, 12288): GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2),  # down
+    (151936, 4096): DEFAULT_CONFIG,                                   # lm_head
+}
+
+_configs: dict[tuple[int, int], GemvConfig] = dict(BUILTIN_CONFIGS)
+
+
+def _parse_key(key) -> tuple[int, int]:
+    dims = None
+    if isinstance(key, str):
+        parts = key.lower().split("x")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            dims = int(parts[0]), int(parts[1])
+    elif isinstance(key, tuple | list) and len(key) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in key):
+        dims = int(key[0]), int(key[1])
+    if dims is None or dims[0] <= 0 or dims[1] <= 0:
+        raise ValueError(f"a GEMV table key must be (N, K) or 'NxK' with positive ints, got {key!r}")
+    return dims
+
+
+def set_gemv_configs(table: Mapping | None) -> dict[tuple[int, int], GemvConfig]:
+    """Install a per-shape table ((N, K) or "NxK" -> GemvConfig or its dict), replacing the
+    current one; None restores BUILTIN_CONFIGS. Everything is validated before anything is
+    installed (bad entries raise ValueError). Returns the previous table. Call it at build time,
+    before CUDA graphs are captured: a graph keeps the launches it recorded."""
+    global _configs
+    if table is None:
+        new = dict(BUILTIN_CONFIGS)
+    else:
+        if not isinstance(table, Mapping):
+            raise ValueError(f"set_gemv_configs needs a mapping, got {type(table).__name__}")
+        new = {_parse_key(key): GemvConfig.from_any(value) for key, value in table.items()}
+    previous, _configs = _configs, new
+    return previous
+
+
+def get_gemv_configs() -> dict[tuple[int, int], GemvConfig]:
+    return dict(_configs)
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The config for a weight of shape [n, k]: the table's entry or DEFAULT_CONFIG."""
+    return _configs.get((int(n), int(k)), DEFAULT_CONFIG)
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """Everything one launch needs; a pure function of (M, N, K, config)."""
+
+    rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int          # effective: splits that own at least one column
+    k_per_split: int      # multiple of block_k
+    even_n: bool
+    even_k: bool
+    x_2d: bool            # load x with w's 2-D layout (see _fma_row)
+    grid: tuple[int, int]
+
+
+def gemv_plan(m: int, n: int, k: int, config: GemvConfig | None = None, elem_bytes: int = 2) -> GemvPlan:
+    """`elem_bytes`: the weight's element size (a thread loads 16 bytes of a row at a time)."""
+    cfg = config if config is not None else gemv_config(n, k)
+    rows_pad = next_pow2(m)
+    # keep the per-thread accumulator size of the M = 1 config; never tile wider than K needs
+    block_k = max(16, min(cfg.block_k // rows_pad, next_pow2(k)))
+    k_per_split = cdiv(cdiv(k, cfg.split_k), block_k) * block_k
+    split_k = cdiv(k, k_per_split)
+    even_k = k % block_k == 0 and k_per_split * split_k == k
+    # Triton spreads the warps over K first (16-byte vectors a thread); if they cannot all sit on K,
+    # a 1-D x would need a layout change in every K-step
+    x_2d = block_k < (16 // elem_bytes) * 32 * cfg.num_warps
+    return GemvPlan(rows=m, block_n=cfg.block_n, block_k=block_k, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages, split_k=split_k, k_per_split=k_per_split,
+                    even_n=n % cfg.block_n == 0, even_k=even_k, x_2d=x_2d, grid=(cdiv(n, cfg.block_n), split_k))
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -22,48 +177,155 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ms = tl.arange(0, M_PAD)
+def _load_w(w_ptrs, row_mask, col_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_N:
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0, eviction_policy="evict_first")
+    else:
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """acc += w * x (x broadcast over the rows). X_2D loads x through [BLOCK_N, BLOCK_K] pointers, so
+    it gets w's register layout (L1-hit duplicates instead of a shared-memory layout change and two
+    barriers every K-step); the 1-D load is used where its layout already matches."""
+    if X_2D:
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=col_mask[None, :], other=0.0)
+        return acc + w * x.to(tl.float32)
+    else:
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=col_mask, other=0.0)
+        return acc + w * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_row(acc, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    else:  # fp32 partial; bias and cast in _splitk_reduce_kernel
+        tl.store(y_ptr + rows, y, mask=row_mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys,
+                 ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + ms[:, None] * stride_xm + cols[None, :],
-                    mask=(ms[:, None] < M) & col_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = pid_k * K_PER_SPLIT
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    if X_2D:
+        x_ptrs = x_ptr + k_begin + tl.zeros_like(rows)[:, None] + offs_k[None, :]
+    else:
+        x_ptrs = x_ptr + k_begin + offs_k
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        col_mask = (k_begin + k0 + offs_k) < K
+        w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
+        acc0 = _fma_row(acc0, w, x_ptrs, col_mask, EVEN_K, X_2D)
+        if ROWS > 1:
+            acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, col_mask, EVEN_K, X_2D)
+        if ROWS > 2:
+            acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, col_mask, EVEN_K, X_2D)
+        if ROWS > 3:
+            acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, col_mask, EVEN_K, X_2D)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_row = y_ptr + pid_k * stride_ys
+    _store_row(acc0, y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+    if ROWS > 1:
+        _store_row(acc1, y_row + stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+    if ROWS > 2:
+        _store_row(acc2, y_row + 2 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+    if ROWS > 3:
+        _store_row(acc3, y_row + 3 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    p_ptrs = p_ptr + row * stride_pm + offs
+    acc = tl.load(p_ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptrs + s * stride_ps, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + ms[:, None] * stride_ym + rows[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(ms[:, None] < M) & row_mask[None, :])
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_args(x, weight, bias):
+    ok = (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+          and x.shape[1] > 0 and weight.shape[0] > 0 and weight.stride(1) == 1 and x.stride(1) == 1
+          and (bias is None or (bias.shape == (weight.shape[0],) and bias.stride(0) == 1)))
+    if not ok:
+        raise ValueError(f"gemv_triton needs x[1..{MAX_ROWS}, K] and weight[N, K] with unit last strides (bias [N]), "
+                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}")
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                block_n: int = 8, block_k: int = 1024) -> torch.Tensor:
-    """x[M<=MAX_ROWS, K] (unit last stride), weight[N, K] contiguous."""
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) in x's dtype, for x[M <= MAX_ROWS, K] and weight[N, K] rows
+    (unit last strides). `config` overrides the table (`gemv_config(N, K)`)."""
     require_triton()
+    _check_args(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv_triton needs x[<= {MAX_ROWS}, K] and weight[N, K] rows, got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}")
-    m_pad = 1 if m == 1 else (2 if m == 2 else 4)
+    plan = gemv_plan(m, n, k, config, weight.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k // m_pad,
-        num_warps=8,
+    b = bias if bias is not None else weight
+    if plan.split_k == 1:
+        out, stride_ys = y, 0
+    else:
+        out = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)
+        stride_ys = out.stride(0)
+    _gemv_kernel[plan.grid](
+        x, weight, b, out, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys,
+        ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    if plan.split_k > 1:
+        _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
+            out, b, y, n, out.stride(0), out.stride(1), y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4,
+        )
     return y
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton GEMV for a handful of rows, cuBLAS for the rest (decided by shape only)."""
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == 1:
+    if x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+__all__ = ["BUILTIN_CONFIGS", "DEFAULT_CONFIG", "MAX_ROWS", "GemvConfig", "GemvPlan", "gemv_config", "gemv_plan",
+           "gemv_triton", "get_gemv_configs", "linear_ref", "linear_triton", "set_gemv_configs"]

@@ -44,7 +44,11 @@ def get_attention_metadata() -> AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V into the paged cache, then attends over the cache."""
+    """Paged attention over this layer's KV cache.
+
+    `forward(q, k, v)` = `store(k, v)` then `attend(q)`. Models whose K/V reach the cache another
+    way (the dense family's fused `qk_norm_rope_store`) call `attend(q)` alone.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
         super().__init__()
@@ -54,15 +58,25 @@ class Attention(nn.Module):
         self._decode = ops.paged_decode_attention
         self._prefill = ops.paged_prefill_attention
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K/V into the cache at the metadata's slot_mapping (-1 skipped)."""
         meta = get_attention_metadata()
-        q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self._store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q ([T, Hq*D] or [T, Hq, D], may be strided) over the cache, whose K/V for
+        this step must already be stored. Returns [T, Hq*D]."""
+        meta = get_attention_metadata()
+        q = q.view(-1, self.num_heads, self.head_dim)
         if meta.is_prefill:
             out = self._prefill(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.context_lens,
                                 meta.block_tables, meta.max_seqlen_q, self.scale)
         else:
             out = self._decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store(k, v)
+        return self.attend(q)

@@ -11,7 +11,7 @@ from torch import nn
 
 from metainfer.config import ModelSpec
 from metainfer.layers.activation import SiluAndMul
-from metainfer.layers.attention import Attention
+from metainfer.layers.attention import Attention, get_attention_metadata
 from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from metainfer.layers.norm import RMSNorm
@@ -31,20 +31,22 @@ class DenseAttention(nn.Module):
                                           spec.rope_scaling, ops)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, ops)
         self.qk_norm = spec.qk_norm
+        self.eps = spec.rms_norm_eps
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
+        self._prep = ops.qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # build-time constant per model
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        else:
-            q, k = q.contiguous(), k.contiguous()
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        # One fused op: per-head q/k RMSNorm (Qwen3) -> rotary -> K/V into the paged cache;
+        # q comes back normed and rotated as a view of qkv, then attention reads the cache.
+        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        attn = self.attn
+        q, _, _ = self._prep(qkv, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, self.eps,
+                             attn.k_cache, attn.v_cache, get_attention_metadata().slot_mapping,
+                             self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn.attend(q))
 
 
 class DenseMLP(nn.Module):
