@@ -1,13 +1,16 @@
 """How much top-1 agreement does bf16 rounding alone allow with random (0.02-init) weights?
 
 Teacher-forced over the same tokens: HF bf16 vs HF fp32, ours bf16 vs HF bf16, ours bf16 vs
-HF fp32, ours fp32 vs HF fp32. Runs on the CPU at reduced depth with the Qwen3-8B widths.
+HF fp32, ours fp32 vs HF fp32, for both engine paths (decode: prompt prefill then one decode
+step per position; prefill: all tokens in one paged prefill). Runs on the CPU at reduced depth
+with the Qwen3-8B widths.
 Usage: python scripts/agreement_study.py [--layers 4] [--positions 128] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -19,22 +22,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metainfer import LLM  # noqa: E402
-from metainfer.bench.agreement import copy_hf_weights  # noqa: E402
-
-
-def logits_hf(model, tokens, start, n):
-    with torch.inference_mode():
-        return model(tokens[None]).logits[0, start - 1:start + n - 1].float()
-
-
-def compare(a, b):
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    return {"top1": (a.argmax(-1) == b.argmax(-1)).float().mean().item(), "cos_mean": cos.mean().item()}
-
-
-def ours_logits(llm, hf, tokens, prompt_len, n):
-    from metainfer.bench.agreement import teacher_forced_logits
-    return teacher_forced_logits(llm, tokens, prompt_len, n)
+from metainfer.bench.agreement import (  # noqa: E402
+    compare,
+    copy_hf_weights,
+    hf_logits,
+    teacher_forced_logits,
+    teacher_forced_prefill_logits,
+)
 
 
 def main():
@@ -60,17 +54,22 @@ def main():
     hf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf32.state_dict().items()})
     prompt_len, n = 32, args.positions
     tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
-    ref32, ref16 = logits_hf(hf32, tokens, prompt_len, n), logits_hf(hf16, tokens, prompt_len, n)
+    ref32, ref16 = hf_logits(hf32, tokens, prompt_len, n), hf_logits(hf16, tokens, prompt_len, n)
     results = {"config": f"Qwen3-8B widths, {args.layers} layers, 0.02 init", "positions": n,
                "hf_bf16_vs_hf_fp32": compare(ref16, ref32)}
-    for dtype, model in (("bfloat16", hf16), ("float32", hf32)):
+    for dtype in ("bfloat16", "float32"):  # bf16 first, so HF bf16 can go before the fp32 engine
+        model = hf16 if dtype == "bfloat16" else hf32
         llm = LLM(folder, device="cpu", dtype=dtype, load_format="dummy", max_model_len=512, num_kv_blocks=64)
         copy_hf_weights(llm, model)
-        ours = ours_logits(llm, model, tokens, prompt_len, n)
         tag = "bf16" if dtype == "bfloat16" else "fp32"
-        results[f"ours_{tag}_vs_hf_fp32"] = compare(ours, ref32)
-        results[f"ours_{tag}_vs_hf_bf16"] = compare(ours, ref16)
-        del llm
+        for path, fn in (("decode", teacher_forced_logits), ("prefill", teacher_forced_prefill_logits)):
+            ours = fn(llm, tokens, prompt_len, n)
+            results.setdefault(path, {})[f"ours_{tag}_vs_hf_fp32"] = compare(ours, ref32)
+            results[path][f"ours_{tag}_vs_hf_bf16"] = compare(ours, ref16)
+        del llm, model
+        if dtype == "bfloat16":
+            del hf16
+        gc.collect()
     print(json.dumps(results, indent=1))
     if args.out:
         json.dump(results, open(args.out, "w"), indent=1)

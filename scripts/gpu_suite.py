@@ -2,12 +2,15 @@
 
 Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections:
   kernels    Triton vs torch reference at Qwen3-8B shapes, bf16
-  graphs     greedy output: CUDA-graph path == eager path; with prefix hits and preemption
+  gemv       batch-1 GEMV sweep: Triton configs vs cuBLAS per shape and for the whole decode set
+  graphs     greedy output: CUDA-graph path == eager path, async == sync; prefix hits, preemption
   agreement  teacher-forced top-1 / logit cosine vs HF transformers at real dims
   latency    batch-1 decode TPOT, TTFT of a 1,024-token prompt, startup time, bandwidth ratio
   throughput nano-vllm protocol (256 seqs, lengths U[100, 1024])
   baseline   HF transformers eager and static cache + torch.compile at batch 1
   profile    torch.profiler breakdown of decode steps
+  profile_batch  wall vs device time of a 256-sequence decode step
+  allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -125,9 +128,36 @@ def kernels(args):
         TRITON_OPS.store_kv(kn, vn, a_k, a_v, slots)
         REF_OPS.store_kv(kn, vn, b_k, b_v, slots)
         out[f"store_kv_bs{bs}"] = {"ok": bool(torch.equal(a_k, b_k) and torch.equal(a_v, b_v))}
+    from metainfer.kernels.qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
+
+    for tokens in (1, 8, 4096):  # decode bs1, bs8 and a prefill chunk, Qwen3-8B heads
+        nb, bs = 512, 16
+        qkv = torch.randn(tokens, (Hq + 2 * Hk) * D, device=dev, dtype=dt)
+        pos = torch.randint(0, 40000, (tokens,), device=dev)
+        slots = torch.randperm(nb * bs, device=dev)[:tokens].int()
+        qn, kn = 1 + 0.3 * torch.randn(D, device=dev, dtype=dt), 1 + 0.3 * torch.randn(D, device=dev, dtype=dt)
+        caches = [torch.randn(nb, bs, Hk, D, device=dev, dtype=dt) for _ in range(4)]
+        got = qk_norm_rope_store_triton(qkv.clone(), pos, cache, qn, kn, 1e-6, caches[0], caches[1], slots, Hq, Hk, D)
+        ref = qk_norm_rope_store_ref(qkv.clone(), pos, cache, qn, kn, 1e-6, caches[2], caches[3], slots, Hq, Hk, D)
+        compare(f"qk_norm_rope_store_T{tokens}_q", got[0], ref[0])
+        compare(f"qk_norm_rope_store_T{tokens}_k", got[1], ref[1])
+        compare(f"qk_norm_rope_store_T{tokens}_kcache", caches[0], caches[2])
+        out[f"qk_norm_rope_store_T{tokens}_vcache"] = {"ok": bool(torch.equal(caches[1], caches[3]))}
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
     print(json.dumps(out, indent=1))
     return out
+
+
+@section("gemv")
+def gemv(args):
+    """Batch-1 GEMV sweep (Triton configs vs cuBLAS per decode shape, then the whole decode set)."""
+    from metainfer.kernels.gemv import set_gemv_configs
+    from metainfer.kernels.gemv_bench import format_report, sweep
+
+    res = sweep()
+    print(format_report(res), flush=True)
+    set_gemv_configs(res["table"])  # the latency section's Triton-GEMV variant uses the winners
+    return res
 
 
 @section("graphs")
@@ -152,9 +182,11 @@ def graphs(args):
                (1, 5, 40, 200, 7, 64, 300, 2)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}
-    for name, kw in {"eager": dict(enforce_eager=True), "graph": {},
-                     "graph_preempt": dict(num_kv_blocks=60), "eager_no_prefix": dict(enforce_eager=True,
-                                                                                     enable_prefix_caching=False)}.items():
+    variants = {"eager": dict(enforce_eager=True, async_scheduling=False), "graph": {},  # graph: async (default)
+                "graph_sync": dict(async_scheduling=False), "graph_preempt": dict(num_kv_blocks=60),
+                "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60),
+                "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False)}
+    for name, kw in variants.items():
         llm = LLM(folder, dtype="float32", max_model_len=1024, max_num_seqs=16, **kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
@@ -172,38 +204,51 @@ def graphs(args):
 
 @section("agreement")
 def agreement(args):
-    """Teacher-forced vs HF bf16, and (the yardstick) HF bf16 and ours vs HF fp32, same weights."""
+    """Teacher-forced vs HF bf16, and (the yardstick) HF bf16 and ours vs HF fp32, same weights;
+    for both engine paths: decode (prefill of the prompt, then one decode step per position through
+    the runner, CUDA graphs included) and prefill (all tokens in one paged prefill)."""
     import transformers
 
-    from metainfer.bench.agreement import copy_hf_weights, teacher_forced_logits
+    from metainfer.bench.agreement import (
+        compare,
+        copy_hf_weights,
+        hf_logits,
+        hf_to_dtype,
+        teacher_forced_logits,
+        teacher_forced_prefill_logits,
+    )
 
     folder = model_dir(args)
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda"):  # fp32 at 8B: 32.8 GB
         hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     prompt_len, n = 32, 256
     tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        ref32 = hf32(tokens[None].cuda()).logits[0, prompt_len - 1:prompt_len + n - 1].float()
-        hf16 = hf32.to(torch.bfloat16)
-        ref16 = hf16(tokens[None].cuda()).logits[0, prompt_len - 1:prompt_len + n - 1].float()
+    ref32 = hf_logits(hf32, tokens, prompt_len, n)
+    hf16 = hf_to_dtype(hf32, torch.bfloat16)  # in place: the same weights rounded once; inv_freq stays fp32
+    del hf32
+    ref16 = hf_logits(hf16, tokens, prompt_len, n)
+    # KV sized explicitly: 288 tokens need 18 blocks, and the memory-profiled budget would count
+    # HF's model (still resident) against gpu_memory_utilization
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
-              num_kv_blocks=64)  # 288 tokens need 18 blocks; HF already holds much of the memory
+              num_kv_blocks=64)
     copy_hf_weights(llm, hf16)
-    ours = teacher_forced_logits(llm, tokens, prompt_len, n)
-
-    def compare(a, b):
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-        return {"top1": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-                "cos_mean": cos.mean().item(), "cos_min": cos.min().item()}
-
-    result = {"positions": n, "ours_bf16_vs_hf_bf16": compare(ours, ref16),
-              "ours_bf16_vs_hf_fp32": compare(ours, ref32), "hf_bf16_vs_hf_fp32": compare(ref16, ref32)}
-    result["top1_agreement"] = result["ours_bf16_vs_hf_bf16"]["top1"]
-    result["cosine_mean"] = result["ours_bf16_vs_hf_bf16"]["cos_mean"]
+    del hf16
+    gc.collect()
+    torch.cuda.empty_cache()
+    ours = {"decode": teacher_forced_logits(llm, tokens, prompt_len, n),
+            "prefill": teacher_forced_prefill_logits(llm, tokens, prompt_len, n)}
+    result = {"positions": n, "prompt_len": prompt_len, "hf_bf16_vs_hf_fp32": compare(ref16, ref32)}
+    for path, logits in ours.items():
+        result[path] = {"ours_bf16_vs_hf_bf16": compare(logits, ref16),
+                        "ours_bf16_vs_hf_fp32": compare(logits, ref32)}
+    result["ours_decode_vs_ours_prefill"] = compare(ours["decode"], ours["prefill"])
+    # the table's headline: decode path vs HF bf16
+    result["top1_agreement"] = result["decode"]["ours_bf16_vs_hf_bf16"]["top1"]
+    result["cosine_mean"] = result["decode"]["ours_bf16_vs_hf_bf16"]["cos_mean"]
     print(json.dumps(result, indent=1))
-    del llm, hf16, hf32
+    del llm, ours, ref16, ref32
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -220,17 +265,22 @@ def latency(args):
     bs1 = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)
     bs8 = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
-    bs1_gemv = None
-    if args.gemv:  # the same engine with the Triton GEMV for M <= 4 (graphs re-captured)
-        from metainfer.kernels.gemv import linear_triton
-        for module in llm.llm_engine.runner.model.modules():
-            if hasattr(module, "matmul"):
-                module.matmul = linear_triton
-        llm.llm_engine.runner._capture_cudagraphs()
-        bs1_gemv = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    runner = llm.llm_engine.runner
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    engine.lookahead = 0  # the same engine read back after every step (async scheduling off)
+    bs1_sync = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    engine.lookahead = 1
+    variants = {}
+    from metainfer.kernels.gemv import get_gemv_configs, linear_triton
+    bound = {m: m.matmul for m in runner.model.modules() if hasattr(m, "matmul")}
+    for name in ("triton_gemv", "cublas"):  # swap the GEMM, re-capture, measure; cuBLAS last again
+        for module, original in bound.items():
+            module.matmul = linear_triton if name == "triton_gemv" else original
+        runner._capture_cudagraphs()
+        variants[name] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    variants["triton_gemv"]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in get_gemv_configs().items()}
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
-           "bs1_triton_gemv": bs1_gemv,
+           "bs1_sync": bs1_sync, "bs1_variants": variants,
+           "linear": getattr(runner.model.lm_head.matmul, "__name__", str(runner.model.lm_head.matmul)),
            "num_kv_blocks": runner.num_blocks, "graph_batch_sizes": runner.graph_batch_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
@@ -303,6 +353,80 @@ def profile(args):
     return out
 
 
+@section("profile_batch")
+def profile_batch(args):
+    """Where a decode step of 256 running sequences (context ~600) spends its time: wall time per
+    step against device time per kernel kind (what the throughput bench runs most of the time)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    folder = model_dir(args)
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+    for i in range(256):
+        engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, 10000, (576,), generator=g).tolist()},
+                           params, stream=False)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 16
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+    buckets = _kernel_buckets(prof, per=8)
+    while engine.has_unfinished_requests():
+        engine.step()
+    res = {"running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
+           "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values())}
+    print(json.dumps(res, indent=1), flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def _kernel_buckets(prof, per: int) -> dict[str, float]:
+    buckets: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+        if t <= 0 or evt.key.startswith("cuda") or evt.key.startswith("aten::"):
+            continue
+        k = evt.key.lower()
+        kind = ("gemm" if any(x in k for x in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas")) else
+                "attention" if any(x in k for x in ("decode", "prefill", "attn", "attention")) else
+                "norm/rotary/act" if any(x in k for x in ("rms", "rotary", "silu", "norm", "qk_norm")) else
+                "memcpy" if "memcpy" in k else "other")
+        buckets[kind] = buckets.get(kind, 0) + t / 1e3 / per
+    return buckets
+
+
+@section("allreduce")
+def allreduce(args):
+    """Issue 6 on one GPU: the custom all-reduce's GPU tests (two processes sharing GPU 0)."""
+    import subprocess
+
+    env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               METAINFER_SHARED_GPU_TIMEOUT="60")
+    cmd = [sys.executable, "-m", "pytest", "tests/test_phase02_custom_all_reduce.py", "-q", "-rs", "-p",
+           "no:cacheprovider"]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=200)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    print(tail, flush=True)
+    return {"returncode": proc.returncode, "output_tail": tail}
+
+
 def table() -> str:
     r = RESULTS
     lines = ["", "| figure | ours | reference | ratio |", "|---|---|---|---|"]
@@ -315,6 +439,22 @@ def table() -> str:
             if isinstance(b, dict) and "decode_tok_s" in b:
                 lines.append(f"| bs1 decode tok/s vs HF {mode} | {bs1['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} | "
                              f"{bs1['decode_tok_s'] / b['decode_tok_s']:.2f}x |")
+    if "bs1_sync" in lat:
+        lines.append(f"| bs1 decode tok/s, async scheduling off | {lat['bs1_sync']['decode_tok_s']:.1f} | | |")
+    for name, v in lat.get("bs1_variants", {}).items():
+        lines.append(f"| bs1 decode tok/s, {name} GEMM | {v['decode_tok_s']:.1f} | roofline "
+                     f"{v.get('roofline_tok_s', 0):.1f} | {v.get('bw_ratio', 0):.1%} |")
+    gv = r.get("gemv", {}).get("decode_set", {})
+    if gv:
+        times = {k: v for k, v in gv.items() if k.endswith("_ms")}
+        lines.append(f"| decode-set GEMVs in one graph (ms) | {json.dumps(times)[:90]} | | |")
+    pb = r.get("profile_batch", {})
+    if "wall_ms_per_step" in pb:
+        lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
+                     f"{pb['device_ms_per_step']:.2f} | | |")
+    ar = r.get("allreduce", {})
+    if "returncode" in ar:
+        lines.append(f"| custom all-reduce GPU tests | rc {ar['returncode']} | | |")
     if "ttft_1024" in lat:
         lines.append(f"| TTFT 1024 tokens (ms) | {lat['ttft_1024']['ttft_ms']:.1f} | target 35 | |")
     if "startup_s" in lat:
@@ -343,7 +483,8 @@ def table() -> str:
 def main():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="kernels,graphs,agreement,latency,throughput,baseline,profile")
+    p.add_argument("--sections", default="kernels,gemv,graphs,latency,throughput,profile,profile_batch,agreement,"
+                                          "baseline,allreduce")
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")

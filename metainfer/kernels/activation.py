@@ -1,7 +1,11 @@
 """SiLU-and-mul: the gated-MLP activation on the fused gate_up projection.
 
-Contract: x[..., 2I] -> y[..., I] with y = silu(x[..., :I]) * x[..., I:], fp32 math, output in x's
-dtype.
+Contract: x[..., 2I] -> y[..., I] with y = silu(x[..., :I]) * x[..., I:], output in x's dtype.
+
+Rounding points follow HF transformers' `act_fn(gate_proj(x)) * up_proj(x)` in the model dtype:
+s = silu(gate) in fp32 (gate / (1 + exp(-gate)), torch's formula) rounded to the dtype, then
+y = s * up formed in fp32 from the two rounded values and rounded once more. In fp32 the
+rounding of s is a no-op.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from ._triton import next_pow2, require_triton, tl, triton
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     xf = x.float()
-    return (F.silu(xf[..., :half]) * xf[..., half:]).to(x.dtype)
+    # torch's bf16/fp16 silu computes in fp32 and rounds once: equal to this (checked exhaustively)
+    act = F.silu(xf[..., :half]).to(x.dtype).float()
+    return (act * xf[..., half:]).to(x.dtype)
 
 
 @triton.jit
@@ -25,7 +31,8 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, inter, BLOCK:
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_row_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
+    act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF: silu, rounded
+    y = act * up
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

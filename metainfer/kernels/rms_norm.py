@@ -1,10 +1,16 @@
 """RMSNorm and fused residual-add + RMSNorm.
 
-Contract (docs/CONTRACTS.md): y = x * rsqrt(mean(x^2) + eps) * w with fp32 math and the output in
-x's dtype; any leading shape `[..., H]` (Qwen3's q_norm/k_norm run on `[T, heads, D]` views of
+Contract (docs/CONTRACTS.md): y = w * n with n = x * rsqrt(mean(x^2) + eps), output in x's
+dtype; any leading shape `[..., H]` (Qwen3's q_norm/k_norm run on `[T, heads, D]` views of
 the qkv projection, so the kernels take strided rows instead of forcing a copy).
 The fused variant first stores residual <- x + residual (rounded to residual's dtype, as an
 unfused model would) and normalises that rounded sum.
+
+Rounding points follow HF transformers' `Qwen3RMSNorm` (`weight * hidden.to(input_dtype)`):
+the mean of squares, rsqrt and n are fp32 math on the fp32-converted input, n is rounded to the
+input's dtype, and the product with the weight is formed in fp32 from the two rounded values
+(exact for bf16/fp16 operands) and rounded once more to the output dtype. In fp32 both roundings
+are no-ops.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from ._triton import next_pow2, require_triton, tl, triton
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    normed = (xf * inv_rms).to(x.dtype)  # HF: hidden_states.to(input_dtype)
+    return (weight.float() * normed.float()).to(x.dtype)  # HF: weight * normed, in the dtype
 
 
 def fused_add_rms_norm_ref(
@@ -65,7 +72,12 @@ def _rms_norm_kernel(
 
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = x * inv_rms[:, None] * w[None, :]
+    # HF's rounding points: n rounded to the normalised input's dtype, then w * n rounded on store
+    if HAS_RESIDUAL:
+        normed = (x * inv_rms[:, None]).to(res_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        normed = (x * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = w[None, :] * normed
     y_off = (outer * y_stride0 + inner * y_stride1)[:, None] + cols[None, :]
     tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
 

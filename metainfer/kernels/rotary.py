@@ -5,6 +5,12 @@ rotates the first `rot_dim` dims of every head; `cos_sin[:, :rot_dim/2]` holds c
 q and k may be strided views (slices of the fused qkv output) and may also be given as
 `[T, H, D]`; they are updated in place and returned.
 
+Rounding points follow HF transformers (`q * cos + rotate_half(q) * sin` with cos/sin already
+cast to q's dtype, every op in that dtype): c, s = cos, sin rounded to x's dtype;
+out1 = round(round(x1*c) - round(x2*s)), out2 = round(round(x2*c) + round(x1*s)), each product
+and sum formed in fp32 from the rounded operands (so every op is one correctly rounded op in the
+dtype, as torch does it). In fp32 all roundings are no-ops.
+
 `build_cos_sin_cache` supports no scaling, "linear", "llama3" (Llama-3.1) and "yarn"
 (DeepSeek-V2/V3 style). Frequencies follow transformers' rope init functions so the CPU path can
 match HF token for token; the table is fp32 (cos/sin of large angles in bf16 lose ~3 digits).
@@ -143,17 +149,24 @@ def rotary_neox_ref(
     rot_dim = cos_sin.shape[-1]
     half = rot_dim // 2
     num_tokens = positions.shape[0]
-    cs = cos_sin.index_select(0, positions.long()).float()
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
+    cs = cos_sin.index_select(0, positions.long())
     for x in (q, k):
         if x is None:
             continue
+        dtype = x.dtype
+
+        def rnd(t: torch.Tensor, dtype=dtype) -> torch.Tensor:
+            return t.to(dtype).float()
+
+        cos = rnd(cs[:, None, :half])  # HF: cos.to(dtype=x.dtype)
+        sin = rnd(cs[:, None, half:])
         rot = _heads_view(x, num_tokens, head_dim)[..., :rot_dim]
         x1 = rot[..., :half].float()
         x2 = rot[..., half:].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        rot.copy_(rotated)
+        # HF: q*cos + cat(-x2, x1)*sin, each op rounded to the dtype (round(-a) == -round(a))
+        out1 = rnd(x1 * cos) - rnd(x2 * sin)
+        out2 = rnd(x2 * cos) + rnd(x1 * sin)
+        rot.copy_(torch.cat([out1, out2], dim=-1))  # the last rounding
     return q, k
 
 
@@ -168,12 +181,16 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_id
     heads = tl.arange(0, BLOCK_H)
     mask = (heads[:, None] < num_heads) & (half_idx[None, :] < HALF)
     ptr = x_ptr + token * stride_t + heads[:, None] * stride_h + half_idx[None, :]
+    dtype = x_ptr.dtype.element_ty
     x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(ptr, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    # HF's rounding points (see the module docstring); no-ops in fp32
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    out1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    out2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    tl.store(ptr, out1.to(dtype), mask=mask)
+    tl.store(ptr + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
