@@ -136,7 +136,8 @@ def kernels(args):
         pos = torch.randint(0, 40000, (tokens,), device=dev)
         slots = torch.randperm(nb * bs, device=dev)[:tokens].int()
         qn, kn = 1 + 0.3 * torch.randn(D, device=dev, dtype=dt), 1 + 0.3 * torch.randn(D, device=dev, dtype=dt)
-        caches = [torch.randn(nb, bs, Hk, D, device=dev, dtype=dt) for _ in range(4)]
+        caches = [torch.randn(nb, bs, Hk, D, device=dev, dtype=dt) for _ in range(2)]
+        caches += [c.clone() for c in caches]  # the same untouched slots on both sides
         got = qk_norm_rope_store_triton(qkv.clone(), pos, cache, qn, kn, 1e-6, caches[0], caches[1], slots, Hq, Hk, D)
         ref = qk_norm_rope_store_ref(qkv.clone(), pos, cache, qn, kn, 1e-6, caches[2], caches[3], slots, Hq, Hk, D)
         compare(f"qk_norm_rope_store_T{tokens}_q", got[0], ref[0])
@@ -266,22 +267,32 @@ def latency(args):
     ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)
     bs8 = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
+    linear_name = getattr(runner.model.lm_head.matmul, "__name__", str(runner.model.lm_head.matmul))
+    num_blocks, graph_sizes = runner.num_blocks, runner.graph_batch_sizes
     engine.lookahead = 0  # the same engine read back after every step (async scheduling off)
     bs1_sync = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     engine.lookahead = 1
     variants = {}
-    from metainfer.kernels.gemv import get_gemv_configs, linear_triton
-    bound = {m: m.matmul for m in runner.model.modules() if hasattr(m, "matmul")}
-    for name in ("triton_gemv", "cublas"):  # swap the GEMM, re-capture, measure; cuBLAS last again
-        for module, original in bound.items():
-            module.matmul = linear_triton if name == "triton_gemv" else original
+    from metainfer.kernels.gemv import get_gemv_configs, linear_engine, linear_ref
+    bound = [m for m in runner.model.modules() if hasattr(m, "matmul")]
+    for name, fn in (("cublas", linear_ref), ("triton_gemv", linear_engine)):  # swap, re-capture, measure
+        for module in bound:
+            module.matmul = fn
         runner._capture_cudagraphs()
         variants[name] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     variants["triton_gemv"]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in get_gemv_configs().items()}
+    swept = RESULTS.get("gemv", {}).get("table")
+    if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
+        from metainfer.kernels.gemv import set_gemv_configs
+        shipped = set_gemv_configs(swept)
+        runner._capture_cudagraphs()
+        variants["triton_gemv_this_sweep"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+        variants["triton_gemv_this_sweep"]["gemv_table"] = swept
+        set_gemv_configs({f"{n}x{k}": c for (n, k), c in shipped.items()})
+    del engine, runner, bound  # the modules must go with the LLM, or the next engine finds no memory
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
            "bs1_sync": bs1_sync, "bs1_variants": variants,
-           "linear": getattr(runner.model.lm_head.matmul, "__name__", str(runner.model.lm_head.matmul)),
-           "num_kv_blocks": runner.num_blocks, "graph_batch_sizes": runner.graph_batch_sizes}
+           "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
     gc.collect()

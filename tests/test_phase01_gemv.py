@@ -243,3 +243,22 @@ def test_sweep_plumbing_on_cpu(monkeypatch):
     assert gemv_config(20, 64) == configs[0]
     report = bench.format_report(res)
     assert "decode set (3 GEMVs" in report and "table:" in report
+
+
+def test_tuned_linear_picks_by_device_and_rows():
+    from metainfer.kernels import gemv
+
+    previous = gemv.get_gemv_configs()
+    try:
+        assert gemv.tuned_linear("Some GPU without a table") is gemv.linear_ref
+        chosen = gemv.tuned_linear("NVIDIA H200")
+        assert chosen is gemv.linear_engine
+        installed = gemv.get_gemv_configs()
+        assert {f"{n}x{k}" for n, k in installed} == set(gemv.TUNED_CONFIGS["NVIDIA H200"])
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(24, 64, generator=g)
+        for m in (1, gemv.ENGINE_MAX_ROWS, gemv.ENGINE_MAX_ROWS + 1):  # Triton, Triton, cuBLAS/ATen
+            x = torch.randn(m, 64, generator=g)
+            torch.testing.assert_close(chosen(x, w), linear_ref(x, w), rtol=1e-4, atol=1e-4)
+    finally:
+        gemv.set_gemv_configs({f"{n}x{k}": c for (n, k), c in previous.items()})

@@ -9,7 +9,7 @@ needs Triton nor initialises CUDA.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,15 +69,16 @@ TRITON_OPS = KernelOps(
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
-    # cuBLAS: the Triton GEMV measured slower in the engine (docs/PERFORMANCE.md, run 1)
-    linear=linear_ref,
+    linear=linear_ref,  # on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
     backend="triton",
 )
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
-    debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1)."""
+    debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
+    On CUDA the GEMM is chosen here too: the Triton GEMV with the GPU's tuned table for batch-1
+    shapes if this GPU has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -85,7 +86,11 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None) -> Ke
         return REF_OPS
     if not HAS_TRITON:
         raise RuntimeError(f"Triton kernels requested for device {device} but triton is not installed")
-    return TRITON_OPS
+    if device.type != "cuda":
+        return TRITON_OPS
+    from .gemv import tuned_linear
+
+    return replace(TRITON_OPS, linear=tuned_linear(torch.cuda.get_device_name(device)))
 
 
 __all__ = [

@@ -98,6 +98,23 @@ BUILTIN_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 
 _configs: dict[tuple[int, int], GemvConfig] = dict(BUILTIN_CONFIGS)
 
+# Rows up to which the engine's linear uses the Triton GEMV. Measured on the H200 (docs/
+# PERFORMANCE.md, run 3, 4096x4096): Triton wins at M=1 (11.3 vs 13.9 us) and M=2 (11.8 vs 13.7),
+# cuBLAS at M=3 (13.6 vs 14.2) and M=4 (14.0 vs 15.0).
+ENGINE_MAX_ROWS = 2
+
+# Per-GPU tables chosen by `gemv_bench.sweep()` (the JSON is in docs/results/). The engine uses the
+# Triton GEMV only on a GPU listed here, with its table; elsewhere cuBLAS (select_ops, at build).
+TUNED_CONFIGS: dict[str, dict[str, dict]] = {
+    "NVIDIA H200": {  # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms
+        "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+        "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8},
+        "24576x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+        "4096x12288": {"block_n": 16, "block_k": 1024, "num_warps": 8},
+        "151936x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+    },
+}
+
 
 def _parse_key(key) -> tuple[int, int]:
     dims = None
@@ -327,5 +344,26 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["BUILTIN_CONFIGS", "DEFAULT_CONFIG", "MAX_ROWS", "GemvConfig", "GemvPlan", "gemv_config", "gemv_plan",
-           "gemv_triton", "get_gemv_configs", "linear_ref", "linear_triton", "set_gemv_configs"]
+def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's GEMM on a tuned GPU: Triton GEMV where it measured faster (M <= ENGINE_MAX_ROWS),
+    cuBLAS otherwise. M is a shape: under a CUDA graph the choice is made once per bucket."""
+    if x.dim() == 2 and 1 <= x.shape[0] <= ENGINE_MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def tuned_linear(device_name: str):
+    """Pick the engine's linear for a GPU once: install its tuned table and return linear_engine,
+    or return cuBLAS (linear_ref) for a GPU without one."""
+    table = TUNED_CONFIGS.get(device_name)
+    if table is None:
+        return linear_ref
+    set_gemv_configs(table)
+    return linear_engine
+
+
+__all__ = [
+    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "GemvConfig", "GemvPlan",
+    "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
+    "set_gemv_configs", "tuned_linear",
+]

@@ -64,6 +64,20 @@ SWEEP_CONFIGS: tuple[GemvConfig, ...] = (
     _C(4, 1024, 4, split_k=2),
     _C(16, 512, 8, split_k=2),
     _C(8, 1024, 4, split_k=2),
+    # for the 4096-row shapes (256-512 programs on 132 SMs): more rows or more warps a program
+    _C(32, 512, 8),
+    _C(32, 256, 8),
+    _C(16, 1024, 16),
+    _C(32, 1024, 16),
+    _C(16, 2048, 16),
+    _C(8, 2048, 16),
+    _C(8, 4096, 16),
+    _C(4, 4096, 8),
+    _C(16, 512, 16),
+    _C(2, 2048, 4),
+    _C(2, 1024, 2),
+    _C(4, 1024, 4, split_k=4),
+    _C(16, 1024, 8, split_k=2),
 )
 QUICK_CONFIGS: tuple[GemvConfig, ...] = (
     _C(8, 1024, 8), _C(8, 1024, 4), _C(4, 1024, 4), _C(16, 512, 8), _C(4, 2048, 8), _C(8, 1024, 8, split_k=2),
@@ -123,12 +137,11 @@ def _measure(fn, weights, calls, replays, nbytes):
     return {"us": round(us, 3), "gbps": round(nbytes / (us * 1e-6) / 1e9, 1)}
 
 
-def _copy_gbps(device, replays: int, nbytes: int = 1 << 30) -> float:
+def _copy_gbps(device, replays: int, nbytes: int = 1 << 31) -> float:
     """Device-to-device copy (read + write bytes counted), as DESIGN.md's roofline."""
-    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-    ms = _time_graph([lambda: bufs[1].copy_(bufs[0])] * 4, replays) / 4
-    bufs.clear()
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    from metainfer.bench.common import copy_bandwidth
+
+    return copy_bandwidth(torch.device(device), gib=nbytes / 2**30) / 1e9
 
 
 def _env(device) -> dict:
