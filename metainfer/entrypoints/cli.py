@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=None, help="launch step n+1 before reading step n back (default: on for one CUDA GPU)")
 
 
 def engine_kwargs(args) -> dict:
@@ -46,7 +48,7 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                load_format=args.load_format, seed=args.seed)
+                load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
