@@ -35,11 +35,8 @@ from metainfer.kernels import (
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
-ON_GPU = os.environ.get("METAINFER_TEST_GPU") == "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-REF_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 triton = pytest.importorskip("triton")
 
 # Triton vs reference: the same fp32 math and rounding points; they differ by at most ~1 ulp where

@@ -10,7 +10,6 @@ slot_mapping (or marked -1) must come back bit-identical.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -29,11 +28,8 @@ from metainfer.kernels import (
 )
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.models.dense import DenseAttention
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 
-ON_GPU = os.environ.get("METAINFER_TEST_GPU") == "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
-REF_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 triton = pytest.importorskip("triton")
 
 # Triton vs the fused reference: both round where HF does (norm, then weight; cos/sin; each rotary
