@@ -111,7 +111,8 @@ class ModelRunner:
 
     # -- construction -----------------------------------------------------------------
     def _build_model(self):
-        ops = select_ops(self.device)
+        gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        ops = select_ops(self.device, gpu_name=gpu_name)
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)

@@ -74,11 +74,12 @@ TRITON_OPS = KernelOps(
 )
 
 
-def select_ops(device: torch.device | str, use_triton: bool | None = None) -> KernelOps:
+def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
-    On CUDA the GEMM is chosen here too: the Triton GEMV with the GPU's tuned table for batch-1
-    shapes if this GPU has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise."""
+    `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
+    table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise.
+    Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -86,11 +87,11 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None) -> Ke
         return REF_OPS
     if not HAS_TRITON:
         raise RuntimeError(f"Triton kernels requested for device {device} but triton is not installed")
-    if device.type != "cuda":
+    if gpu_name is None:
         return TRITON_OPS
     from .gemv import tuned_linear
 
-    return replace(TRITON_OPS, linear=tuned_linear(torch.cuda.get_device_name(device)))
+    return replace(TRITON_OPS, linear=tuned_linear(gpu_name))
 
 
 __all__ = [
