@@ -26,6 +26,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
                 warmup: int = 1, progress: bool = True) -> dict:
     from metainfer import SamplingParams
 
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 (TPOT is measured over tokens after the first), got {output_len}")
     engine = llm.llm_engine
     device = engine.config.torch_device
     prompts = random_prompts(batch_size, input_len, engine.spec.vocab_size)

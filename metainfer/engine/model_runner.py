@@ -180,7 +180,12 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(ids, positions)
         self.model.compute_logits(hidden[cu[1:].long() - 1])
+        del hidden
+        # the sampler's fp32 temporaries for a full decode batch (logits, probabilities, noise)
+        sampler_peak = [torch.empty(cfg.max_num_seqs, self.spec.vocab_size, dtype=torch.float32,
+                                    device=self.device) for _ in range(3)]
         torch.cuda.synchronize()
+        del sampler_peak
         activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         self._release_kv_cache()
         torch.cuda.empty_cache()

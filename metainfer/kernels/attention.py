@@ -13,7 +13,9 @@ GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dty
 Both Triton kernels gather K/V token by token through the block table (physical row =
 block_tables[b, t // S] * S + t % S), so every block size works, including 1.
 The decode launcher never reads GPU values on the host (no .item()/.tolist()), so it can be
-captured in a CUDA graph: the grid depends only on shapes and the host ints given.
+captured in a CUDA graph: the grid depends only on shapes and the host ints given. Split-KV decode
+is one launch: the last split of each (sequence, kv head) to finish, found with an int32 arrival
+counter that it resets to 0, merges the partial results (no separate reduce kernel).
 """
 
 from __future__ import annotations
@@ -114,14 +116,69 @@ def paged_prefill_attention_ref(
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton: decode with split-KV
+# Triton: decode with split-KV (one launch: the last split of each (sequence, kv head) merges)
 # ----------------------------------------------------------------------------------------------
+#
+# Memory-ordering argument of the in-kernel merge (the GPU, not the interpreter, which runs the
+# programs one after the other and has no races):
+# * A program's partial-output and log-sum-exp stores are issued by many threads, while a scalar
+#   `tl.atomic_add` is issued by one thread of the program (Triton predicates scalar atomics to a
+#   single thread and broadcasts the old value through shared memory). So the writers first run
+#   `tl.debug_barrier()` (bar.sync): every thread's stores precede, in causality order, the
+#   counting thread's atomic. That atomic is `sem="acq_rel", scope="gpu"`; its release half is
+#   cumulative, so it publishes all the stores ordered before it - the other threads' included -
+#   at GPU scope (the pattern of CUTLASS's split-K semaphore: __syncthreads, then one thread's
+#   red.release.gpu).
+# * The counter's modification order is a total order: exactly one program reads the value
+#   `live - 1` and it is the last. Its acquire half synchronises with the release of every
+#   program that incremented before it, so all live partials are visible to the counting thread.
+#   The result broadcast (and an explicit `tl.debug_barrier()`) orders that acquire before the
+#   loads of the program's other threads, which read the partials with `.cg` (L2, bypassing the
+#   SM's non-coherent L1 - belt and braces: acquire already invalidates it).
+# * The last program sets the counter back to 0. Nothing else touches that counter in this
+#   launch any more, and the next launch (or CUDA-graph replay) is ordered after this one by the
+#   stream, so every launch finds its counters at 0 and leaves them at 0.
+
+
+@triton.jit
+def _decode_merge_splits(
+    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
+    out_stride_b, out_stride_h,
+    GROUP: tl.constexpr, BLOCK_GM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+):
+    """out[heads of kv_head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse),
+    over the `live` (>= 2) splits, MERGE_SPLITS partials at a time (bounded registers)."""
+    g = tl.arange(0, BLOCK_GM)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
+    base = (seq * num_q_heads + heads) * num_splits  # workspace row of split 0, per q head
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + base[:, None] + s[None, :], mask=g_mask[:, None] & (s < live)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.where(g_mask, tl.max(lse, axis=1), 0.0)  # finite on real heads (live >= 2)
+    total = tl.sum(tl.exp2(lse - lse_max[:, None]), axis=1)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for s0 in range(0, live, MERGE_SPLITS):
+        st = s0 + tl.arange(0, MERGE_SPLITS)
+        gs_mask = g_mask[:, None] & (st < live)[None, :]
+        rows = base[:, None] + st[None, :]
+        w = tl.exp2(tl.load(part_lse_ptr + rows, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+                    - lse_max[:, None])
+        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :],
+                        mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * parts, axis=1)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     scale_log2e, num_splits,
     q_stride_b, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
@@ -130,21 +187,30 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
-    contiguous token range of the context. Writes normalised partial outputs + log2-sum-exp
-    (or the final output directly when there is a single split)."""
+    contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
+    sequence whose context fits one split also writes it directly; otherwise each live split
+    writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
+    counter, and the last one to arrive merges the partials into the output (see above)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
     # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
-    # The reduce kernel recomputes the same formula to know how many splits are live.
+    # Splits 0..live-1 are non-empty; all programs of a (sequence, kv head) agree on `live`.
     ctx = tl.load(context_lens_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(ctx, tl.maximum(chunk, 1))  # 0 for an empty context
     start = split * chunk
     end = tl.minimum(start + chunk, ctx)
+    if not ONE_PASS:
+        # Empty splits do nothing (they are not counted: the merge waits for `live` arrivals);
+        # split 0 of an empty context still runs to write its zeros.
+        if split >= tl.maximum(live, 1):
+            return
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -184,45 +250,31 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:
         # Empty context: acc is 0 and l_i is 0 -> write zeros.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
     else:
-        if start < end:
+        if live <= 1:  # the whole context is this split (or it is empty): no merge needed
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+        else:
             rows = (seq * num_q_heads + heads) * num_splits + split
             tl.store(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=qd_mask)
             tl.store(part_lse_ptr + rows, m_i + tl.log2(l_i), mask=g_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
-    num_splits, out_stride_b, out_stride_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Merge the live splits of one (sequence, q head) by their log-sum-exp weights."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    ctx = tl.load(context_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    live = tl.where(ctx > 0, tl.cdiv(ctx, tl.maximum(chunk, 1)), 0)
-
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < live
-    rows = (seq * num_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
-    lse_max = tl.where(live > 0, tl.max(lse, axis=0), 0.0)
-    w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+            # All threads' partial stores are issued before the one counting thread releases them.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == live - 1:  # the last live split of this (sequence, kv head)
+                tl.debug_barrier()  # the acquire above precedes every thread's partial loads
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _decode_merge_splits(
+                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
+                    out_stride_b, out_stride_h,
+                    GROUP, BLOCK_GM, HEAD_DIM, BLOCK_D, BLOCK_S, MERGE_SPLITS,
+                )
 
 
 def decode_num_splits(
@@ -252,9 +304,43 @@ def alloc_decode_workspace(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Scratch for paged_decode_attention_triton(workspace=...), valid for any batch <= max_batch
-    launched with the same (or a smaller) max_num_splits."""
+    launched with the same (or a smaller) max_num_splits. Needs no initialisation."""
     numel = decode_workspace_numel(max_batch, num_q_heads, head_dim, max_num_splits)
     return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def alloc_decode_counters(
+    max_batch: int, num_kv_heads: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Arrival counters for paged_decode_attention_triton(counters=...): int32 [max_batch * Hk],
+    ZERO-initialised. Every launch leaves them at zero again, so allocate once and reuse them for
+    any batch <= max_batch (and across CUDA-graph replays). Launches that may run concurrently
+    (different streams) need separate counter buffers; sequential ones can share."""
+    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+
+
+# Counters used when the caller passes none: one zeroed buffer per device, shared by all
+# sequential launches (each leaves it zeroed). A split launch has B*Hk < _TARGET_DECODE_PROGRAMS
+# (else it would be one pass), so the first allocation already fits every later launch; growth
+# is a fallback, and outgrown buffers are kept alive because a captured CUDA graph may point at
+# them. The model runner's eager warm-up forward before each capture allocates the buffer.
+_SHARED_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_COUNTERS: list[torch.Tensor] = []
+
+
+def _default_decode_counters(device: torch.device, numel: int) -> torch.Tensor:
+    counters = _SHARED_COUNTERS.get(device)
+    if counters is not None and counters.numel() >= numel:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Not allocated before the capture: a zeroed buffer of this call (the memset is captured
+        # too, so every replay starts from zero); keeps the shared one out of a graph pool.
+        return torch.zeros(numel, dtype=torch.int32, device=device)
+    if counters is not None:
+        _OUTGROWN_COUNTERS.append(counters)
+    counters = torch.zeros(max(numel, _TARGET_DECODE_PROGRAMS), dtype=torch.int32, device=device)
+    _SHARED_COUNTERS[device] = counters
+    return counters
 
 
 def _check_attention_inputs(q, k_cache, v_cache) -> None:
@@ -271,6 +357,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+# fp32 partials the merge holds at once ([GROUP, MERGE_SPLITS, D]): ~32 registers per thread at 4 warps.
+_MERGE_TILE_ELEMS = 4096
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -283,9 +373,12 @@ def paged_decode_attention_triton(
     workspace: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Split-KV paged decode. Splits come from shapes only (batch, Hk, M*S) and max_num_splits;
-    `workspace` (see alloc_decode_workspace) avoids an allocation per call; `out` may be given."""
+    """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
+    max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
+    `counters` (see alloc_decode_counters: int32, >= B*Hk, zero-initialised, left zeroed) are
+    the merge's arrival counters, by default a shared per-device buffer; `out` may be given."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -309,7 +402,7 @@ def paged_decode_attention_triton(
 
     one_pass = num_splits == 1
     if one_pass:
-        part_out = part_lse = out  # unused placeholders
+        part_out = part_lse = counters = out  # unused placeholders
     else:
         numel = decode_workspace_numel(batch, num_q_heads, head_dim, num_splits)
         if workspace is None:
@@ -319,14 +412,22 @@ def paged_decode_attention_triton(
         split_rows = batch * num_q_heads * num_splits
         part_out = workspace[: split_rows * head_dim]
         part_lse = workspace[split_rows * head_dim : split_rows * (head_dim + 1)]
+        if counters is None:
+            counters = _default_decode_counters(q.device, batch * num_kv_heads)
+        elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:
+            raise ValueError(f"counters need {batch * num_kv_heads} int32 elements, "
+                             f"got {counters.numel()} {counters.dtype}")
 
     use_dot = group > 1
     block_g = max(16, next_pow2(group)) if use_dot else 1
     block_d = max(16, next_pow2(head_dim))
+    block_gm = next_pow2(group)
+    block_s = next_pow2(num_splits)
+    merge_splits = max(1, min(block_s, _MERGE_TILE_ELEMS // (block_gm * block_d)))
     scale_log2e = float(scale) * LOG2E
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters,
         scale_log2e, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -335,15 +436,9 @@ def paged_decode_attention_triton(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         num_warps=4 if block_g <= 32 else 8, num_stages=2,
     )
-    if not one_pass:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, context_lens, out,
-            num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_pow2(num_splits),
-            num_warps=4 if block_d >= 128 else 2,
-        )
     return out
 
 
