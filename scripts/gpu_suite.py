@@ -11,6 +11,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   profile    torch.profiler breakdown of decode steps
   profile_batch  wall vs device time of a 256-sequence decode step
   allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
+  gpu_tests  the attention kernel tests compiled on the GPU (METAINFER_TEST_GPU=1)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -443,20 +444,31 @@ def _kernel_buckets(prof, per: int) -> dict[str, float]:
     return buckets
 
 
-@section("allreduce")
-def allreduce(args):
-    """Issue 6 on one GPU: the custom all-reduce's GPU tests (two processes sharing GPU 0)."""
+def _pytest_on_gpu(files: list[str], timeout: int) -> dict:
+    """Run test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too)."""
     import subprocess
 
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                METAINFER_SHARED_GPU_TIMEOUT="60")
-    cmd = [sys.executable, "-m", "pytest", "tests/test_phase02_custom_all_reduce.py", "-q", "-rs", "-p",
-           "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rs", "-p", "no:cacheprovider"]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (proc.stdout + proc.stderr)[-4000:]
     print(tail, flush=True)
-    return {"returncode": proc.returncode, "output_tail": tail}
+    return {"files": files, "returncode": proc.returncode, "output_tail": tail}
+
+
+@section("allreduce")
+def allreduce(args):
+    """Issue 6 on one GPU: the custom all-reduce's tests (two processes sharing GPU 0 if allowed)."""
+    return _pytest_on_gpu(["tests/test_phase02_custom_all_reduce.py"], timeout=200)
+
+
+@section("gpu_tests")
+def gpu_tests(args):
+    """The attention kernel tests compiled on the GPU: races the interpreter cannot show (the
+    split-KV merge by the last split to finish), bf16."""
+    return _pytest_on_gpu(["tests/test_phase05_attention_kernels.py"], timeout=240)
 
 
 def table() -> str:
@@ -484,9 +496,9 @@ def table() -> str:
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
                      f"{pb['device_ms_per_step']:.2f} | | |")
-    ar = r.get("allreduce", {})
-    if "returncode" in ar:
-        lines.append(f"| custom all-reduce GPU tests | rc {ar['returncode']} | | |")
+    for name in ("allreduce", "gpu_tests"):
+        if "returncode" in r.get(name, {}):
+            lines.append(f"| {name}: pytest on the GPU | rc {r[name]['returncode']} | | |")
     if "bs8" in lat and "eager_bs8" in base:
         ours, theirs = lat["bs8"]["decode_tok_s"], base["eager_bs8"]["decode_tok_s"]
         lines.append(f"| bs8 decode tok/s vs HF eager | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
@@ -527,7 +539,7 @@ def main():
     p = argparse.ArgumentParser()
     # latency first: its engine start is then a cold one (Triton compiles included)
     p.add_argument("--sections", default="latency,throughput,profile,profile_batch,kernels,gemv,graphs,agreement,"
-                                          "baseline,allreduce")
+                                          "baseline,allreduce,gpu_tests")
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")

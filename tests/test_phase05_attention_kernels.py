@@ -25,6 +25,7 @@ from metainfer.kernels import (
     store_kv_ref,
     store_kv_triton,
 )
+from metainfer.kernels.attention import alloc_decode_counters
 
 ON_GPU = os.environ.get("METAINFER_TEST_GPU") == "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -215,6 +216,129 @@ def test_decode_triton_workspace_out_and_strided_q(dtype):
         paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace[:10], block_n=16)
 
 
+# Many splits: the block table padded to a graph-style width (4096 tokens) so the split count
+# comes from shapes, not from the contexts, and most splits of the short rows are empty.
+# Contexts: empty, single token, exactly one split (direct write, no merge), just over one
+# split, a few splits, many splits, every split live (merge tiles looped over).
+SPLIT_CONTEXTS = [0, 1, 16, 17, 100, 300, 1000]
+MANY_SPLIT_CASES = [  # (group, hk, head_dim, block_size, dtype)
+    (1, 2, 64, 16, torch.float32),
+    (4, 1, 128, 16, torch.float32),
+    (8, 1, 64, 32, torch.float32),
+    (3, 1, 64, 16, torch.float32),  # non-power-of-two group: padded merge rows
+    (1, 1, 128, 32, torch.float16),
+    (4, 2, 64, 32, torch.float16),
+    (8, 1, 128, 16, torch.float16),
+]
+
+
+def _pad_table(block_tables, width_tokens, block_size):
+    """Pad a block table with -1 columns to `width_tokens` tokens (as the CUDA-graph buffers are)."""
+    width = width_tokens // block_size
+    padded = torch.full((block_tables.shape[0], width), -1, dtype=torch.int32, device=block_tables.device)
+    padded[:, : block_tables.shape[1]] = block_tables
+    return padded
+
+
+def _live_splits(ctx, num_splits, block_n):
+    """Non-empty splits of a context (the kernel's formula)."""
+    def cdiv(a, b):
+        return -(-a // b)
+
+    return 0 if ctx == 0 else cdiv(ctx, cdiv(cdiv(ctx, num_splits), block_n) * block_n)
+
+
+@pytest.mark.parametrize("max_num_splits", [32, 24], ids=["splits32", "splits24"])
+@pytest.mark.parametrize("case", MANY_SPLIT_CASES, ids=_decode_case_id)
+def test_decode_triton_many_splits_ragged(case, max_num_splits):
+    group, hk, head_dim, block_size, dtype = case
+    contexts = SPLIT_CONTEXTS[::-1] if hk == 2 else SPLIT_CONTEXTS  # empty row last / first
+    batch = make_paged_batch(contexts, block_size, hk, head_dim, dtype, seed=11)
+    tables = _pad_table(batch.block_tables, 4096, block_size)
+    q = _randn(len(contexts), group * hk, head_dim, dtype=dtype, seed=6, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, tables, batch.context_lens, head_dim**-0.5)
+    num_splits = decode_num_splits(len(contexts), hk, tables.shape[1] * block_size, max_num_splits, 16)
+    assert num_splits == max_num_splits
+    assert [_live_splits(c, num_splits, 16) for c in SPLIT_CONTEXTS] == (
+        [0, 1, 1, 2, 7, 19, 32] if num_splits == 32 else [0, 1, 1, 2, 7, 19, 21])
+    out = torch.full_like(q, float("nan"))
+    counters = alloc_decode_counters(len(contexts), hk, device=DEVICE)
+    paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16, out=out, counters=counters)
+    assert torch.count_nonzero(out[contexts.index(0)]) == 0, "context_len 0 must give zeros"
+    _close(out, paged_decode_attention_ref(*args), dtype)
+    assert torch.count_nonzero(counters) == 0, "the merging split must reset its counter"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_decode_triton_repeated_launches_reuse_counters(dtype):
+    """Caller-owned workspace and counters reused across launches (as CUDA-graph replays do):
+    identical results each time, counters back at zero after every launch, also when a later
+    launch uses other context lengths or a smaller batch."""
+    hq, hk, head_dim, block_size = 8, 2, 64, 16
+    contexts = [300, 0, 17, 64, 129]
+    batch = make_paged_batch(contexts, block_size, hk, head_dim, dtype, seed=4)
+    tables = _pad_table(batch.block_tables, 2048, block_size)
+    q = _randn(len(contexts), hq, head_dim, dtype=dtype, seed=9, device=DEVICE)
+    workspace = alloc_decode_workspace(len(contexts), hq, head_dim, max_num_splits=16, device=DEVICE)
+    counters = alloc_decode_counters(len(contexts), hk, device=DEVICE)
+    assert counters.dtype == torch.int32 and counters.shape == (len(contexts) * hk,)
+    assert torch.count_nonzero(counters) == 0
+    kw = dict(max_num_splits=16, block_n=16, workspace=workspace, counters=counters)
+    assert decode_num_splits(len(contexts), hk, tables.shape[1] * block_size, 16, 16) == 16
+
+    def run(lens, rows=len(contexts)):
+        args = (q[:rows], batch.k_cache, batch.v_cache, tables[:rows], lens[:rows], head_dim**-0.5)
+        out = paged_decode_attention_triton(*args, **kw)
+        assert torch.count_nonzero(counters) == 0, "counters must be left zeroed"
+        return out, paged_decode_attention_ref(*args)
+
+    first, expected = run(batch.context_lens)
+    _close(first, expected, dtype)
+    for _ in range(2):  # second and third launch: bit-identical
+        again, _ = run(batch.context_lens)
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+    shorter = torch.tensor([250, 0, 0, 33, 100], dtype=torch.int32, device=DEVICE)  # "replay", new lens
+    out, expected = run(shorter)
+    _close(out, expected, dtype)
+    out, expected = run(batch.context_lens, rows=3)  # smaller batch, same buffers
+    _close(out, expected, dtype)
+    again, _ = run(batch.context_lens)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+def test_decode_triton_default_counters_are_shared_and_left_zeroed(monkeypatch):
+    """Without counters= the launcher uses one zeroed buffer per device (grown when too small,
+    the outgrown one kept alive for graphs that may point at it)."""
+    from metainfer.kernels import attention
+
+    tiny = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setitem(attention._SHARED_COUNTERS, torch.device(DEVICE), tiny)
+    monkeypatch.setattr(attention, "_OUTGROWN_COUNTERS", [])
+    hq, hk, head_dim = 4, 1, 64
+    for contexts in ([90, 0, 40], [33, 1, 70, 200, 0, 17]):
+        batch = make_paged_batch(contexts, 16, hk, head_dim, torch.float32, seed=len(contexts))
+        tables = _pad_table(batch.block_tables, 1024, 16)
+        q = _randn(len(contexts), hq, head_dim, seed=3, device=DEVICE)
+        args = (q, batch.k_cache, batch.v_cache, tables, batch.context_lens, 0.125)
+        first = paged_decode_attention_triton(*args, max_num_splits=8, block_n=16)
+        _close(first, paged_decode_attention_ref(*args), torch.float32)
+        shared = attention._SHARED_COUNTERS[q.device]
+        assert shared.numel() >= len(contexts) * hk and torch.count_nonzero(shared) == 0
+        torch.testing.assert_close(paged_decode_attention_triton(*args, max_num_splits=8, block_n=16), first,
+                                   atol=0, rtol=0)
+        assert torch.count_nonzero(shared) == 0
+    assert attention._OUTGROWN_COUNTERS == [tiny]
+
+
+def test_decode_triton_rejects_bad_counters():
+    batch = make_paged_batch([40, 3], 16, 2, 64, torch.float32)
+    q = _randn(2, 4, 64, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, _pad_table(batch.block_tables, 512, 16), batch.context_lens, 0.1)
+    for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.float32, device=DEVICE)):
+        with pytest.raises(ValueError, match="counters"):
+            paged_decode_attention_triton(*args, max_num_splits=4, block_n=16, counters=bad)
+
+
 def test_decode_num_splits_is_shape_only():
     assert decode_num_splits(1, 8, 32768) == 32  # batch 1: split to fill the GPU, capped at the default
     assert decode_num_splits(256, 8, 32768) == 1  # big batches already fill it
@@ -241,7 +365,6 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
             return lambda *args, **kwargs: launched.append((self.name, grid))
 
     monkeypatch.setattr(attention, "_decode_split_kernel", FakeKernel("split"))
-    monkeypatch.setattr(attention, "_decode_reduce_kernel", FakeKernel("reduce"))
     monkeypatch.setattr(attention, "_prefill_kernel", FakeKernel("prefill"))
 
     def forbidden(*_args, **_kwargs):
@@ -255,7 +378,7 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
     paged_prefill_attention_triton(_randn(5, 4, 64), batch.k_cache, batch.v_cache, cu, batch.context_lens,
                                    batch.block_tables, 3, 0.1)
     monkeypatch.undo()
-    assert [name for name, _ in launched] == ["split", "reduce", "prefill"]
+    assert [name for name, _ in launched] == ["split", "prefill"]  # split-KV decode is one launch
 
 
 # ----------------------------------------------------------------------------------------------
