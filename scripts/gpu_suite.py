@@ -11,7 +11,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   profile    torch.profiler breakdown of decode steps
   profile_batch  wall vs device time of a 256-sequence decode step
   allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
-  gpu_tests  the attention kernel tests compiled on the GPU (METAINFER_TEST_GPU=1)
+  gpu_tests  the kernel test files compiled on the GPU (METAINFER_TEST_GPU=1)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -466,9 +466,10 @@ def allreduce(args):
 
 @section("gpu_tests")
 def gpu_tests(args):
-    """The attention kernel tests compiled on the GPU: races the interpreter cannot show (the
-    split-KV merge by the last split to finish), bf16."""
-    return _pytest_on_gpu(["tests/test_phase05_attention_kernels.py"], timeout=240)
+    """The kernel tests compiled on the GPU: races the interpreter cannot show (the split-KV merge
+    by the last split to finish), bf16, the compiled GEMV and fused q/k kernels."""
+    return _pytest_on_gpu(["tests/test_phase05_attention_kernels.py", "tests/test_phase05_fused_qkv.py",
+                           "tests/test_phase01_kernels.py", "tests/test_phase01_gemv.py"], timeout=420)
 
 
 def table() -> str:
@@ -479,7 +480,8 @@ def table() -> str:
     if "tpot_ms" in bs1:
         lines.append(f"| bs1 decode tok/s | {bs1['decode_tok_s']:.1f} | roofline {bs1.get('roofline_tok_s', 0):.1f} "
                      f"(copy {bs1.get('copy_bw_GBs', 0):.0f} GB/s) | {bs1.get('bw_ratio', 0):.1%} |")
-        for mode, b in base.items():
+        for mode in ("eager", "compile"):
+            b = base.get(mode)
             if isinstance(b, dict) and "decode_tok_s" in b:
                 lines.append(f"| bs1 decode tok/s vs HF {mode} | {bs1['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} | "
                              f"{bs1['decode_tok_s'] / b['decode_tok_s']:.2f}x |")

@@ -312,7 +312,7 @@ def test_decode_triton_default_counters_are_shared_and_left_zeroed(monkeypatch):
     from metainfer.kernels import attention
 
     tiny = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    monkeypatch.setitem(attention._SHARED_COUNTERS, torch.device(DEVICE), tiny)
+    monkeypatch.setitem(attention._SHARED_COUNTERS, torch.empty(0, device=DEVICE).device, tiny)  # cuda:0, not cuda
     monkeypatch.setattr(attention, "_OUTGROWN_COUNTERS", [])
     hq, hk, head_dim = 4, 1, 64
     for contexts in ([90, 0, 40], [33, 1, 70, 200, 0, 17]):
