@@ -74,16 +74,16 @@ def test_every_sweep_config_on_tiny_shape(cfg):
     # K = 1100 is a multiple of none of the block widths; N = 20 of neither 8 nor 16
     x, w, b = _data(1, 20, 1100, True, torch.float16, seed=cfg.block_n * 7 + cfg.split_k)
     plan = gemv_plan(1, 20, 1100, cfg)
-    assert plan.block_k == cfg.block_k and plan.block_n == cfg.block_n  # the family itself runs
+    assert plan.block_k == min(cfg.block_k, 2048) and plan.block_n == cfg.block_n  # 2048 = next_pow2(1100)
     assert not plan.even_k and plan.even_n == (20 % cfg.block_n == 0)
     _check(gemv_triton(x, w, b, config=cfg), x, w, b)
 
 
 def test_sweep_grid_covers_the_families():
     cfgs = bench.SWEEP_CONFIGS
-    assert 12 <= len(cfgs) <= 20 and len(set(cfgs)) == len(cfgs)
+    assert 12 <= len(cfgs) <= 40 and len(set(cfgs)) == len(cfgs)
     assert {c.block_n for c in cfgs} >= {4, 8, 16} and {c.block_k for c in cfgs} >= {256, 512, 1024}
-    assert {c.num_warps for c in cfgs} == {4, 8} and any(c.split_k > 1 for c in cfgs)
+    assert {c.num_warps for c in cfgs} >= {4, 8} and any(c.split_k > 1 for c in cfgs)
     assert DEFAULT_CONFIG in cfgs and set(bench.QUICK_CONFIGS) <= set(cfgs)
     plans = [gemv_plan(1, 4096, 4096, c) for c in cfgs]
     assert {p.x_2d for p in plans} == {True, False}  # both x-load forms are in the grid
