@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.model_runner import ModelRunner
@@ -169,6 +171,7 @@ class LLMEngine:
         self._read_back(self.lookahead if batch is not None else 0, touched)
         return [self._request_output(r) for r in touched.values() if r.finished or r.stream]
 
+    @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
         sampling = self.runner.sampling_seqs(batch)
