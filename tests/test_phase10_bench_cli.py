@@ -24,6 +24,19 @@ def test_bench_latency_json(model_dir, tmp_path):
     record = json.loads(out.read_text())
     assert record["bench"] == "latency" and record["batch_size"] == 2 and record["tpot_ms"] > 0
     assert record["env"]["torch"] and record["startup_s"] > 0
+    # the figures must follow from the two timings: TPOT over the tokens after the first
+    tpot_s = (record["total_s"] - record["ttft_ms"] / 1e3) / (4 - 1)
+    assert record["tpot_ms"] == pytest.approx(tpot_s * 1e3, rel=1e-6)
+    assert record["decode_tok_s"] == pytest.approx(2 / tpot_s, rel=1e-6)
+    assert record["achieved_weight_bw_GBs"] == pytest.approx(record["weight_bytes"] / tpot_s / 1e9, rel=1e-6)
+
+
+def test_bench_latency_rejects_a_single_output_token(model_dir):
+    from metainfer import LLM
+    from metainfer.bench.latency import run_latency
+
+    with pytest.raises(ValueError, match="output_len"):
+        run_latency(LLM(model_dir, device="cpu", dtype="float32"), 1, 8, 1)
 
 
 def test_bench_throughput_json(model_dir, tmp_path):
@@ -33,7 +46,9 @@ def test_bench_throughput_json(model_dir, tmp_path):
                      "--max-output-len", "9", "--output-json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["num_seqs"] == 6 and 6 * 3 <= record["output_tokens"] <= 6 * 9
-    assert record["output_tok_s"] > 0
+    assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / record["elapsed_s"], rel=1e-6)
+    assert record["total_tok_s"] == pytest.approx((record["input_tokens"] + record["output_tokens"])
+                                                  / record["elapsed_s"], rel=1e-6)
 
 
 def test_bench_baseline_eager_json(model_dir, tmp_path):
