@@ -468,8 +468,8 @@ def allreduce(args):
 def gpu_tests(args):
     """The kernel tests compiled on the GPU: races the interpreter cannot show (the split-KV merge
     by the last split to finish), bf16, the compiled GEMV and fused q/k kernels."""
-    return _pytest_on_gpu(["tests/test_phase05_attention_kernels.py", "tests/test_phase05_fused_qkv.py",
-                           "tests/test_phase01_kernels.py", "tests/test_phase01_gemv.py"], timeout=420)
+    files = args.gpu_test_files.split(",")
+    return _pytest_on_gpu(files, timeout=420)
 
 
 def table() -> str:
@@ -545,6 +545,9 @@ def main():
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")
+    p.add_argument("--gpu-test-files", default=",".join(
+        f"tests/{name}.py" for name in ("test_phase05_attention_kernels", "test_phase05_fused_qkv",
+                                        "test_phase01_kernels", "test_phase01_gemv")))
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
     if args.print_table:
