@@ -455,7 +455,8 @@ def _pytest_on_gpu(files: list[str], timeout: int) -> dict:
     proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (proc.stdout + proc.stderr)[-4000:]
     print(tail, flush=True)
-    return {"files": files, "returncode": proc.returncode, "output_tail": tail}
+    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line or "FAILED" in line]
+    return {"files": files, "summary": summary, "returncode": proc.returncode, "output_tail": tail}
 
 
 @section("allreduce")
