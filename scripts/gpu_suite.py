@@ -185,11 +185,18 @@ def graphs(args):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}
     variants = {"eager": dict(enforce_eager=True, async_scheduling=False), "graph": {},  # graph: async (default)
+                "graph_no_pdl": dict(env={"METAINFER_DISABLE_PDL": "1"}),
                 "graph_sync": dict(async_scheduling=False), "graph_preempt": dict(num_kv_blocks=60),
                 "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60),
                 "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False)}
     for name, kw in variants.items():
-        llm = LLM(folder, dtype="float32", max_model_len=1024, max_num_seqs=16, **kw)
+        env = kw.pop("env", {})
+        os.environ.update(env)
+        try:
+            llm = LLM(folder, dtype="float32", max_model_len=1024, max_num_seqs=16, **kw)
+        finally:
+            for key in env:
+                del os.environ[key]
         # two waves: the first prompt's blocks are registered before the rest arrive (prefix hits)
         outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
         results[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
@@ -273,29 +280,42 @@ def latency(args):
     ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)
     bs8 = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
-    linear_name = getattr(runner.model.lm_head.matmul, "__name__", str(runner.model.lm_head.matmul))
+    linear = runner.model.lm_head.matmul
+    linear_name = getattr(getattr(linear, "func", linear), "__name__", str(linear)) + (
+        f" pdl={linear.keywords.get('pdl')}" if hasattr(linear, "keywords") else "")
     num_blocks, graph_sizes = runner.num_blocks, runner.graph_batch_sizes
     engine.lookahead = 0  # the same engine read back after every step (async scheduling off)
     bs1_sync = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     engine.lookahead = 1
     variants = {}
-    from metainfer.kernels.gemv import get_gemv_configs, linear_engine, linear_ref
+    from metainfer.kernels.gemv import linear_ref, tuned_linear
     bound = [m for m in runner.model.modules() if hasattr(m, "matmul")]
-    for name, fn in (("cublas", linear_ref), ("triton_gemv", linear_engine)):  # swap, re-capture, measure
+    shipped = bound[0].matmul  # the engine's own choice (tuned table, PDL where supported)
+    gpu, pdl = torch.cuda.get_device_name(), getattr(shipped, "keywords", {}).get("pdl", False)
+    swept = RESULTS.get("gemv", {}).get("table")
+    choices = [("cublas", linear_ref), ("triton_gemv", shipped)]
+    if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
+        choices.append(("triton_gemv_this_sweep", tuned_linear(gpu, pdl=pdl, table=swept)))
+    for name, fn in choices:  # swap, re-capture, measure
         for module in bound:
             module.matmul = fn
         runner._capture_cudagraphs()
         variants[name] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    variants["triton_gemv"]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in get_gemv_configs().items()}
-    swept = RESULTS.get("gemv", {}).get("table")
-    if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
-        from metainfer.kernels.gemv import set_gemv_configs
-        shipped = set_gemv_configs(swept)
-        runner._capture_cudagraphs()
-        variants["triton_gemv_this_sweep"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-        variants["triton_gemv_this_sweep"]["gemv_table"] = swept
-        set_gemv_configs({f"{n}x{k}": c for (n, k), c in shipped.items()})
-    del engine, runner, bound  # the modules must go with the LLM, or the next engine finds no memory
+        table = getattr(fn, "keywords", {}).get("table")
+        if table:
+            variants[name]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in table.items()}
+    for module in bound:
+        module.matmul = shipped
+    del engine, runner, bound, shipped  # the modules must go with the LLM, or the next engine finds no memory
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    os.environ["METAINFER_DISABLE_PDL"] = "1"  # the same engine without programmatic dependent launch
+    try:
+        llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+        variants["no_pdl"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    finally:
+        del os.environ["METAINFER_DISABLE_PDL"]
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
            "bs1_sync": bs1_sync, "bs1_variants": variants,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
@@ -489,7 +509,7 @@ def table() -> str:
     if "bs1_sync" in lat:
         lines.append(f"| bs1 decode tok/s, async scheduling off | {lat['bs1_sync']['decode_tok_s']:.1f} | | |")
     for name, v in lat.get("bs1_variants", {}).items():
-        lines.append(f"| bs1 decode tok/s, {name} GEMM | {v['decode_tok_s']:.1f} | roofline "
+        lines.append(f"| bs1 decode tok/s, variant {name} | {v['decode_tok_s']:.1f} | roofline "
                      f"{v.get('roofline_tok_s', 0):.1f} | {v.get('bw_ratio', 0):.1%} |")
     gv = r.get("gemv", {}).get("decode_set", {})
     if gv:
@@ -501,7 +521,8 @@ def table() -> str:
                      f"{pb['device_ms_per_step']:.2f} | | |")
     for name in ("allreduce", "gpu_tests"):
         if "returncode" in r.get(name, {}):
-            lines.append(f"| {name}: pytest on the GPU | rc {r[name]['returncode']} | | |")
+            summary = "; ".join(r[name].get("summary", []))[-90:]
+            lines.append(f"| {name}: pytest on the GPU | rc {r[name]['returncode']}: {summary} | | |")
     if "bs8" in lat and "eager_bs8" in base:
         ours, theirs = lat["bs8"]["decode_tok_s"], base["eager_bs8"]["decode_tok_s"]
         lines.append(f"| bs8 decode tok/s vs HF eager | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")
@@ -520,6 +541,12 @@ def table() -> str:
     if "output_tok_s" in tp:
         lines.append(f"| throughput output tok/s | {tp['output_tok_s']:.0f} | target 12000 | "
                      f"{tp['output_tok_s'] / 12000:.2f} |")
+        tl = tp.get("timeline", {})
+        if tl:
+            lines.append(f"| throughput: prefill s / decode s | {tl['prefill']['seconds']:.2f} / "
+                         f"{tl['decode_seconds']:.2f} | of {tp['elapsed_s']:.2f} s | |")
+            lines.append("| decode ms/step by seqs | " + ", ".join(
+                f"{k}: {v['ms_per_step']:.2f} x{v['steps']}" for k, v in tl["decode"].items()) + " | | |")
     ag = r.get("agreement", {})
     if "top1_agreement" in ag:
         lines.append(f"| teacher-forced top-1 / cosine | {ag['top1_agreement']:.3f} / {ag['cosine_mean']:.5f} | "
@@ -542,12 +569,12 @@ def main():
     p = argparse.ArgumentParser()
     # latency first: its engine start is then a cold one (Triton compiles included)
     p.add_argument("--sections", default="latency,throughput,profile,profile_batch,kernels,gemv,graphs,agreement,"
-                                          "baseline,allreduce,gpu_tests")
+                                          "baseline,gpu_tests")
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")
     p.add_argument("--gpu-test-files", default=",".join(
-        f"tests/{name}.py" for name in ("test_phase05_attention_kernels", "test_phase05_fused_qkv",
+        f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv")))
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()

@@ -249,16 +249,32 @@ def test_tuned_linear_picks_by_device_and_rows():
     from metainfer.kernels import gemv
 
     previous = gemv.get_gemv_configs()
-    try:
-        assert gemv.tuned_linear("Some GPU without a table") is gemv.linear_ref
-        chosen = gemv.tuned_linear("NVIDIA H200")
-        assert chosen is gemv.linear_engine
-        installed = gemv.get_gemv_configs()
-        assert {f"{n}x{k}" for n, k in installed} == set(gemv.TUNED_CONFIGS["NVIDIA H200"])
-        g = torch.Generator().manual_seed(5)
-        w = torch.randn(24, 64, generator=g)
-        for m in (1, gemv.ENGINE_MAX_ROWS, gemv.ENGINE_MAX_ROWS + 1):  # Triton, Triton, cuBLAS/ATen
-            x = torch.randn(m, 64, generator=g)
-            torch.testing.assert_close(chosen(x, w), linear_ref(x, w), rtol=1e-4, atol=1e-4)
-    finally:
-        gemv.set_gemv_configs({f"{n}x{k}": c for (n, k), c in previous.items()})
+    assert gemv.tuned_linear("Some GPU without a table") is gemv.linear_ref
+    chosen = gemv.tuned_linear("NVIDIA H200")
+    assert chosen.func is gemv.linear_engine and chosen.keywords["pdl"] is False
+    assert {f"{n}x{k}" for n, k in chosen.keywords["table"]} == set(gemv.TUNED_CONFIGS["NVIDIA H200"])
+    assert gemv.get_gemv_configs() == previous  # the table travels with the linear, not process-wide
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 64, generator=g)
+    for m in (1, gemv.ENGINE_MAX_ROWS, gemv.ENGINE_MAX_ROWS + 1):  # Triton, Triton, cuBLAS/ATen
+        x = torch.randn(m, 64, generator=g)
+        torch.testing.assert_close(chosen(x, w), linear_ref(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_engine_linear_launches_with_its_own_table(monkeypatch):
+    """The bound table picks the launch (a shape it lacks gets DEFAULT_CONFIG); the process-wide
+    table is not consulted; pdl reaches the launch."""
+    from metainfer.kernels import gemv
+
+    rec = _Recorder()
+    monkeypatch.setattr(gemv_mod, "_gemv_kernel", rec)
+    set_gemv_configs({(64, 512): GemvConfig(block_n=32, block_k=64, num_warps=2)})  # must be ignored
+    linear = gemv.tuned_linear("any", table={"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}})
+    x, w = torch.randn(1, 512), torch.randn(64, 512)
+    linear(x, w)
+    grid, kw = rec.launches[-1]
+    assert (grid, kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["USE_PDL"]) == ((4, 1), 16, 128, 4, False)
+    linear(x, torch.randn(40, 512))  # not in the bound table: DEFAULT_CONFIG, not the process-wide one
+    assert rec.launches[-1][1]["BLOCK_N"] == DEFAULT_CONFIG.block_n
+    gemv.tuned_linear("any", table={"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}}, pdl=True)(x, w)
+    assert rec.launches[-1][1]["USE_PDL"] is True and rec.launches[-1][1]["launch_pdl"] is True

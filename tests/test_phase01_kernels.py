@@ -444,16 +444,16 @@ def run_aot_check(ops: list[str]) -> None:
 
 
 def test_aot_compile_sm90_phase01_kernels():
-    run_aot_check(["rms_norm", "silu_and_mul", "rotary"])
+    run_aot_check(["rms_norm", "silu_and_mul", "rotary", "gemv"])
 
 
 def test_select_ops_gemm_by_gpu_name():
     from metainfer.kernels import gemv
 
     previous = gemv.get_gemv_configs()
-    try:
-        assert select_ops("cuda", gpu_name="A GPU without a tuned table").linear is gemv.linear_ref
-        assert select_ops("cuda", gpu_name="NVIDIA H200").linear is gemv.linear_engine
-        assert select_ops("cuda").linear is gemv.linear_ref  # no name: cuBLAS, and no CUDA call
-    finally:
-        gemv.set_gemv_configs({f"{n}x{k}": c for (n, k), c in previous.items()})
+    assert select_ops("cuda", gpu_name="A GPU without a tuned table").linear is gemv.linear_ref
+    chosen = select_ops("cuda", gpu_name="NVIDIA H200").linear
+    assert chosen.func is gemv.linear_engine
+    assert chosen.keywords == {"table": gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"]), "pdl": False}
+    assert select_ops("cuda").linear is gemv.linear_ref  # no name: cuBLAS, and no CUDA call
+    assert gemv.get_gemv_configs() == previous  # selection installs nothing process-wide

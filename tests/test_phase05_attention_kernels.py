@@ -444,4 +444,4 @@ def test_prefill_triton_default_tiles_and_empty_sequence(dtype):
 def test_aot_compile_sm90_phase05_kernels():
     from tests.test_phase01_kernels import run_aot_check
 
-    run_aot_check(["store_kv", "decode", "prefill"])
+    run_aot_check(["store_kv", "decode", "prefill", "qk_prep"])

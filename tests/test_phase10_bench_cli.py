@@ -49,6 +49,27 @@ def test_bench_throughput_json(model_dir, tmp_path):
     assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / record["elapsed_s"], rel=1e-6)
     assert record["total_tok_s"] == pytest.approx((record["input_tokens"] + record["output_tokens"])
                                                   / record["elapsed_s"], rel=1e-6)
+    # the timeline accounts for every token: each prompt prefilled once (random prompts: no prefix
+    # hits, no preemption here), each sequence's first token from its prefill, the rest one a decode step
+    timeline = record["timeline"]
+    assert record["preemptions"] == 0
+    assert timeline["prefill"]["tokens"] == record["input_tokens"]
+    assert sum(v["seqs"] for v in timeline["decode"].values()) == record["output_tokens"] - 6
+    spent = timeline["prefill"]["seconds"] + timeline["decode_seconds"]
+    assert 0 < spent <= record["elapsed_s"] and spent == pytest.approx(record["elapsed_s"], rel=0.2)
+
+
+def test_timeline_summary_bins_and_intervals():
+    from metainfer.bench.throughput import summarize_timeline
+
+    trace = [(0.0, True, 3, 300), (0.5, True, 1, 50), (0.6, False, 4, 4), (0.7, False, 4, 4), (0.9, False, 1, 1)]
+    out = summarize_timeline(trace, end=1.0)
+    assert out["prefill"]["steps"] == 2 and out["prefill"]["tokens"] == 350
+    assert out["prefill"]["seconds"] == pytest.approx(0.6)
+    assert out["decode"]["<=16"] == {"steps": 2, "seqs": 8, "seconds": pytest.approx(0.3),
+                                     "ms_per_step": pytest.approx(150.0)}
+    assert out["decode"]["<=2"]["seconds"] == pytest.approx(0.1) and out["decode_seconds"] == pytest.approx(0.4)
+    assert summarize_timeline([(0.0, False, 300, 300)], end=0.01)["decode"]["<=300"]["steps"] == 1
 
 
 def test_bench_baseline_eager_json(model_dir, tmp_path):

@@ -27,25 +27,59 @@ def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out
     return prompts, params
 
 
+# Decode steps are grouped by their number of sequences (upper bounds of the bins).
+DECODE_BINS = (2, 16, 64, 128, 192, 256)
+
+
+def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) -> dict:
+    """Where the run's time went, from the engine's step trace (LLMEngine.step_trace). A step's time
+    is the interval from its launch to the next launch (the last: to `end`); with async scheduling
+    that interval waits for the previous step's read-back, so in steady state it is one step's
+    device time, shifted by one step."""
+    out = {"prefill": {"steps": 0, "tokens": 0, "seconds": 0.0}, "decode": {}}
+    for i, (t, is_prefill, num_seqs, num_tokens) in enumerate(trace):
+        seconds = (trace[i + 1][0] if i + 1 < len(trace) else end) - t
+        if is_prefill:
+            entry = out["prefill"]
+            entry["tokens"] += num_tokens
+        else:
+            upper = next((b for b in DECODE_BINS if num_seqs <= b), num_seqs)
+            entry = out["decode"].setdefault(f"<={upper}", {"steps": 0, "seqs": 0, "seconds": 0.0})
+            entry["seqs"] += num_seqs
+        entry["steps"] += 1
+        entry["seconds"] += seconds
+    for entry in [out["prefill"], *out["decode"].values()]:
+        entry["ms_per_step"] = entry["seconds"] * 1e3 / max(entry["steps"], 1)
+    out["decode_seconds"] = sum(e["seconds"] for e in out["decode"].values())
+    return out
+
+
 def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_out=1024, progress=True) -> dict:
     from metainfer import SamplingParams
 
-    device = llm.llm_engine.config.torch_device
-    prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out,
-                                    vocab=llm.llm_engine.spec.vocab_size)
-    llm.generate(prompts[0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    engine = llm.llm_engine
+    device = engine.config.torch_device
+    prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out, vocab=engine.spec.vocab_size)
+    # warm-up on a prompt of its own: reusing a measured one would make its blocks prefix-cache hits
+    llm.generate({"prompt_token_ids": list(range(1, 17))}, SamplingParams(max_tokens=8), use_tqdm=False)
     sync(device)
+    engine.step_trace = []
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=progress)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=progress)
+        sync(device)
+        end = time.perf_counter()
+        trace = engine.step_trace
+    finally:
+        engine.step_trace = None
+    elapsed = end - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(p.max_tokens for p in params), "a request stopped early"
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {"num_seqs": num_seqs, "input_range": [min_in, max_in], "output_range": [min_out, max_out],
             "elapsed_s": elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+            "preemptions": engine.scheduler.num_preemptions, "timeline": summarize_timeline(trace, end)}
 
 
 def add_parser(sub, add_engine_args) -> None:
@@ -66,5 +100,10 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     print(f"{record['num_seqs']} seqs: {record['output_tok_s']:.1f} output tok/s, "
           f"{record['total_tok_s']:.1f} total tok/s in {record['elapsed_s']:.1f} s "
           f"({record['preemptions']} preemptions)")
+    timeline = record["timeline"]
+    pre = timeline["prefill"]
+    print(f"  prefill: {pre['steps']} steps, {pre['tokens']} tokens, {pre['seconds']:.2f} s; decode "
+          f"{timeline['decode_seconds']:.2f} s: " + ", ".join(
+              f"{k} seqs {v['steps']} steps x {v['ms_per_step']:.2f} ms" for k, v in timeline["decode"].items()))
     write_json(args.output_json, record)
     return record

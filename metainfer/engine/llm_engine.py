@@ -89,6 +89,9 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
+        # throughput bench's timeline. None (the default) records nothing.
+        self.step_trace: list[tuple[float, bool, int, int]] | None = None
 
     @staticmethod
     def _make_runner(config: EngineConfig):
@@ -174,6 +177,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
+        if self.step_trace is not None:
+            self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens))
         sampling = self.runner.sampling_seqs(batch)
         logits = self.runner.execute(batch)
         sampled = self.sampler(logits, sampling) if sampling else None

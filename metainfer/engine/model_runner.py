@@ -11,6 +11,7 @@ previous step's sampled ids on the device.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from metainfer.config import EngineConfig
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
-from metainfer.kernels import select_ops
+from metainfer.kernels import pdl_supported, select_ops
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.loader import load_weights
 from metainfer.models.registry import model_class
@@ -112,7 +113,9 @@ class ModelRunner:
     # -- construction -----------------------------------------------------------------
     def _build_model(self):
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        ops = select_ops(self.device, gpu_name=gpu_name)
+        # PDL on Hopper and later; METAINFER_DISABLE_PDL=1 turns it off (an A/B switch, read once here)
+        pdl = pdl_supported(self.device) and os.environ.get("METAINFER_DISABLE_PDL", "0") != "1"
+        ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl)
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)

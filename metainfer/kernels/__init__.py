@@ -8,12 +8,13 @@ needs Triton nor initialises CUDA.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ._triton import HAS_TRITON
+from ._triton import HAS_TRITON, pdl_supported
 from .activation import silu_and_mul_ref, silu_and_mul_triton
 from .attention import (
     DEFAULT_MAX_NUM_SPLITS,
@@ -46,6 +47,7 @@ class KernelOps:
     qk_norm_rope_store: Callable
     linear: Callable = linear_ref
     backend: str = "torch"
+    pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
 
 
 REF_OPS = KernelOps(
@@ -74,24 +76,36 @@ TRITON_OPS = KernelOps(
 )
 
 
-def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None) -> KernelOps:
+# The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
+_PDL_OPS = tuple(f.name for f in fields(KernelOps) if f.name not in ("linear", "backend", "pdl"))
+
+
+def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
+               pdl: bool = False) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
     table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise.
-    Selection makes no CUDA call."""
+    `pdl` binds every Triton launcher to programmatic dependent launch (a CUDA device of compute
+    capability >= 9: check with `pdl_supported`). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
+    if pdl and (device.type != "cuda" or not use_triton):
+        raise ValueError(f"pdl=True needs the Triton kernels on a CUDA device, got device {device}, "
+                         f"use_triton={use_triton}")
     if not use_triton:
         return REF_OPS
     if not HAS_TRITON:
         raise RuntimeError(f"Triton kernels requested for device {device} but triton is not installed")
+    ops = TRITON_OPS
+    if pdl:
+        ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
     if gpu_name is None:
-        return TRITON_OPS
+        return ops
     from .gemv import tuned_linear
 
-    return replace(TRITON_OPS, linear=tuned_linear(gpu_name))
+    return replace(ops, linear=tuned_linear(gpu_name, pdl=pdl))
 
 
 __all__ = [
@@ -110,6 +124,7 @@ __all__ = [
     "paged_decode_attention_triton",
     "paged_prefill_attention_ref",
     "paged_prefill_attention_triton",
+    "pdl_supported",
     "qk_norm_rope_store_ref",
     "qk_norm_rope_store_triton",
     "rms_norm_ref",

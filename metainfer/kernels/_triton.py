@@ -33,6 +33,33 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = types.SimpleNamespace(constexpr=object)
 
 
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+): a kernel launched with `launch_pdl=True` may start
+    while the previous kernel in the stream is finishing. It must pass this point before it loads
+    anything an earlier kernel writes and before its first store (the caching allocator may hand it
+    memory an earlier kernel still reads); weights may be read before it. gdc_wait returns once
+    every earlier kernel has completed and its writes are visible; launch_dependents then lets the
+    next kernel's programs be scheduled as this one's leave the SMs. Every program calls it, so a
+    kernel's completion implies its predecessors' (the chain stays ordered)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_args(pdl: bool) -> dict:
+    """Launch keywords of a kernel with a `USE_PDL` constexpr (see pdl_enter)."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
+
+
+def pdl_supported(device) -> bool:
+    """PDL needs a CUDA device of compute capability 9.0 or later (Hopper); a CUDA call."""
+    import torch
+
+    device = torch.device(device)
+    return HAS_TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (Triton tile sizes must be powers of two)."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
@@ -47,4 +74,5 @@ def require_triton() -> None:
         raise RuntimeError("triton is not installed: use the *_ref kernels (select_ops('cpu'))")
 
 
-__all__ = ["HAS_TRITON", "cdiv", "next_pow2", "require_triton", "tl", "triton"]
+__all__ = ["HAS_TRITON", "cdiv", "next_pow2", "pdl_args", "pdl_enter", "pdl_supported", "require_triton", "tl",
+           "triton"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -36,7 +38,7 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, x_row_stride, y_row_stride, inter, BLOCK:
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     require_triton()
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
@@ -51,6 +53,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, next_pow2(inter))
     grid = (rows, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](
-        x2, y, x2.stride(0), inter, inter, BLOCK=block, num_warps=4 if block >= 512 else 1
+        x2, y, x2.stride(0), inter, inter, BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl_args(pdl),
     )
     return y

@@ -9,7 +9,8 @@ Triton's own argument binder (same specialisation as a real launch).
 
 Usage (in a process WITHOUT TRITON_INTERPRET, ideally with a fresh TRITON_CACHE_DIR):
     python -m metainfer.kernels.aot_check [--arch 90] [op ...]
-ops: rms_norm silu_and_mul rotary store_kv decode prefill (default: all).
+ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep (default: all).
+The first case of each op is compiled a second time with programmatic dependent launch (pdl=True).
 Exit status: 0 all compiled, 1 a kernel failed, 2 Triton cannot compile here at all (skip).
 """
 
@@ -27,12 +28,13 @@ from ._triton import HAS_TRITON, tl, triton
 # H200/H100 opt-in shared memory per block.
 _MAX_SHARED_BYTES = 232448
 
-ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill")
+ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep")
 
 
 def _cases(op: str):
-    """(label, thunk) pairs that call the public launchers with representative shapes."""
-    from . import activation, attention, kv_cache, rms_norm, rotary
+    """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
+    takes `pdl` (launch with programmatic dependent launch)."""
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary
 
     bf16, fp32 = torch.bfloat16, torch.float32
     cases = []
@@ -40,17 +42,19 @@ def _cases(op: str):
         for dtype, hidden in ((bf16, 4096), (fp32, 1000)):
             x = torch.zeros(3, hidden, dtype=dtype)
             w = torch.ones(hidden, dtype=dtype)
-            cases.append((f"rms_norm {dtype} H={hidden}", lambda x=x, w=w: rms_norm.rms_norm_triton(x, w, 1e-6)))
+            cases.append((f"rms_norm {dtype} H={hidden}",
+                          lambda pdl, x=x, w=w: rms_norm.rms_norm_triton(x, w, 1e-6, pdl=pdl)))
             cases.append((f"fused_add_rms_norm {dtype} H={hidden}",
-                          lambda x=x, w=w: rms_norm.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6)))
+                          lambda pdl, x=x, w=w: rms_norm.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6, pdl=pdl)))
         qkv = torch.zeros(3, (32 + 2 * 8) * 128, dtype=bf16)
         q_heads = qkv[:, : 32 * 128].view(3, 32, 128)
         cases.append(("rms_norm bf16 head-norm [T,32,128] strided",
-                      lambda: rms_norm.rms_norm_triton(q_heads, torch.ones(128, dtype=bf16), 1e-6)))
+                      lambda pdl: rms_norm.rms_norm_triton(q_heads, torch.ones(128, dtype=bf16), 1e-6, pdl=pdl)))
     elif op == "silu_and_mul":
         for dtype, inter in ((bf16, 12288), (fp32, 100)):
             x = torch.zeros(2, 2 * inter, dtype=dtype)
-            cases.append((f"silu_and_mul {dtype} I={inter}", lambda x=x: activation.silu_and_mul_triton(x)))
+            cases.append((f"silu_and_mul {dtype} I={inter}",
+                          lambda pdl, x=x: activation.silu_and_mul_triton(x, pdl=pdl)))
     elif op == "rotary":
         for dtype, hq, hk, head_dim, rot in ((bf16, 32, 8, 128, 128), (bf16, 16, 16, 192, 64), (fp32, 4, 1, 64, 32)):
             pos = torch.zeros(3, dtype=torch.int64)
@@ -58,8 +62,8 @@ def _cases(op: str):
             q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hk) * head_dim]
             cache = torch.zeros(16, rot, dtype=fp32)
             cases.append((f"rotary {dtype} Hq={hq} Hk={hk} D={head_dim} rot={rot}",
-                          lambda pos=pos, q=q, k=k, cache=cache, d=head_dim:
-                          rotary.rotary_neox_triton(pos, q, k, cache, d)))
+                          lambda pdl, pos=pos, q=q, k=k, cache=cache, d=head_dim:
+                          rotary.rotary_neox_triton(pos, q, k, cache, d, pdl=pdl)))
     elif op == "store_kv":
         for dtype, hk, head_dim, block in ((bf16, 8, 128, 16), (fp32, 1, 64, 1)):
             qkv = torch.zeros(4, (4 * hk + 2 * hk) * head_dim, dtype=dtype)
@@ -68,7 +72,8 @@ def _cases(op: str):
             cache = torch.zeros(2, 3, block, hk, head_dim, dtype=dtype)
             slots = torch.zeros(4, dtype=torch.int32)
             cases.append((f"store_kv {dtype} Hk={hk} D={head_dim} S={block}",
-                          lambda k=k, v=v, c=cache, s=slots: kv_cache.store_kv_triton(k, v, c[0], c[1], s)))
+                          lambda pdl, k=k, v=v, c=cache, s=slots:
+                          kv_cache.store_kv_triton(k, v, c[0], c[1], s, pdl=pdl)))
     elif op in ("decode", "prefill"):
         # (dtype, Hq, Hk, D, block size, max_num_splits or max_seqlen_q)
         if op == "decode":
@@ -88,25 +93,44 @@ def _cases(op: str):
             if op == "decode":
                 q = torch.zeros(2, hq, head_dim, dtype=dtype)
                 cases.append((f"decode {tag} splits<={n}",
-                              lambda q=q, c=cache, t=tables, lens=lens, n=n:
-                              attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n)))
+                              lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
+                              attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
+                                                                      pdl=pdl)))
             else:
                 q = torch.zeros(5, hq, head_dim, dtype=dtype)
                 cu = torch.zeros(3, dtype=torch.int32)
                 cases.append((f"prefill {tag} max_seqlen_q={n}",
-                              lambda q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
-                              attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1)))
+                              lambda pdl, q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
+                              attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
+    elif op == "gemv":
+        # the Qwen3-8B decode shapes' configs (H200 table) at M = 1 and 2, a ragged K split, a bias
+        for m, n, k, cfg in ((1, 4096, 4096, gemv.GemvConfig(block_n=16, block_k=1024, num_warps=8)),
+                             (2, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)),
+                             (1, 1000, 3000, gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2))):
+            x, w, b = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), torch.zeros(n, dtype=bf16)
+            cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k}",
+                          lambda pdl, x=x, w=w, b=b, cfg=cfg: gemv.gemv_triton(x, w, b, config=cfg, pdl=pdl)))
+    elif op == "qk_prep":
+        for dtype, tokens, hq, hk, head_dim in ((bf16, 1, 32, 8, 128), (bf16, 64, 32, 8, 128), (fp32, 3, 4, 2, 64)):
+            qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+            cache = torch.zeros(2, 4, 16, hk, head_dim, dtype=dtype)
+            pos, slots = torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int32)
+            cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
+            cases.append((f"qk_norm_rope_store {dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
+                          lambda pdl, a=(qkv, pos, cos_sin, w, w, 1e-6, cache[0], cache[1], slots, hq, hk, head_dim):
+                          qkv_prep.qk_norm_rope_store_triton(*a, pdl=pdl)))
     else:
         raise ValueError(f"unknown op {op!r}; choose from {ALL_OPS}")
     return cases
 
 
 def _kernel_objects():
-    from . import activation, attention, kv_cache, rms_norm, rotary
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
         kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
+        gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
     ]
 
 
@@ -195,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launches = []
         for op in args.ops:
-            for label, thunk in _cases(op):
+            cases = _cases(op)
+            for label, thunk, pdl in [(label, thunk, False) for label, thunk in cases] + [(*cases[0], True)]:
                 start = len(captured)
-                thunk()
+                thunk(pdl)
+                label = f"{label} pdl" if pdl else label
                 launches += [(label, *c) for c in captured[start:]]
     finally:
         for kernel in kernels:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, next_pow2, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_NUM_SPLITS = 32
@@ -187,13 +187,14 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
     counter, and the last one to arrive merges the partials into the output (see above)."""
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -374,6 +375,7 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     counters: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -437,7 +439,7 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-        num_warps=4 if block_g <= 32 else 8, num_stages=2,
+        num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
     )
     return out
 
@@ -485,9 +487,10 @@ def _prefill_kernel(
     vc_stride_b, vc_stride_s, vc_stride_h,
     bt_stride_b, out_stride_t, out_stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (BLOCK_M queries of one sequence, one q head)."""
+    pdl_enter(USE_PDL)
     m_block = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
@@ -574,6 +577,7 @@ def paged_prefill_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Varlen causal attention of the new tokens over the paged cache. `max_seqlen_q` is a host
     int (>= every q_len) that sizes the grid; no GPU value is read on the host. block_m/block_n/
@@ -607,6 +611,6 @@ def paged_prefill_attention_triton(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, **pdl_args(pdl),
     )
     return out

@@ -25,13 +25,14 @@ Configs are chosen per weight shape once, never in the hot path: `gemv_config(n,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, next_pow2, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 MAX_ROWS = 4
 _REDUCE_BLOCK = 1024
@@ -130,18 +131,21 @@ def _parse_key(key) -> tuple[int, int]:
     return dims
 
 
+def parse_gemv_table(table: Mapping) -> dict[tuple[int, int], GemvConfig]:
+    """A per-shape table ((N, K) or "NxK" -> GemvConfig or its dict, as the sweep's JSON gives it),
+    validated (bad entries raise ValueError)."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"a GEMV table must be a mapping, got {type(table).__name__}")
+    return {_parse_key(key): GemvConfig.from_any(value) for key, value in table.items()}
+
+
 def set_gemv_configs(table: Mapping | None) -> dict[tuple[int, int], GemvConfig]:
-    """Install a per-shape table ((N, K) or "NxK" -> GemvConfig or its dict), replacing the
-    current one; None restores BUILTIN_CONFIGS. Everything is validated before anything is
-    installed (bad entries raise ValueError). Returns the previous table. Call it at build time,
-    before CUDA graphs are captured: a graph keeps the launches it recorded."""
+    """Install the process-wide table that `gemv_triton` and `linear_triton` read when no config is
+    given, replacing the current one; None restores BUILTIN_CONFIGS. Everything is validated before
+    anything is installed. Returns the previous table. (The engine does not read it: its linear
+    carries its own table, see `tuned_linear`.) A CUDA graph keeps the launches it recorded."""
     global _configs
-    if table is None:
-        new = dict(BUILTIN_CONFIGS)
-    else:
-        if not isinstance(table, Mapping):
-            raise ValueError(f"set_gemv_configs needs a mapping, got {type(table).__name__}")
-        new = {_parse_key(key): GemvConfig.from_any(value) for key, value in table.items()}
+    new = dict(BUILTIN_CONFIGS) if table is None else parse_gemv_table(table)
     previous, _configs = _configs, new
     return previous
 
@@ -243,8 +247,10 @@ def _store_row(acc, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIA
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split)."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
+    The first weight tile is loaded before pdl_enter: weights are never written, so under PDL that
+    load overlaps the previous kernel's tail; x (the previous kernel's output) is read after it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,9 +266,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, strid
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w = _load_w(w_ptrs, row_mask, (k_begin + offs_k) < K, EVEN_N, EVEN_K)
+    pdl_enter(USE_PDL)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         col_mask = (k_begin + k0 + offs_k) < K
-        w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
+        if k0 > 0:
+            w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
         acc0 = _fma_row(acc0, w, x_ptrs, col_mask, EVEN_K, X_2D)
         if ROWS > 1:
             acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, col_mask, EVEN_K, X_2D)
@@ -284,7 +293,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, strid
 
 @triton.jit
 def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
-                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -309,9 +319,10 @@ def _check_args(x, weight, bias):
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias) in x's dtype, for x[M <= MAX_ROWS, K] and weight[N, K] rows
-    (unit last strides). `config` overrides the table (`gemv_config(N, K)`)."""
+    (unit last strides). `config` overrides the table (`gemv_config(N, K)`); `pdl`: launch with
+    programmatic dependent launch (kernels/_triton.py: pdl_enter)."""
     require_triton()
     _check_args(x, weight, bias)
     m, k = x.shape
@@ -328,11 +339,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x, weight, b, out, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys,
         ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_args(pdl),
     )
     if plan.split_k > 1:
         _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
             out, b, y, n, out.stride(0), out.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4,
+            HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl_args(pdl),
         )
     return y
 
@@ -344,26 +356,30 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  table: Mapping[tuple[int, int], GemvConfig] | None = None, pdl: bool = False) -> torch.Tensor:
     """The engine's GEMM on a tuned GPU: Triton GEMV where it measured faster (M <= ENGINE_MAX_ROWS),
-    cuBLAS otherwise. M is a shape: under a CUDA graph the choice is made once per bucket."""
+    cuBLAS otherwise. M is a shape: under a CUDA graph the choice is made once per bucket. `table`
+    ((N, K) -> GemvConfig, DEFAULT_CONFIG for a shape it lacks; None: the process-wide table) picks
+    the launch; `pdl`: the GEMV is launched under programmatic dependent launch (sm_90+)."""
     if x.dim() == 2 and 1 <= x.shape[0] <= ENGINE_MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
-        return gemv_triton(x, weight, bias)
+        config = None if table is None else table.get(weight.shape, DEFAULT_CONFIG)
+        return gemv_triton(x, weight, bias, config=config, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
-def tuned_linear(device_name: str):
-    """Pick the engine's linear for a GPU once: install its tuned table and return linear_engine,
-    or return cuBLAS (linear_ref) for a GPU without one."""
-    table = TUNED_CONFIGS.get(device_name)
+def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = None):
+    """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table (or to
+    `table`, e.g. a sweep's) and to `pdl`, or cuBLAS (linear_ref) for a GPU without a table. Nothing
+    process-wide changes: two engines on different GPUs each keep their own table."""
+    table = table if table is not None else TUNED_CONFIGS.get(device_name)
     if table is None:
         return linear_ref
-    set_gemv_configs(table)
-    return linear_engine
+    return functools.partial(linear_engine, table=parse_gemv_table(table), pdl=pdl)
 
 
 __all__ = [
     "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "GemvConfig", "GemvPlan",
     "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
-    "set_gemv_configs", "tuned_linear",
+    "parse_gemv_table", "set_gemv_configs", "tuned_linear",
 ]

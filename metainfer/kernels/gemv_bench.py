@@ -31,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ._triton import pdl_supported
 from .gemv import DEFAULT_CONFIG, GemvConfig, gemv_plan, gemv_triton, get_gemv_configs, linear_triton, set_gemv_configs
 
 QWEN3_8B_DECODE_SHAPES: dict[str, tuple[int, int]] = {
@@ -219,11 +220,13 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
     previous = set_gemv_configs(table)
     try:
         res["triton_best_ms"] = _time_graph(calls(linear_triton), replays)
+        if pdl_supported(device):  # the same launches chained by programmatic dependent launch
+            res["triton_best_pdl_ms"] = _time_graph(calls(lambda x, w: gemv_triton(x, w, pdl=True)), replays)
     finally:
         set_gemv_configs(previous)
     weights.clear()
     torch.cuda.empty_cache()
-    for name in ("cublas", "triton_default", "triton_best"):
+    for name in [nm for nm in ("cublas", "triton_default", "triton_best", "triton_best_pdl") if f"{nm}_ms" in res]:
         res[f"{name}_gbps"] = round(total / (res[f"{name}_ms"] * 1e-3) / 1e9, 1)
     res["ratio_cublas_over_triton_best"] = round(res["cublas_ms"] / res["triton_best_ms"], 4)
     res["ratio_cublas_over_triton_default"] = round(res["cublas_ms"] / res["triton_default_ms"], 4)
@@ -321,7 +324,9 @@ def format_report(res: dict) -> str:
     if ds and "error" not in ds:
         lines.append(f"decode set ({ds['launches']} GEMVs, {ds['bytes'] / 1e9:.2f} GB): "
                      f"cuBLAS {ds['cublas_ms']:.3f} ms, "
-                     f"Triton best {ds['triton_best_ms']:.3f} ms, Triton default {ds['triton_default_ms']:.3f} ms; "
+                     f"Triton best {ds['triton_best_ms']:.3f} ms "
+                     f"(with PDL {ds.get('triton_best_pdl_ms', float('nan')):.3f}), "
+                     f"Triton default {ds['triton_default_ms']:.3f} ms; "
                      f"cuBLAS/Triton {ds['ratio_cublas_over_triton_best']:.3f}; copy {res['copy_gbps']:.0f} GB/s -> "
                      f"floor {ds['floor_ms']:.3f} ms ({ds['triton_best_pct_of_floor']}% reached)")
     elif ds:

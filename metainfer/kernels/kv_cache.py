@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 
 def store_kv_ref(
@@ -34,8 +34,9 @@ def _store_kv_kernel(
     kc_stride_b, kc_stride_s, kc_stride_h,
     vc_stride_b, vc_stride_s, vc_stride_h,
     num_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -60,6 +61,8 @@ def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     require_triton()
     num_tokens, num_heads, head_dim = k.shape
@@ -80,5 +83,5 @@ def store_kv_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_h * block_d // 256)),
+        num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(pdl),
     )

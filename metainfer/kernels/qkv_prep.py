@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .kv_cache import store_kv_ref
 from .rms_norm import rms_norm_ref
 from .rotary import rotary_neox_ref
@@ -127,10 +127,11 @@ def _qk_norm_rope_store_kernel(
     kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
     num_q_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grid = (T, q head groups + kv head groups): a program handles BLOCK_H q heads, or BLOCK_H
     # k heads plus the matching v heads (norm, rotate, write back, store into the cache).
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     num_q_groups = tl.cdiv(num_q_heads, BLOCK_H)
@@ -168,6 +169,10 @@ def _qk_norm_rope_store_kernel(
             tl.store(v_dst + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+# Programs the default split aims for: about one per SM of a large GPU (132 on the H200).
+_FILL_PROGRAMS = 128
+
+
 def _check_norm_weight(w: torch.Tensor | None, head_dim: int, name: str) -> None:
     if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
         raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor, got {tuple(w.shape)}")
@@ -188,8 +193,11 @@ def qk_norm_rope_store_triton(
     head_dim: int,
     *,
     heads_per_program: int | None = None,
+    pdl: bool = False,
 ):
-    """`heads_per_program` (a power of two) is a tuning knob; default ~1K elements a program."""
+    """`heads_per_program` (a power of two) is a tuning knob. The default gives a program ~1K
+    elements, or fewer heads where that would leave most SMs idle (at batch 1, 8 heads a program
+    made 5 programs): about one program per SM's worth of heads, never below one head."""
     require_triton()
     q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
@@ -213,7 +221,8 @@ def qk_norm_rope_store_triton(
 
     block_d = next_pow2(head_dim)
     if heads_per_program is None:
-        heads_per_program = max(1, min(next_pow2(max(num_q_heads, num_kv_heads)), 1024 // block_d))
+        fill_sms = next_pow2(cdiv(num_tokens * (num_q_heads + num_kv_heads), _FILL_PROGRAMS))
+        heads_per_program = max(1, min(next_pow2(max(num_q_heads, num_kv_heads)), 1024 // block_d, fill_sms))
     block_h = heads_per_program
     if block_h & (block_h - 1):
         raise ValueError(f"heads_per_program must be a power of two, got {block_h}")
@@ -228,6 +237,6 @@ def qk_norm_rope_store_triton(
         num_q_heads, num_kv_heads, float(eps),
         HEAD_DIM=head_dim, HALF=rot_dim // 2, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[1], HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
-        num_warps=max(1, min(8, block_h * block_d // 256)),
+        num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(pdl),
     )
     return q, k, v

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 # ----------------------------------------------------------------------------------------------
 # torch reference (the CPU path)
@@ -49,10 +49,11 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, y_ptr, w_ptr,
     n_rows, inner_rows, hidden, eps,
     x_stride0, x_stride1, r_stride0, r_stride1, y_stride0, y_stride1,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Rows are addressed as (outer, inner) of a [outer, inner, H] view so that strided views
     # (e.g. per-head slices of a fused qkv tensor) need no copy.
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     outer = rows // inner_rows
@@ -93,7 +94,7 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 1, t.shape[-1])
 
 
-def _launch_rms_norm(x, residual, weight, eps):
+def _launch_rms_norm(x, residual, weight, eps, pdl):
     require_triton()
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
@@ -126,16 +127,17 @@ def _launch_rms_norm(x, residual, weight, eps):
         n_rows, x3.shape[1], hidden, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(pdl),
     )
     return y
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch_rms_norm(x, None, weight, eps)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
+    """`pdl`: launch with programmatic dependent launch (kernels/_triton.py: pdl_enter)."""
+    return _launch_rms_norm(x, None, weight, eps, pdl)
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_rms_norm(x, residual, weight, eps), residual
+    return _launch_rms_norm(x, residual, weight, eps, pdl), residual

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 # ----------------------------------------------------------------------------------------------
 # cos/sin cache
@@ -199,9 +199,10 @@ def _rotary_neox_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_sin_stride,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HAS_K: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HAS_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per token: cos/sin are loaded once and applied to every q and k head.
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     half_idx = tl.arange(0, BLOCK_HALF)
@@ -227,6 +228,8 @@ def rotary_neox_triton(
     k: torch.Tensor | None,
     cos_sin: torch.Tensor,
     head_dim: int,
+    *,
+    pdl: bool = False,
 ):
     require_triton()
     num_tokens = positions.shape[0]
@@ -249,6 +252,6 @@ def rotary_neox_triton(
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin.stride(0),
         q3.shape[1], k3.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        HAS_K=k is not None, num_warps=num_warps,
+        HAS_K=k is not None, num_warps=num_warps, **pdl_args(pdl),
     )
     return q, k
