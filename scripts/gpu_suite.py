@@ -421,9 +421,32 @@ def profile_batch(args):
     for i in range(256):
         engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, 10000, (576,), generator=g).tolist()},
                            params, stream=False)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
-            engine.scheduler.waiting:
+    def prefilling():
+        return any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
+            bool(engine.scheduler.waiting)
+
+    # the prefill (18 steps of 8,192 tokens): wall time per step, and a profile of two steps
+    torch.cuda.synchronize()
+    start, prefill_steps = time.perf_counter(), 0
+    for _ in range(2):
         engine.step()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            engine.step()
+        torch.cuda.synchronize()
+    prefill_steps = 4
+    while prefilling():
+        engine.step()
+        prefill_steps += 1
+    torch.cuda.synchronize()
+    prefill = {"steps": prefill_steps, "tokens": 256 * 576,
+               "wall_ms_per_step_incl_profiled": (time.perf_counter() - start) / prefill_steps * 1e3,
+               "device_ms_per_step_by_kind": _kernel_buckets(prof, per=2)}
+    prefill["device_ms_per_step"] = sum(prefill["device_ms_per_step_by_kind"].values())
+    prefill["top_kernels_ms_per_step"] = sorted(
+        ((e.key[:60], (getattr(e, "device_time_total", 0) or 0) / 1e3 / 2) for e in prof.key_averages()
+         if not e.key.startswith("aten::")), key=lambda kv: -kv[1])[:10]
+    print("prefill", json.dumps(prefill, indent=1), flush=True)
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
@@ -440,7 +463,7 @@ def profile_batch(args):
     buckets = _kernel_buckets(prof, per=8)
     while engine.has_unfinished_requests():
         engine.step()
-    res = {"running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
+    res = {"prefill": prefill, "running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
            "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values())}
     print(json.dumps(res, indent=1), flush=True)
     del llm
@@ -465,18 +488,33 @@ def _kernel_buckets(prof, per: int) -> dict[str, float]:
 
 
 def _pytest_on_gpu(files: list[str], timeout: int) -> dict:
-    """Run test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too)."""
+    """Run test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too).
+    The counts come from pytest's JUnit XML; the whole output is kept in $OUT/gpu_tests_output.txt."""
     import subprocess
+    import xml.etree.ElementTree as ET
 
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                METAINFER_SHARED_GPU_TIMEOUT="60")
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rs", "-p", "no:cacheprovider"]
+    junit = os.path.join("/tmp", "metainfer-gpu-tests.xml")
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=timeout)
-    tail = (proc.stdout + proc.stderr)[-4000:]
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "gpu_tests_output.txt"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    counts, failed = {}, []
+    if os.path.exists(junit):
+        for suite in ET.parse(junit).getroot().iter("testsuite"):
+            for key in ("tests", "failures", "errors", "skipped"):
+                counts[key] = counts.get(key, 0) + int(suite.get(key, 0))
+            failed += [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                       if c.find("failure") is not None or c.find("error") is not None]
+    tail = (proc.stdout + proc.stderr)[-3000:]
     print(tail, flush=True)
-    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line or "FAILED" in line]
-    return {"files": files, "summary": summary, "returncode": proc.returncode, "output_tail": tail}
+    summary = [f"{counts.get('tests', 0)} tests, {counts.get('failures', 0)} failed, {counts.get('errors', 0)} "
+               f"errors, {counts.get('skipped', 0)} skipped"] + failed
+    return {"files": files, "counts": counts, "failed": failed, "summary": summary, "returncode": proc.returncode,
+            "output_tail": tail}
 
 
 @section("allreduce")
@@ -575,7 +613,7 @@ def main():
     p.add_argument("--baseline-modes", default="eager,compile")
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
-                                        "test_phase01_kernels", "test_phase01_gemv")))
+                                        "test_phase01_kernels")))  # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
     if args.print_table:

@@ -54,6 +54,17 @@ def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) ->
     return out
 
 
+def _allocator_counts(device) -> dict:
+    """CUDA caching-allocator counters: device mallocs/frees and retries (a retry frees the cache
+    and synchronises the device: a sign that the KV pool left the activations too little room)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+
+
 def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_out=1024, progress=True) -> dict:
     from metainfer import SamplingParams
 
@@ -64,6 +75,7 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     llm.generate({"prompt_token_ids": list(range(1, 17))}, SamplingParams(max_tokens=8), use_tqdm=False)
     sync(device)
     engine.step_trace = []
+    allocs_before = _allocator_counts(device)
     start = time.perf_counter()
     try:
         outs = llm.generate(prompts, params, use_tqdm=progress)
@@ -73,13 +85,15 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     finally:
         engine.step_trace = None
     elapsed = end - start
+    allocator = {k: v - allocs_before.get(k, 0) for k, v in _allocator_counts(device).items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(p.max_tokens for p in params), "a request stopped early"
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {"num_seqs": num_seqs, "input_range": [min_in, max_in], "output_range": [min_out, max_out],
             "elapsed_s": elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "preemptions": engine.scheduler.num_preemptions, "timeline": summarize_timeline(trace, end)}
+            "preemptions": engine.scheduler.num_preemptions, "timeline": summarize_timeline(trace, end),
+            "allocator": allocator}
 
 
 def add_parser(sub, add_engine_args) -> None:

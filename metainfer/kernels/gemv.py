@@ -249,8 +249,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, strid
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
-    The first weight tile is loaded before pdl_enter: weights are never written, so under PDL that
-    load overlaps the previous kernel's tail; x (the previous kernel's output) is read after it."""
+    Under PDL the programs' launch and address setup overlap the previous kernel's tail. (Loading
+    the first weight tile before pdl_enter, which the weights would allow, was measured: it changed
+    the loop's code and the tuned table ran 0.10 ms slower over the decode set; docs/PERFORMANCE.md.)"""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,12 +267,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, strid
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w = _load_w(w_ptrs, row_mask, (k_begin + offs_k) < K, EVEN_N, EVEN_K)
     pdl_enter(USE_PDL)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         col_mask = (k_begin + k0 + offs_k) < K
-        if k0 > 0:
-            w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
+        w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
         acc0 = _fma_row(acc0, w, x_ptrs, col_mask, EVEN_K, X_2D)
         if ROWS > 1:
             acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, col_mask, EVEN_K, X_2D)
