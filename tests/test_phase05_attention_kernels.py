@@ -193,7 +193,7 @@ def test_decode_triton_matches_ref(case, max_num_splits):
     q = _randn(len(DECODE_CONTEXTS), group * hk, head_dim, dtype=dtype, seed=5, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
     expected = paged_decode_attention_ref(*args)
-    out = paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16)
+    out = paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16, min_split_tokens=16)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.count_nonzero(out[0]) == 0
     _close(out, expected, dtype)
@@ -209,11 +209,13 @@ def test_decode_triton_workspace_out_and_strided_q(dtype):
     workspace = alloc_decode_workspace(8, hq, head_dim, max_num_splits=4, device=DEVICE)
     out = torch.full((len(contexts), hq, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.1)
-    result = paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace, out=out, block_n=16)
+    result = paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace, out=out, block_n=16,
+                                           min_split_tokens=16)
     assert result is out
     _close(out, paged_decode_attention_ref(*args), dtype)
     with pytest.raises(ValueError, match="workspace"):
-        paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace[:10], block_n=16)
+        paged_decode_attention_triton(*args, max_num_splits=4, workspace=workspace[:10], block_n=16,
+                                      min_split_tokens=16)
 
 
 # Many splits: the block table padded to a graph-style width (4096 tokens) so the split count
@@ -263,10 +265,30 @@ def test_decode_triton_many_splits_ragged(case, max_num_splits):
         [0, 1, 1, 2, 7, 19, 32] if num_splits == 32 else [0, 1, 1, 2, 7, 19, 21])
     out = torch.full_like(q, float("nan"))
     counters = alloc_decode_counters(len(contexts), hk, device=DEVICE)
-    paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16, out=out, counters=counters)
+    paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=16,
+                                  min_split_tokens=16, out=out, counters=counters)
     assert torch.count_nonzero(out[contexts.index(0)]) == 0, "context_len 0 must give zeros"
     _close(out, paged_decode_attention_ref(*args), dtype)
     assert torch.count_nonzero(counters) == 0, "the merging split must reset its counter"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_decode_default_min_split_keeps_short_contexts_in_one_split(dtype):
+    """With the default minimum split (256 tokens) a context up to 256 tokens is one split, which
+    writes the output directly: the split workspace stays untouched (NaN) although the table's width
+    (4096 tokens) gives 32 splits. A longer context in the same batch still splits and merges."""
+    hq, hk, head_dim, block_size = 8, 2, 64, 16
+    for contexts, splits_used in (([0, 1, 200, 256], False), ([0, 100, 700, 2000], True)):
+        batch = make_paged_batch(contexts, block_size, hk, head_dim, dtype, seed=5)
+        tables = _pad_table(batch.block_tables, 4096, block_size)
+        q = _randn(len(contexts), hq, head_dim, dtype=dtype, seed=2, device=DEVICE)
+        args = (q, batch.k_cache, batch.v_cache, tables, batch.context_lens, head_dim**-0.5)
+        assert decode_num_splits(len(contexts), hk, 4096) == 32
+        workspace = torch.full((decode_workspace_numel(len(contexts), hq, head_dim, 32),), float("nan"),
+                               device=DEVICE)
+        out = paged_decode_attention_triton(*args, workspace=workspace)
+        _close(out, paged_decode_attention_ref(*args), dtype)
+        assert bool(torch.isnan(workspace).all()) is not splits_used
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -283,7 +305,7 @@ def test_decode_triton_repeated_launches_reuse_counters(dtype):
     counters = alloc_decode_counters(len(contexts), hk, device=DEVICE)
     assert counters.dtype == torch.int32 and counters.shape == (len(contexts) * hk,)
     assert torch.count_nonzero(counters) == 0
-    kw = dict(max_num_splits=16, block_n=16, workspace=workspace, counters=counters)
+    kw = dict(max_num_splits=16, block_n=16, min_split_tokens=16, workspace=workspace, counters=counters)
     assert decode_num_splits(len(contexts), hk, tables.shape[1] * block_size, 16, 16) == 16
 
     def run(lens, rows=len(contexts)):
@@ -320,11 +342,12 @@ def test_decode_triton_default_counters_are_shared_and_left_zeroed(monkeypatch):
         tables = _pad_table(batch.block_tables, 1024, 16)
         q = _randn(len(contexts), hq, head_dim, seed=3, device=DEVICE)
         args = (q, batch.k_cache, batch.v_cache, tables, batch.context_lens, 0.125)
-        first = paged_decode_attention_triton(*args, max_num_splits=8, block_n=16)
+        first = paged_decode_attention_triton(*args, max_num_splits=8, block_n=16, min_split_tokens=16)
         _close(first, paged_decode_attention_ref(*args), torch.float32)
         shared = attention._SHARED_COUNTERS[q.device]
         assert shared.numel() >= len(contexts) * hk and torch.count_nonzero(shared) == 0
-        torch.testing.assert_close(paged_decode_attention_triton(*args, max_num_splits=8, block_n=16), first,
+        torch.testing.assert_close(paged_decode_attention_triton(*args, max_num_splits=8, block_n=16,
+                                                                 min_split_tokens=16), first,
                                    atol=0, rtol=0)
         assert torch.count_nonzero(shared) == 0
     assert attention._OUTGROWN_COUNTERS == [tiny]
@@ -336,7 +359,7 @@ def test_decode_triton_rejects_bad_counters():
     args = (q, batch.k_cache, batch.v_cache, _pad_table(batch.block_tables, 512, 16), batch.context_lens, 0.1)
     for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.float32, device=DEVICE)):
         with pytest.raises(ValueError, match="counters"):
-            paged_decode_attention_triton(*args, max_num_splits=4, block_n=16, counters=bad)
+            paged_decode_attention_triton(*args, max_num_splits=4, block_n=16, min_split_tokens=16, counters=bad)
 
 
 def test_decode_num_splits_is_shape_only():
@@ -373,7 +396,7 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
     for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.1,
-                                  max_num_splits=4, block_n=16)
+                                  max_num_splits=4, block_n=16, min_split_tokens=16)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     paged_prefill_attention_triton(_randn(5, 4, 64), batch.k_cache, batch.v_cache, cu, batch.context_lens,
                                    batch.block_tables, 3, 0.1)

@@ -69,6 +69,7 @@ def test_timeline_summary_bins_and_intervals():
     assert out["decode"]["<=16"] == {"steps": 2, "seqs": 8, "seconds": pytest.approx(0.3),
                                      "ms_per_step": pytest.approx(150.0)}
     assert out["decode"]["<=2"]["seconds"] == pytest.approx(0.1) and out["decode_seconds"] == pytest.approx(0.4)
+    assert out["first_steps_ms"][0] == ["prefill", 3, 300, 500.0] and out["first_steps_ms"][-1][-1] == 100.0
     assert summarize_timeline([(0.0, False, 300, 300)], end=0.01)["decode"]["<=300"]["steps"] == 1
 
 

@@ -9,6 +9,7 @@ prefix-cache hashes, and every block comes back.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from metainfer import LLM, SamplingParams
 from metainfer.engine.sequence import PENDING
@@ -147,3 +148,21 @@ def test_async_with_tensor_parallel_is_rejected(reference):
     folder = reference[0]
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize("tokens, seqs, width, sampling", [(8192, 13, 37, 13), (7, 3, 1, 2), (1, 1, 5, 1)])
+def test_step_layout_fields_are_16_byte_aligned_and_disjoint(tokens, seqs, width, sampling):
+    """Every field view starts on a 16-byte boundary (Triton specialises on pointer alignment, so
+    varying alignment would recompile the prefill kernels mid-run) and the fields never overlap."""
+    from metainfer.engine.model_runner import StepLayout
+
+    layout = StepLayout(tokens, seqs, width, sampling)
+    buf = torch.zeros(layout.size, dtype=torch.int32)
+    views = layout.views(buf)
+    assert set(views) == set(layout.sizes)
+    for name, view in views.items():
+        assert (view.data_ptr() - buf.data_ptr()) % 16 == 0, name
+        assert view.numel() == layout.sizes[name], name
+        view.fill_(1)
+    assert int(buf.sum()) == sum(layout.sizes.values())  # disjoint: each element written once
+    assert views["tables"].shape == (seqs, width)

@@ -29,6 +29,7 @@ def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out
 
 # Decode steps are grouped by their number of sequences (upper bounds of the bins).
 DECODE_BINS = (2, 16, 64, 128, 192, 256)
+FIRST_STEPS = 24
 
 
 def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) -> dict:
@@ -51,6 +52,9 @@ def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) ->
     for entry in [out["prefill"], *out["decode"].values()]:
         entry["ms_per_step"] = entry["seconds"] * 1e3 / max(entry["steps"], 1)
     out["decode_seconds"] = sum(e["seconds"] for e in out["decode"].values())
+    # the first steps one by one (prefill, then the first decode steps): where a warm-up cost shows
+    out["first_steps_ms"] = [[("prefill" if p else "decode"), n, tok, round(((trace[i + 1][0] if i + 1 < len(trace)
+                              else end) - t) * 1e3, 2)] for i, (t, p, n, tok) in enumerate(trace[:FIRST_STEPS])]
     return out
 
 

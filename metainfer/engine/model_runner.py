@@ -30,22 +30,31 @@ log = logging.getLogger("metainfer")
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each field of one step sits in the packed int32 staging buffer."""
+    """Where each field of one step sits in the packed int32 staging buffer.
+
+    Every field starts on a 16-byte boundary: Triton specialises a kernel on whether each pointer
+    argument is 16-byte aligned, so unaligned views would compile a new variant of the prefill
+    kernels for each alignment pattern the batch sizes happen to produce (seconds, mid-run)."""
 
     num_tokens: int
     num_seqs: int
     table_width: int
     num_sampling: int
 
+    ALIGN = 4  # int32 elements: 16 bytes
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        t, b, w = self.num_tokens, self.num_seqs, self.table_width
+        return {"ids": t, "positions": t, "slots": t, "src": t, "context_lens": b, "cu": b + 1,
+                "tables": b * w, "rows": self.num_sampling}
+
     @property
     def offsets(self) -> dict[str, int]:
-        t, b, w = self.num_tokens, self.num_seqs, self.table_width
-        sizes = {"ids": t, "positions": t, "slots": t, "src": t, "context_lens": b, "cu": b + 1,
-                 "tables": b * w, "rows": self.num_sampling}
         out, at = {}, 0
-        for name, n in sizes.items():
+        for name, n in self.sizes.items():
             out[name] = at
-            at += n
+            at += -(-n // self.ALIGN) * self.ALIGN
         out["end"] = at
         return out
 
@@ -55,8 +64,7 @@ class StepLayout:
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         o = self.offsets
-        names = list(o)
-        v = {name: buf[o[name]:o[names[i + 1]]] for i, name in enumerate(names[:-1])}
+        v = {name: buf[o[name]:o[name] + n] for name, n in self.sizes.items()}
         v["tables"] = v["tables"].view(self.num_seqs, self.table_width)
         return v
 

@@ -30,6 +30,10 @@ DEFAULT_MAX_NUM_SPLITS = 32
 # ~4 resident programs per SM on an H200 (132 SMs): split the KV range until the grid reaches it.
 _TARGET_DECODE_PROGRAMS = 512
 _DECODE_BLOCK_N = 64
+# A split covers at least this many tokens: short contexts take one split and write their output
+# directly (no partials, no arrival counter, no merge). At batch 1 and 8 KV heads, 16 splits of
+# 256 tokens still give a 4K context 128 programs.
+_DECODE_MIN_SPLIT_TOKENS = 256
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path)
@@ -175,11 +179,11 @@ def _decode_merge_splits(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    scale_log2e, num_splits,
+    scale_log2e, num_splits, min_chunk,
     q_stride_b, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
     vc_stride_b, vc_stride_s, vc_stride_h,
@@ -203,7 +207,7 @@ def _decode_split_kernel(
     # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
     # Splits 0..live-1 are non-empty; all programs of a (sequence, kv head) agree on `live`.
     ctx = tl.load(context_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)  # a BLOCK_N multiple
     live = tl.cdiv(ctx, tl.maximum(chunk, 1))  # 0 for an empty context
     start = split * chunk
     end = tl.minimum(start + chunk, ctx)
@@ -375,12 +379,14 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     counters: torch.Tensor | None = None,
+    min_split_tokens: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
     `counters` (see alloc_decode_counters: int32, >= B*Hk, zero-initialised, left zeroed) are
-    the merge's arrival counters, by default a shared per-device buffer; `out` may be given."""
+    the merge's arrival counters, by default a shared per-device buffer; `out` may be given.
+    `min_split_tokens` (default 256, rounded up to block_n) is the fewest tokens a split covers."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -427,10 +433,12 @@ def paged_decode_attention_triton(
     block_s = next_pow2(num_splits)
     merge_splits = max(1, min(block_s, _MERGE_TILE_ELEMS // (block_gm * block_d)))
     scale_log2e = float(scale) * LOG2E
+    min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
+    min_chunk = cdiv(min_split, block_n) * block_n
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, counters,
-        scale_log2e, num_splits,
+        scale_log2e, num_splits, min_chunk,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -478,7 +486,7 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     scale_log2e,

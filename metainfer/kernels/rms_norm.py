@@ -44,7 +44,8 @@ def fused_add_rms_norm_ref(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# n_rows changes with every prefill's token count: not specialised (no recompile per size class)
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, y_ptr, w_ptr,
     n_rows, inner_rows, hidden, eps,
