@@ -1,7 +1,7 @@
 """`metainfer bench throughput`: nano-vllm's offline protocol by default.
 
 256 sequences, input and output lengths uniform in [100, 1024], random token ids in
-[0, 10000), ignore_eos, temperature 0.6; one warm-up request. Output tok/s counts the
+[0, 10000], ignore_eos, temperature 0.6; one warm-up request. Output tok/s counts the
 generated tokens only; total tok/s adds the prompt tokens.
 """
 

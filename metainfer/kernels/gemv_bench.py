@@ -17,7 +17,7 @@ config is checked against F.linear on the same data (relative L2 error < 1e-2, b
 call: N*K*2 (weight) + K*2 (x) + N*2 (y). The decode set (36 x the four layer shapes + the LM
 head, every weight a distinct tensor as in the model) is timed as one graph for cuBLAS, for the
 best Triton configs (through `linear_triton` and the installed table) and for DEFAULT_CONFIG,
-next to a device-to-device copy measured in the same run (the roofline of DESIGN.md).
+next to a device-to-device copy measured in the same run (the roofline of the team's design notes).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ QWEN3_8B_DECODE_COUNTS: dict[str, int] = {"qkv": 36, "o_proj": 36, "gate_up": 36
 
 _C = GemvConfig
 SWEEP_CONFIGS: tuple[GemvConfig, ...] = (
-    _C(8, 1024, 8),    # DESIGN.md's first kernel (DEFAULT_CONFIG)
+    _C(8, 1024, 8),    # the design notes' first kernel (DEFAULT_CONFIG)
     _C(8, 1024, 4),
     _C(4, 1024, 4),
     _C(4, 1024, 8),
@@ -139,7 +139,7 @@ def _measure(fn, weights, calls, replays, nbytes):
 
 
 def _copy_gbps(device, replays: int, nbytes: int = 1 << 31) -> float:
-    """Device-to-device copy (read + write bytes counted), as DESIGN.md's roofline."""
+    """Device-to-device copy (read + write bytes counted), as the design notes' roofline."""
     from metainfer.bench.common import copy_bandwidth
 
     return copy_bandwidth(torch.device(device), gib=nbytes / 2**30) / 1e9

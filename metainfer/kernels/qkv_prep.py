@@ -116,6 +116,8 @@ def _norm_rope_heads(
         xp = _round(_round(xp * inv_rms, dtype) * wp[None, :], dtype)
     rotated = _round(x * cos[None, :], dtype) + sign[None, :] * _round(xp * sin[None, :], dtype)
     out = tl.where(is_rot[None, :], rotated, x).to(dtype)
+    # in place: every lane's partner load must precede any lane's store (lanes may sit in other warps)
+    tl.debug_barrier()
     tl.store(base + dims[None, :], out, mask=mask)
     return out, heads, mask
 
