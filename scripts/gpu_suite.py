@@ -2,7 +2,9 @@
 
 Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections:
   kernels    Triton vs torch reference at Qwen3-8B shapes, bf16
-  gemv       batch-1 GEMV sweep: Triton configs vs cuBLAS per shape and for the whole decode set
+  gemv       batch-1 GEMV sweep: Triton configs vs cuBLAS per shape and for the whole decode set;
+             the folded norm / SiLU prologues against their own kernels
+  attn_sweep batch-1 decode attention launch parameters at the bs1 bench's contexts
   graphs     greedy output: CUDA-graph path == eager path, async == sync; prefix hits, preemption
   agreement  teacher-forced top-1 / logit cosine vs HF transformers at real dims
   latency    batch-1 decode TPOT, TTFT of a 1,024-token prompt, startup time, bandwidth ratio
@@ -153,11 +155,64 @@ def kernels(args):
 @section("gemv")
 def gemv(args):
     """Batch-1 GEMV sweep (Triton configs vs cuBLAS per decode shape, then the whole decode set)."""
-    from metainfer.kernels.gemv_bench import format_report, sweep
+    from metainfer.kernels.gemv import TUNED_CONFIGS
+    from metainfer.kernels.gemv_bench import format_report, prologue_ab, sweep
 
     res = sweep()  # the decode-set figures (with and without PDL) use this sweep's winners
     print(format_report(res), flush=True)
+    try:  # the folded norm / activation against their own kernels, at the shipped table's configs
+        res["prologue_ab"] = prologue_ab(TUNED_CONFIGS.get(torch.cuda.get_device_name(), {}))
+    except Exception as exc:
+        res["prologue_ab"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    print(json.dumps(res["prologue_ab"], indent=1), flush=True)
     return res  # run before latency, and latency also measures the engine with these winners
+
+
+@section("attn_sweep")
+def attn_sweep(args):
+    """Batch-1 decode attention at the Qwen3-8B heads (32 q, 8 kv, D=128, block 16) for the bs1 bench's
+    contexts: one graph of 36 launches over distinct layer caches, PDL where supported, per
+    (block_n, min_split_tokens, early V load). us a launch."""
+    import metainfer.kernels.attention as attn
+    from metainfer.kernels import pdl_supported
+    from metainfer.kernels.gemv_bench import _time_graph
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    pdl = pdl_supported(dev)
+    hq, hk, d, bs, layers = 32, 8, 128, 16, 36
+    res = {"pdl": pdl, "rows": []}
+    for ctx in (96, 160, 1024):
+        blocks = -(-ctx // bs)
+        caches = [torch.randn(2, blocks, bs, hk, d, device=dev, dtype=bf16) for _ in range(layers)]
+        q = torch.randn(1, hq, d, device=dev, dtype=bf16)
+        tables = torch.arange(blocks, device=dev, dtype=torch.int32).view(1, -1)
+        lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
+        ref = attn.paged_decode_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), tables, lens,
+                                              d ** -0.5)
+        for block_n in (16, 32, 64):
+            for min_split in (32, 64, 256):
+                for early_v in (False, True):
+                    attn.DECODE_EARLY_V = early_v
+                    try:
+                        def call(c, block_n=block_n, min_split=min_split, q=q, tables=tables, lens=lens):
+                            return attn.paged_decode_attention_triton(q, c[0], c[1], tables, lens, d ** -0.5,
+                                                                      block_n=block_n, min_split_tokens=min_split,
+                                                                      pdl=pdl)
+                        err = (call(caches[0]).float() - ref).abs().max().item()
+                        us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
+                        res["rows"].append({"ctx": ctx, "block_n": block_n, "min_split": min_split,
+                                            "early_v": early_v, "us": round(us, 3), "max_err": err})
+                    finally:
+                        attn.DECODE_EARLY_V = True
+        del caches
+    for ctx in (96, 160, 1024):
+        rows = [r for r in res["rows"] if r["ctx"] == ctx]
+        best = min(rows, key=lambda r: r["us"])
+        shipped = next(r for r in rows if (r["block_n"], r["min_split"], r["early_v"]) == (64, 256, True))
+        res[f"ctx{ctx}"] = {"best": best, "shipped": shipped}
+        print(f"ctx {ctx}: shipped {shipped['us']} us, best {best}", flush=True)
+    torch.cuda.empty_cache()
+    return res
 
 
 @section("graphs")
@@ -286,25 +341,25 @@ def latency(args):
     bs1_sync = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     engine.lookahead = 1
     variants = {}
-    from metainfer.kernels.gemv import linear_ref, tuned_linear
-    bound = [m for m in runner.model.modules() if hasattr(m, "matmul")]
-    shipped = bound[0].matmul  # the engine's own choice (tuned table, PDL where supported)
-    gpu, pdl = torch.cuda.get_device_name(), getattr(shipped, "keywords", {}).get("pdl", False)
+    from metainfer.kernels import select_ops
+    from metainfer.layers.linear import bind_kernel_linears
+
+    gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     swept = RESULTS.get("gemv", {}).get("table")
-    choices = [("cublas", linear_ref), ("triton_gemv", shipped)]
+    choices = [("cublas", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table={})),
+               ("triton_gemv_unfused", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_prologues=False)),
+               ("triton_gemv", runner.ops)]
     if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
-        choices.append(("triton_gemv_this_sweep", tuned_linear(gpu, pdl=pdl, table=swept)))
-    for name, fn in choices:  # swap, re-capture, measure
-        for module in bound:
-            module.matmul = fn
+        choices.append(("triton_gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
+    for name, ops in choices:  # swap, re-capture, measure
+        bind_kernel_linears(runner.model, ops)
         runner._capture_cudagraphs()
         variants[name] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-        table = getattr(fn, "keywords", {}).get("table")
+        table = getattr(ops.linear, "keywords", {}).get("table")
         if table:
             variants[name]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in table.items()}
-    for module in bound:
-        module.matmul = shipped
-    del engine, runner, bound, shipped  # the modules must go with the LLM, or the next engine finds no memory
+    bind_kernel_linears(runner.model, runner.ops)
+    del engine, runner, choices  # the modules must go with the LLM, or the next engine finds no memory
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -367,8 +422,16 @@ def profile(args):
 
     folder = model_dir(args)
     out = {}
-    for name, kw in {"graph": {}, "eager": dict(enforce_eager=True)}.items():
-        llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, **kw)
+    # graph_no_pdl: under PDL the profiler books a kernel's early-launch wait as its own time, so only
+    # a PDL-off graph profile decomposes into kernels + gaps (docs/PERFORMANCE.md)
+    variants = {"graph": ({}, False), "graph_no_pdl": ({}, True), "eager": (dict(enforce_eager=True), False)}
+    for name, (kw, no_pdl) in variants.items():
+        if no_pdl:
+            os.environ["METAINFER_DISABLE_PDL"] = "1"
+        try:
+            llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8, **kw)
+        finally:
+            os.environ.pop("METAINFER_DISABLE_PDL", None)
         engine, steps = llm.llm_engine, 32
         engine.add_request("warm", {"prompt_token_ids": list(range(100, 132))},
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), stream=False)
@@ -551,6 +614,17 @@ def table() -> str:
     if gv:
         times = {k: v for k, v in gv.items() if k.endswith("_ms")}
         lines.append(f"| decode-set GEMVs in one graph (ms) | {json.dumps(times)[:90]} | | |")
+    for name, v in r.get("gemv", {}).get("prologue_ab", {}).items():
+        if isinstance(v, dict) and "fused_ms" in v:
+            lines.append(f"| {name} x36: separate kernel / folded prologue (ms) | {v['unfused_ms']:.3f} / "
+                         f"{v['fused_ms']:.3f} | saved {v['saved_us_per_launch']:.2f} us a launch | |")
+    for ctx in (96, 160, 1024):
+        a = r.get("attn_sweep", {}).get(f"ctx{ctx}")
+        if a:
+            b = a["best"]
+            lines.append(f"| bs1 decode attention ctx {ctx} (us) | shipped {a['shipped']['us']:.2f} | "
+                         f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}, "
+                         f"early V {b['early_v']}) | |")
     pb = r.get("profile_batch", {})
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
@@ -565,10 +639,12 @@ def table() -> str:
     if "ttft_1024" in lat and "eager_ttft_1024" in base:
         ours, theirs = lat["ttft_1024"]["ttft_ms"], base["eager_ttft_1024"]["ttft_ms"]
         lines.append(f"| TTFT 1024 vs HF eager (ms) | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x |")
-    prof = r.get("profile", {}).get("graph", {})
-    if "wall_ms_per_token" in prof:
-        lines.append(f"| bs1 decode step: wall / device / gaps ms | {prof['wall_ms_per_token']:.3f} / "
-                     f"{prof['device_ms_per_token']:.3f} / {prof['gaps_ms_per_token']:.3f} | | |")
+    for variant in ("graph", "graph_no_pdl"):
+        prof = r.get("profile", {}).get(variant, {})
+        if "wall_ms_per_token" in prof:
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in prof["device_ms_per_token_by_kind"].items())
+            lines.append(f"| bs1 decode step ({variant}): wall / device / gaps ms | {prof['wall_ms_per_token']:.3f} / "
+                         f"{prof['device_ms_per_token']:.3f} / {prof['gaps_ms_per_token']:.3f} | {kinds} | |")
     if "ttft_1024" in lat:
         lines.append(f"| TTFT 1024 tokens (ms) | {lat['ttft_1024']['ttft_ms']:.1f} | target 35 | |")
     if "startup_s" in lat:
@@ -611,7 +687,8 @@ def main():
     p.add_argument("--baseline-modes", default="eager,compile")
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
-                                        "test_phase01_kernels")))  # test_phase01_gemv is CPU-only (gemv: the sweep)
+                                        "test_phase01_kernels", "test_phase01_gemv_prologue")))
+    # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
     if args.print_table:

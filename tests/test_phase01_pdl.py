@@ -29,6 +29,12 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
         assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}, name
         assert fn.func is getattr(TRITON_OPS, name), name
     assert ops.linear.keywords["pdl"] is True
+    for fused in (ops.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
+        assert fused.keywords["pdl"] is True and fused.keywords["table"] is ops.linear.keywords["table"]
+        unfused = fused.keywords["unfused"].keywords
+        assert unfused["linear"] is ops.linear
+        assert all(unfused[k].keywords == {"pdl": True} for k in ("rms_norm", "add_rms_norm", "silu_and_mul")
+                   if k in unfused)
 
 
 def test_select_ops_without_pdl_leaves_launchers_unbound():
@@ -91,22 +97,18 @@ def _decode_chain_inputs(batch: int) -> dict:
 
 
 def _decode_chain(ops, inp: dict) -> torch.Tensor:
-    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them)."""
-    hidden, residual = inp["x"], None
+    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: at batch 1-2 the
+    norms and SiLU-and-mul run inside the Triton GEMVs, at 5 as their own kernels before cuBLAS)."""
+    hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
-        if residual is None:
-            residual = hidden.clone()
-            hidden = ops.rms_norm(hidden, w["w_in"], EPS)
-        else:
-            hidden, residual = ops.fused_add_rms_norm(hidden, residual, w["w_in"], EPS)
-        qkv = ops.linear(hidden, w["qkv"])
+        qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
         q, _, _ = ops.qk_norm_rope_store(qkv, inp["positions"], inp["cos_sin"], w["q_norm"], w["k_norm"], EPS,
                                          w["k_cache"], w["v_cache"], inp["slots"], HQ, HK, D)
         attn = ops.paged_decode_attention(q.reshape(-1, HQ, D), w["k_cache"], w["v_cache"], inp["tables"],
                                           inp["context_lens"], D ** -0.5)
         hidden = ops.linear(attn.reshape(-1, HQ * D), w["o"])
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, w["w_post"], EPS)
-        hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, w["gate_up"])), w["down"])
+        gate_up, residual = ops.norm_linear(hidden, residual, w["w_post"], EPS, w["gate_up"], None)
+        hidden = ops.silu_mul_linear(gate_up, w["down"], None)
     hidden, _ = ops.fused_add_rms_norm(hidden, residual, inp["layers"][0]["w_in"], EPS)
     return hidden
 

@@ -27,6 +27,7 @@ from metainfer.kernels import (
     store_kv_ref,
 )
 from metainfer.layers.attention import AttentionMetadata, forward_context
+from metainfer.layers.norm import RMSNorm
 from metainfer.models.dense import DenseAttention
 from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
@@ -352,11 +353,13 @@ def test_dense_attention_uses_fused_op(qk_norm, rotary_factor):
     unfused_attn = layers[0].attn.__class__(4, 2, 32, 32 ** -0.5, REF_OPS)
     unfused_attn.k_cache, unfused_attn.v_cache = caches[2]
     ref_layer = layers[0]
+    input_norm = RMSNorm(64, 1e-6, REF_OPS)  # the layer's input norm, folded into qkv_proj
+    input_norm.weight.data = torch.rand(64, generator=gen) + 0.5
     for (meta, positions), x in zip(steps, hidden):
         with forward_context(meta):
-            outs = [layer(positions, x) for layer in layers]
+            outs = [layer(positions, x, None, input_norm)[0] for layer in layers]
             # the old un-fused block, step by step through Attention.forward
-            q, k, v = ref_layer.qkv_proj(x).split([128, 64, 64], dim=-1)
+            q, k, v = ref_layer.qkv_proj(input_norm(x)).split([128, 64, 64], dim=-1)
             if qk_norm:
                 q = rms_norm_ref(q.reshape(-1, 32), ref_layer.q_norm.weight, 1e-6).view(-1, 128)
                 k = rms_norm_ref(k.reshape(-1, 32), ref_layer.k_norm.weight, 1e-6).view(-1, 64)

@@ -22,6 +22,7 @@ from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import pdl_supported, select_ops
 from metainfer.layers.attention import AttentionMetadata, forward_context
+from metainfer.layers.linear import bind_kernel_linears
 from metainfer.loader import load_weights
 from metainfer.models.registry import model_class
 
@@ -123,13 +124,11 @@ class ModelRunner:
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         # PDL on Hopper and later; METAINFER_DISABLE_PDL=1 turns it off (an A/B switch, read once here)
         pdl = pdl_supported(self.device) and os.environ.get("METAINFER_DISABLE_PDL", "0") != "1"
-        ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl)
+        self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl)
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)
-        for module in model.modules():  # bind the device's GEMM once, at build time
-            if hasattr(module, "matmul"):
-                module.matmul = ops.linear
+        bind_kernel_linears(model, ops)  # the device's GEMMs, once, at build time
         model.eval()
         self._load(model)
         return model

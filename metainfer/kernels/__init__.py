@@ -9,7 +9,7 @@ needs Triton nor initialises CUDA.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -26,7 +26,13 @@ from .attention import (
     paged_prefill_attention_ref,
     paged_prefill_attention_triton,
 )
-from .gemv import linear_ref
+from .fused_linear import (
+    norm_linear_engine,
+    norm_linear_unfused,
+    silu_mul_linear_engine,
+    silu_mul_linear_unfused,
+)
+from .gemv import linear_ref, tuned_linear
 from .kv_cache import store_kv_ref, store_kv_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
@@ -48,9 +54,28 @@ class KernelOps:
     linear: Callable = linear_ref
     backend: str = "torch"
     pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
+    # (residual-add +) RMSNorm -> linear and SiLU-and-mul -> linear (kernels/fused_linear.py); set by
+    # `with_linear`, which binds them to this set's norm, activation and linear
+    norm_linear: Callable | None = None
+    silu_mul_linear: Callable | None = None
 
 
-REF_OPS = KernelOps(
+def with_linear(ops: KernelOps, linear: Callable = linear_ref, gemv_table: Mapping | None = None,
+                fuse_prologues: bool = True) -> KernelOps:
+    """`ops` with its GEMM set to `linear` and the fused linears bound to it: the unfused compositions
+    of ops' own kernels, or with `gemv_table` (parsed, (N, K) -> GemvConfig) and fuse_prologues the
+    Triton GEMVs with the norm / activation folded in for the shapes that table tunes."""
+    norm_linear = functools.partial(norm_linear_unfused, rms_norm=ops.rms_norm,
+                                    add_rms_norm=ops.fused_add_rms_norm, linear=linear)
+    silu_mul_linear = functools.partial(silu_mul_linear_unfused, silu_and_mul=ops.silu_and_mul, linear=linear)
+    if gemv_table is not None and fuse_prologues:
+        norm_linear = functools.partial(norm_linear_engine, table=gemv_table, pdl=ops.pdl, unfused=norm_linear)
+        silu_mul_linear = functools.partial(silu_mul_linear_engine, table=gemv_table, pdl=ops.pdl,
+                                            unfused=silu_mul_linear)
+    return replace(ops, linear=linear, norm_linear=norm_linear, silu_mul_linear=silu_mul_linear)
+
+
+REF_OPS = with_linear(KernelOps(
     rms_norm=rms_norm_ref,
     fused_add_rms_norm=fused_add_rms_norm_ref,
     rotary_neox=rotary_neox_ref,
@@ -60,9 +85,9 @@ REF_OPS = KernelOps(
     paged_prefill_attention=paged_prefill_attention_ref,
     qk_norm_rope_store=qk_norm_rope_store_ref,
     backend="torch",
-)
+))
 
-TRITON_OPS = KernelOps(
+TRITON_OPS = with_linear(KernelOps(
     rms_norm=rms_norm_triton,
     fused_add_rms_norm=fused_add_rms_norm_triton,
     rotary_neox=rotary_neox_triton,
@@ -71,21 +96,24 @@ TRITON_OPS = KernelOps(
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
-    linear=linear_ref,  # on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
     backend="triton",
-)
+))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
 
 # The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
-_PDL_OPS = tuple(f.name for f in fields(KernelOps) if f.name not in ("linear", "backend", "pdl"))
+_PDL_OPS = tuple(f.name for f in fields(KernelOps)
+                 if f.name not in ("linear", "backend", "pdl", "norm_linear", "silu_mul_linear"))
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
-               pdl: bool = False) -> KernelOps:
+               pdl: bool = False, gemv_table: Mapping | None = None, fuse_prologues: bool = True) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
-    table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise.
+    table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise;
+    `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict) replaces that table (an empty one:
+    cuBLAS everywhere). With a table, `fuse_prologues` folds the RMSNorms and SiLU-and-mul into the
+    GEMVs that follow them (kernels/fused_linear.py); False keeps them separate kernels (an A/B).
     `pdl` binds every Triton launcher to programmatic dependent launch (a CUDA device of compute
     capability >= 9: check with `pdl_supported`). Selection makes no CUDA call."""
     device = torch.device(device)
@@ -101,11 +129,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     ops = TRITON_OPS
     if pdl:
         ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
-    if gpu_name is None:
-        return ops
-    from .gemv import tuned_linear
-
-    return replace(ops, linear=tuned_linear(gpu_name, pdl=pdl))
+    linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
+    table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
+    return with_linear(ops, linear, table, fuse_prologues)
 
 
 __all__ = [
@@ -133,6 +159,7 @@ __all__ = [
     "rotary_neox_ref",
     "rotary_neox_triton",
     "select_ops",
+    "with_linear",
     "silu_and_mul_ref",
     "silu_and_mul_triton",
     "store_kv_ref",

@@ -110,6 +110,23 @@ def _cases(op: str):
             x, w, b = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), torch.zeros(n, dtype=bf16)
             cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k}",
                           lambda pdl, x=x, w=w, b=b, cfg=cfg: gemv.gemv_triton(x, w, b, config=cfg, pdl=pdl)))
+        # the folded prologues at the H200 table's qkv / gate_up / down configs
+        hidden, inter = 4096, 12288
+        nw = torch.ones(hidden, dtype=bf16)
+        for m, n, cfg in ((1, 6144, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)),
+                          (2, 24576, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4))):
+            x, w = torch.zeros(m, hidden, dtype=bf16), torch.zeros(n, hidden, dtype=bf16)
+            cases.append((f"rms_norm_gemv bf16 M={m} N={n}",
+                          lambda pdl, x=x, w=w, cfg=cfg: gemv.rms_norm_gemv_triton(x, None, nw, 1e-6, w, config=cfg,
+                                                                                  pdl=pdl)))
+            cases.append((f"add_rms_norm_gemv bf16 M={m} N={n}",
+                          lambda pdl, x=x, w=w, cfg=cfg: gemv.rms_norm_gemv_triton(x, x.clone(), nw, 1e-6, w,
+                                                                                  config=cfg, pdl=pdl)))
+        for m in (1, 2):
+            gu, w = torch.zeros(m, 2 * inter, dtype=bf16), torch.zeros(hidden, inter, dtype=bf16)
+            cfg = gemv.GemvConfig(block_n=16, block_k=1024, num_warps=8)
+            cases.append((f"silu_mul_gemv bf16 M={m} N={hidden} K={inter}",
+                          lambda pdl, gu=gu, w=w, cfg=cfg: gemv.silu_mul_gemv_triton(gu, w, config=cfg, pdl=pdl)))
     elif op == "qk_prep":
         for dtype, tokens, hq, hk, head_dim in ((bf16, 1, 32, 8, 128), (bf16, 64, 32, 8, 128), (fp32, 3, 4, 2, 64)):
             qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)

@@ -34,6 +34,9 @@ _DECODE_BLOCK_N = 64
 # directly (no partials, no arrival counter, no merge). At batch 1 and 8 KV heads, 16 splits of
 # 256 tokens still give a 4K context 128 programs.
 _DECODE_MIN_SPLIT_TOKENS = 256
+# Issue a tile's V load right after its K load (True) or after the scores (False). A module switch
+# for the GPU suite's A/B (scripts/gpu_suite.py: attn_sweep), read at launch; not a per-call option.
+DECODE_EARLY_V = True
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path)
@@ -191,7 +194,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, EARLY_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -237,6 +241,9 @@ def _decode_split_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+        if EARLY_V:  # V's load in flight with K's (one memory round trip a tile instead of two)
+            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
@@ -246,8 +253,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
@@ -446,7 +453,7 @@ def paged_decode_attention_triton(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
-        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
+        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits, EARLY_V=DECODE_EARLY_V,
         num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
     )
     return out

@@ -213,23 +213,77 @@ def _load_w(w_ptrs, row_mask, col_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constex
     return w.to(tl.float32)
 
 
+# x-operand prologues of `_gemv_kernel` (PROLOGUE): the op that would run as its own kernel just
+# before the GEMV is folded into the GEMV's x loads (one launch less at batch 1; docs/CONTRACTS.md).
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_ADD_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2, 3
+
+
 @triton.jit
-def _fma_row(acc, w, x_ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+def _load_x(ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """fp32 x values at `ptrs` ([BLOCK_N, BLOCK_K] when X_2D, else [BLOCK_K])."""
+    if EVEN_K:
+        x = tl.load(ptrs)
+    elif X_2D:
+        x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=col_mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _x_operand(x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask,
+               PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """The GEMV's x at columns `koffs` of one row, with its prologue applied in HF's rounding order
+    (each rounding to the model dtype the unfused kernels store in):
+    RMS_NORM: w_n * round(x * inv_rms); ADD_RMS_NORM: the same on round(x + residual);
+    SILU_MUL: round(round(silu(gate)) * up), gate = x[k], up = x[K + k]."""
+    dt = x_ptr.dtype.element_ty
+    x = _load_x(x_ptr + koffs, col_mask, EVEN_K, X_2D)
+    if PROLOGUE == 2:
+        x = (x + _load_x(r_ptr + koffs, col_mask, EVEN_K, X_2D)).to(r_ptr.dtype.element_ty).to(tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        normed = (x * inv_rms).to(dt).to(tl.float32)
+        x = (_load_x(nw_ptr + koffs, col_mask, EVEN_K, X_2D) * normed).to(dt).to(tl.float32)
+    if PROLOGUE == 3:
+        up = _load_x(x_ptr + K + koffs, col_mask, EVEN_K, X_2D)
+        act = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+        x = (act * up).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _fma_row(acc, w, x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask,
+             PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
     """acc += w * x (x broadcast over the rows). X_2D loads x through [BLOCK_N, BLOCK_K] pointers, so
     it gets w's register layout (L1-hit duplicates instead of a shared-memory layout change and two
     barriers every K-step); the 1-D load is used where its layout already matches."""
+    x = _x_operand(x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask, PROLOGUE, EVEN_K, X_2D)
     if X_2D:
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=col_mask[None, :], other=0.0)
-        return acc + w * x.to(tl.float32)
+        return acc + w * x
     else:
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=col_mask, other=0.0)
-        return acc + w * x.to(tl.float32)[None, :]
+        return acc + w * x[None, :]
+
+
+@triton.jit
+def _row_inv_rms(x_row, r_row, ro_row, K, eps, write_residual,
+                 PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / rms of one row over all of K (of round(x + residual) with ADD_RMS_NORM, whose rounded sum
+    the writer program also stores to residual_out); 0.0 without a norm prologue."""
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        offs = tl.arange(0, BLOCK)
+        sq = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + offs
+            mask = cols < K
+            h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:
+                summed = (h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)).to(ro_row.dtype.element_ty)
+                tl.store(ro_row + cols, summed, mask=mask & write_residual)
+                h = summed.to(tl.float32)
+            sq += h * h
+        return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -244,11 +298,15 @@ def _store_row(acc, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIA
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
+                 N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, stride_rom,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
+    PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads; the norm prologues first take
+    each row's 1/rms over all of K (every program: the row is a few KB, read from L2), and program
+    (0, 0) stores round(x + residual) to residual_out, a buffer no program reads.
     Under PDL the programs' launch and address setup overlap the previous kernel's tail. (Loading
     the first weight tile before pdl_enter, which the weights would allow, was measured: it changed
     the loop's code and the tuned table ran 0.10 ms slower over the decode set; docs/PERFORMANCE.md.)"""
@@ -260,26 +318,43 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, K_PER_SPLIT, stride_xm, strid
     k_begin = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
     if X_2D:
-        x_ptrs = x_ptr + k_begin + tl.zeros_like(rows)[:, None] + offs_k[None, :]
+        koffs = k_begin + tl.zeros_like(rows)[:, None] + offs_k[None, :]
     else:
-        x_ptrs = x_ptr + k_begin + offs_k
+        koffs = k_begin + offs_k
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     pdl_enter(USE_PDL)
+    writer = (pid_n == 0) & (pid_k == 0)
+    inv0 = _row_inv_rms(x_ptr, r_ptr, ro_ptr, K, eps, writer, PROLOGUE, BLOCK_K)
+    inv1 = inv0
+    inv2 = inv0
+    inv3 = inv0
+    if ROWS > 1:
+        inv1 = _row_inv_rms(x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, K, eps, writer,
+                            PROLOGUE, BLOCK_K)
+    if ROWS > 2:
+        inv2 = _row_inv_rms(x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm, ro_ptr + 2 * stride_rom, K, eps,
+                            writer, PROLOGUE, BLOCK_K)
+    if ROWS > 3:
+        inv3 = _row_inv_rms(x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm, ro_ptr + 3 * stride_rom, K, eps,
+                            writer, PROLOGUE, BLOCK_K)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         col_mask = (k_begin + k0 + offs_k) < K
         w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
-        acc0 = _fma_row(acc0, w, x_ptrs, col_mask, EVEN_K, X_2D)
+        acc0 = _fma_row(acc0, w, x_ptr, r_ptr, nw_ptr, koffs, inv0, K, col_mask, PROLOGUE, EVEN_K, X_2D)
         if ROWS > 1:
-            acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, col_mask, EVEN_K, X_2D)
+            acc1 = _fma_row(acc1, w, x_ptr + stride_xm, r_ptr + stride_rm, nw_ptr, koffs, inv1, K, col_mask,
+                            PROLOGUE, EVEN_K, X_2D)
         if ROWS > 2:
-            acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, col_mask, EVEN_K, X_2D)
+            acc2 = _fma_row(acc2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm, nw_ptr, koffs, inv2, K,
+                            col_mask, PROLOGUE, EVEN_K, X_2D)
         if ROWS > 3:
-            acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, col_mask, EVEN_K, X_2D)
+            acc3 = _fma_row(acc3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm, nw_ptr, koffs, inv3, K,
+                            col_mask, PROLOGUE, EVEN_K, X_2D)
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        koffs += BLOCK_K
     y_row = y_ptr + pid_k * stride_ys
     _store_row(acc0, y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
     if ROWS > 1:
@@ -307,25 +382,23 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_y
     tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_args(x, weight, bias):
-    ok = (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-          and x.shape[1] > 0 and weight.shape[0] > 0 and weight.stride(1) == 1 and x.stride(1) == 1
+def _check_args(x, weight, bias, x_cols: int | None = None, fn: str = "gemv_triton"):
+    k = weight.shape[1] if weight.dim() == 2 else -1
+    ok = (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and weight.dim() == 2 and x.shape[1] == (x_cols or k)
+          and k > 0 and weight.shape[0] > 0 and weight.stride(1) == 1 and x.stride(1) == 1
           and (bias is None or (bias.shape == (weight.shape[0],) and bias.stride(0) == 1)))
     if not ok:
-        raise ValueError(f"gemv_triton needs x[1..{MAX_ROWS}, K] and weight[N, K] with unit last strides (bias [N]), "
-                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+        want = "K" if x_cols is None else "2K"
+        raise ValueError(f"{fn} needs x[1..{MAX_ROWS}, {want}] and weight[N, K] with unit last strides "
+                         f"(bias [N]), got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}")
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
-    """y = x @ weight^T (+ bias) in x's dtype, for x[M <= MAX_ROWS, K] and weight[N, K] rows
-    (unit last strides). `config` overrides the table (`gemv_config(N, K)`); `pdl`: launch with
-    programmatic dependent launch (kernels/_triton.py: pdl_enter)."""
+def _launch_gemv(x, weight, bias, config, pdl, prologue=PROLOGUE_NONE, residual=None, residual_out=None,
+                 norm_weight=None, eps=0.0):
     require_triton()
-    _check_args(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     plan = gemv_plan(m, n, k, config, weight.element_size())
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else weight
@@ -334,11 +407,15 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     else:
         out = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)
         stride_ys = out.stride(0)
+    r = residual if residual is not None else x
+    ro = residual_out if residual_out is not None else x
+    nw = norm_weight if norm_weight is not None else x
     _gemv_kernel[plan.grid](
-        x, weight, b, out, n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys,
+        x, weight, b, out, r, ro, nw, float(eps),
+        n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys, r.stride(0), ro.stride(0),
         ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **pdl_args(pdl),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PROLOGUE=prologue,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     if plan.split_k > 1:
         _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
@@ -346,6 +423,45 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl_args(pdl),
         )
     return y
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) in x's dtype, for x[M <= MAX_ROWS, K] and weight[N, K] rows
+    (unit last strides). `config` overrides the table (`gemv_config(N, K)`); `pdl`: launch with
+    programmatic dependent launch (kernels/_triton.py: pdl_enter)."""
+    _check_args(x, weight, bias)
+    return _launch_gemv(x, weight, bias, config, pdl)
+
+
+def rms_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                         *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm, or residual-add + RMSNorm) then the GEMV, in one launch: returns
+    (linear(rms_norm(h)), h) with h = x, or h = round(x + residual) written to a new buffer (never
+    in place: every program reads all of x and residual while one writes h). Rounding as the
+    unfused `fused_add_rms_norm` + `linear`; 1/rms may differ from theirs in the last fp32 bit
+    (another summation order)."""
+    _check_args(x, weight, bias, fn="rms_norm_gemv_triton")
+    k = weight.shape[1]
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be [{k}] with a unit stride, got {tuple(norm_weight.shape)}")
+    if residual is None:
+        return _launch_gemv(x, weight, bias, config, pdl, PROLOGUE_RMS_NORM, norm_weight=norm_weight, eps=eps), x
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError(f"residual must match x {tuple(x.shape)} with a unit last stride, got {tuple(residual.shape)}")
+    residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    y = _launch_gemv(x, weight, bias, config, pdl, PROLOGUE_ADD_RMS_NORM, residual, residual_out, norm_weight, eps)
+    return y, residual_out
+
+
+def silu_mul_gemv_triton(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up)) in one launch, for gate_up[M <= MAX_ROWS, 2K] (gate | up) and
+    weight[N, K]; the activation is rounded as the unfused `silu_and_mul` (bit-equal x operand)."""
+    _check_args(gate_up, weight, bias, x_cols=2 * weight.shape[1] if weight.dim() == 2 else None,
+                fn="silu_mul_gemv_triton")
+    return _launch_gemv(gate_up, weight, bias, config, pdl, PROLOGUE_SILU_MUL)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,7 +493,7 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
     `table`, e.g. a sweep's) and to `pdl`, or cuBLAS (linear_ref) for a GPU without a table. Nothing
     process-wide changes: two engines on different GPUs each keep their own table."""
     table = table if table is not None else TUNED_CONFIGS.get(device_name)
-    if table is None:
+    if not table:  # no table, or an empty one: cuBLAS everywhere
         return linear_ref
     return functools.partial(linear_engine, table=parse_gemv_table(table), pdl=pdl)
 

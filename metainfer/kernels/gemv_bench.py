@@ -233,6 +233,56 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
     return res
 
 
+def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36, dtype=torch.bfloat16) -> dict:
+    """The folded prologues against the separate kernels, per decode GEMV of Qwen3-8B at batch 1: one
+    graph of `layers` distinct weights each, (residual-add + RMSNorm kernel, GEMV) -> qkv and gate_up,
+    (SiLU-and-mul kernel, GEMV) -> down, against the fused GEMV; PDL where supported, `table`'s configs
+    ("NxK" -> config dict). ms a layer set and the saving per launch removed."""
+    from .activation import silu_and_mul_triton
+    from .gemv import parse_gemv_table, rms_norm_gemv_triton, silu_mul_gemv_triton
+    from .rms_norm import fused_add_rms_norm_triton
+
+    device = torch.device(device)
+    pdl = pdl_supported(device)
+    configs = parse_gemv_table(table)
+    g = torch.Generator(device=device).manual_seed(3)
+    hidden, inter = QWEN3_8B_DECODE_SHAPES["qkv"][1], QWEN3_8B_DECODE_SHAPES["down"][1]
+    x = torch.randn(1, hidden, generator=g, device=device, dtype=dtype)
+    res_in = torch.randn(1, hidden, generator=g, device=device, dtype=dtype)
+    res_inplace = res_in.clone()
+    nw = torch.ones(hidden, device=device, dtype=dtype)
+    gate_up = torch.randn(1, 2 * inter, generator=g, device=device, dtype=dtype)
+    out = {"pdl": pdl, "layers": layers}
+    for name in ("qkv", "gate_up", "down"):
+        shape = QWEN3_8B_DECODE_SHAPES[name]
+        cfg = configs.get(shape)
+        if cfg is None:
+            out[name] = {"skipped": "shape not in the table"}
+            continue
+        weights = [torch.randn(*shape, generator=g, device=device, dtype=dtype) for _ in range(layers)]
+        if name == "down":
+            def unfused(w, cfg=cfg):
+                return gemv_triton(silu_and_mul_triton(gate_up, pdl=pdl), w, config=cfg, pdl=pdl)
+
+            def fused(w, cfg=cfg):
+                return silu_mul_gemv_triton(gate_up, w, config=cfg, pdl=pdl)
+        else:
+            def unfused(w, cfg=cfg):
+                normed, _ = fused_add_rms_norm_triton(x, res_inplace, nw, 1e-6, pdl=pdl)  # drifts: timing only
+                return gemv_triton(normed, w, config=cfg, pdl=pdl)
+
+            def fused(w, cfg=cfg):
+                return rms_norm_gemv_triton(x, res_in, nw, 1e-6, w, config=cfg, pdl=pdl)[0]
+        row = {"config": cfg.to_dict()}
+        for label, fn in (("unfused", unfused), ("fused", fused)):
+            row[f"{label}_ms"] = round(_time_graph([lambda w=w, fn=fn: fn(w) for w in weights], replays), 4)
+        row["saved_us_per_launch"] = round((row["unfused_ms"] - row["fused_ms"]) * 1e3 / layers, 3)
+        out[name] = row
+        del weights
+    torch.cuda.empty_cache()
+    return out
+
+
 def _multi_row_check(n, k, cfg, device, calls, replays, dtype=torch.bfloat16) -> list[dict]:
     """Correctness (and time, against cuBLAS) of M = 2..4 and of the bias path on one shape."""
     g = torch.Generator(device=device).manual_seed(11)

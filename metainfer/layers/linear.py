@@ -14,6 +14,7 @@ from torch import nn
 
 from metainfer.distributed.communication import reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.kernels import REF_OPS
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
@@ -47,11 +48,18 @@ class LinearBase(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         raise NotImplementedError
 
-    # y = x W^T (+ b); the model runner binds the device's kernel (KernelOps.linear) at build
+    # y = x W^T (+ b), and the same after a norm folded in; `bind_kernel_linears` binds the device's
+    # kernels (KernelOps.linear / .norm_linear) at build
     matmul = staticmethod(F.linear)
+    norm_matmul = staticmethod(REF_OPS.norm_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x [+ residual])), the new residual stream); `norm` an RMSNorm module
+        (kernels/fused_linear.py: norm_linear; use the returned residual, not the argument)."""
+        return self.norm_matmul(x, residual, norm.weight, norm.eps, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -157,6 +165,23 @@ class RowParallelLinear(LinearBase):
         _check_shape(param, shard, name)
         param.data.copy_(shard)
 
+    silu_matmul = staticmethod(REF_OPS.silu_mul_linear)  # bound to KernelOps.silu_mul_linear at build
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.reduce(self.matmul(x, self.weight, None))
         return y if self.bias is None else y + self.bias
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)): the SwiGLU activation folded into this layer's GEMM."""
+        y = self.reduce(self.silu_matmul(gate_up, self.weight, None))
+        return y if self.bias is None else y + self.bias
+
+
+def bind_kernel_linears(model: nn.Module, ops) -> None:
+    """Bind the device's GEMMs (a KernelOps) to every linear of `model`, once at build (or again for
+    an A/B; CUDA graphs keep what they recorded until re-captured)."""
+    for module in model.modules():
+        for attr, kernel in (("matmul", ops.linear), ("norm_matmul", ops.norm_linear),
+                             ("silu_matmul", ops.silu_mul_linear)):
+            if hasattr(module, attr):
+                setattr(module, attr, kernel)

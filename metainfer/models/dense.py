@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from metainfer.config import ModelSpec
-from metainfer.layers.activation import SiluAndMul
 from metainfer.layers.attention import Attention, get_attention_metadata
 from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -37,8 +36,9 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
         self._prep = ops.qk_norm_rope_store
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm):
+        """(o_proj output, residual): `norm` (the layer's input RMSNorm) runs folded into qkv_proj."""
+        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         # One fused op: per-head q/k RMSNorm (Qwen3) -> rotary -> K/V into the paged cache;
         # q comes back normed and rotated as a view of qkv, then attention reads the cache.
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
@@ -46,7 +46,7 @@ class DenseAttention(nn.Module):
         q, _, _ = self._prep(qkv, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, self.eps,
                              attn.k_cache, attn.v_cache, get_attention_metadata().slot_mapping,
                              self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.attend(q))
+        return self.o_proj(attn.attend(q)), residual
 
 
 class DenseMLP(nn.Module):
@@ -55,10 +55,11 @@ class DenseMLP(nn.Module):
         i = spec.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [i, i], bias=False, dtype=dtype)
         self.down_proj = RowParallelLinear(i, spec.hidden_size, bias=False, dtype=dtype)
-        self.act_fn = SiluAndMul(ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual): `norm` runs folded into gate_up_proj, SiLU-and-mul into down_proj."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj.forward_gated(gate_up), residual
 
 
 class DenseDecoderLayer(nn.Module):
@@ -70,15 +71,11 @@ class DenseDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, dtype)
 
     def forward(self, positions, hidden, residual):
-        """Residual flow: residual carries the un-normed stream; hidden is the block output."""
-        if residual is None:
-            residual = hidden.clone()
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """Residual flow: residual carries the un-normed stream (None before the first layer: the
+        embedding is the stream); hidden is the block output. Each norm runs inside the linear
+        after it (LinearBase.forward_normed), which hands back the updated stream."""
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class DenseModel(nn.Module):

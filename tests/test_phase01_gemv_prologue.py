@@ -1,0 +1,152 @@
+"""GEMVs with a folded prologue (RMSNorm, residual-add + RMSNorm, SiLU-and-mul) against the unfused
+torch references: the norm / activation reference, then fp32 linear on its rounded output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels.activation import silu_and_mul_ref
+from metainfer.kernels.gemv import GemvConfig, rms_norm_gemv_triton, silu_mul_gemv_triton
+from metainfer.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+
+from .kernel_devices import DEVICE, KERNEL_DTYPES
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+EPS = 1e-6
+# (config, N, K): even and ragged N/K, a K split, x loaded 1-D (BLOCK_K spans the warps) and 2-D
+CASES = [
+    (GemvConfig(block_n=8, block_k=32, num_warps=4), 24, 64),
+    (GemvConfig(block_n=8, block_k=32, num_warps=4), 13, 100),
+    (GemvConfig(block_n=4, block_k=64, num_warps=4, split_k=3), 37, 300),
+    (GemvConfig(block_n=4, block_k=1024, num_warps=1), 20, 256),
+]
+
+
+def _linear(x, w, b):
+    """fp32 math on the rounded operand, rounded once, like the kernel's accumulation."""
+    return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def _data(m, n, k, dtype, seed, x_cols=None, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, x_cols or k, generator=g) * 2
+    res = torch.randn(m, k, generator=g)
+    nw = 1 + 0.3 * torch.randn(k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    to = lambda t: None if t is None else t.to(dtype).to(DEVICE)  # noqa: E731
+    return to(x), to(res), to(nw), to(w), to(b)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv_matches_unfused(dtype, m, case, with_residual):
+    cfg, n, k = CASES[case]
+    x, res, nw, w, b = _data(m, n, k, dtype, seed=case * 10 + m, bias=case == 1)
+    res_in = res.clone()
+    if with_residual:
+        normed, want_res = fused_add_rms_norm_ref(x, res.clone(), nw, EPS)
+        y, got_res = rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=cfg)
+        torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # round(x + r), exactly
+        assert got_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
+        torch.testing.assert_close(res, res_in, rtol=0, atol=0)  # the input residual is not touched
+    else:
+        normed = rms_norm_ref(x, nw, EPS)
+        y, got_res = rms_norm_gemv_triton(x, None, nw, EPS, w, b, config=cfg)
+        assert got_res is x
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), _linear(normed, w, b).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_silu_mul_gemv_matches_unfused(dtype, m, case):
+    cfg, n, k = CASES[case]
+    gate_up, _, _, w, b = _data(m, n, k, dtype, seed=case * 7 + m, x_cols=2 * k, bias=case == 0)
+    y = silu_mul_gemv_triton(gate_up, w, b, config=cfg)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), _linear(silu_and_mul_ref(gate_up), w, b).float(), **TOL[dtype])
+
+
+def test_prologue_argument_errors():
+    x, res, nw, w, _ = _data(1, 8, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="norm_weight"):
+        rms_norm_gemv_triton(x, res, nw[:32], EPS, w)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_gemv_triton(x, res[:, :32], nw, EPS, w)
+    with pytest.raises(ValueError, match="2K"):
+        silu_mul_gemv_triton(x, w)  # gate_up must be twice the weight's K
+
+
+# ----------------------------------------------------------------------------------------------
+# selection and model wiring (CPU: the Triton kernels interpreted)
+# ----------------------------------------------------------------------------------------------
+
+HIDDEN, INTER = 64, 96
+TABLE = {f"{2 * INTER}x{HIDDEN}": {"block_n": 8, "block_k": 32, "num_warps": 4},
+         f"{HIDDEN}x{INTER}": {"block_n": 8, "block_k": 64, "num_warps": 4, "split_k": 2}}
+
+
+def _mlp_spec():
+    from metainfer.config import ModelSpec
+
+    return ModelSpec(architecture="Qwen3ForCausalLM", model_type="qwen3", vocab_size=64, hidden_size=HIDDEN,
+                     intermediate_size=INTER, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=EPS, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                     tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
+
+
+def test_select_ops_fuses_only_with_a_table():
+    from metainfer.kernels import REF_OPS, fused_linear, gemv, select_ops
+
+    fused = select_ops("cuda", gpu_name="NVIDIA H200")
+    assert fused.norm_linear.func is fused_linear.norm_linear_engine
+    assert fused.silu_mul_linear.func is fused_linear.silu_mul_linear_engine
+    unfused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_prologues=False)
+    assert unfused.norm_linear.func is fused_linear.norm_linear_unfused
+    assert unfused.norm_linear.keywords["linear"].func is gemv.linear_engine  # Triton GEMV, norm apart
+    cublas = select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={})
+    assert cublas.linear is gemv.linear_ref and cublas.norm_linear.func is fused_linear.norm_linear_unfused
+    assert REF_OPS.norm_linear.keywords["linear"] is REF_OPS.linear
+    assert REF_OPS.silu_mul_linear.keywords["silu_and_mul"] is REF_OPS.silu_and_mul
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU model wiring test")
+@pytest.mark.parametrize("m", [1, 3])  # 1: the fused GEMVs; 3: above ENGINE_MAX_ROWS, the unfused kernels
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_dense_mlp_and_qkv_with_folded_prologues_match_the_reference(monkeypatch, m, first_layer):
+    from metainfer.kernels import REF_OPS, fused_linear, select_ops
+    from metainfer.layers.linear import bind_kernel_linears
+    from metainfer.layers.norm import RMSNorm
+    from metainfer.models.dense import DenseMLP
+
+    launched = []
+    for name in ("rms_norm_gemv_triton", "silu_mul_gemv_triton"):
+        real = getattr(fused_linear, name)
+        monkeypatch.setattr(fused_linear, name,
+                            lambda *a, _real=real, _n=name, **k: launched.append(_n) or _real(*a, **k))
+    ops = select_ops("cpu", use_triton=True, gemv_table=TABLE)
+    gen = torch.Generator().manual_seed(m)
+    mlps, norms = [], []
+    for variant in (REF_OPS, ops):
+        mlp, norm = DenseMLP(_mlp_spec(), variant, torch.float32), RMSNorm(HIDDEN, EPS, variant)
+        bind_kernel_linears(mlp, variant)
+        mlps.append(mlp)
+        norms.append(norm)
+    state = {k: torch.randn(v.shape, generator=gen) / 8 for k, v in mlps[0].state_dict().items()}
+    nw = 1 + 0.2 * torch.randn(HIDDEN, generator=gen)
+    for mlp, norm in zip(mlps, norms):
+        mlp.load_state_dict(state)
+        norm.weight.data.copy_(nw)
+    x = torch.randn(m, HIDDEN, generator=gen)
+    residual = None if first_layer else torch.randn(m, HIDDEN, generator=gen)
+    (want, want_res), (got, got_res) = [
+        mlp(x.clone(), None if residual is None else residual.clone(), norm) for mlp, norm in zip(mlps, norms)]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    assert launched == (["rms_norm_gemv_triton", "silu_mul_gemv_triton"] if m == 1 else [])
