@@ -1,5 +1,7 @@
-"""GEMVs with a folded prologue (RMSNorm, residual-add + RMSNorm, SiLU-and-mul) against the unfused
-torch references: the norm / activation reference, then fp32 linear on its rounded output."""
+"""GEMVs with a folded prologue (RMSNorm, residual-add + RMSNorm, SiLU-and-mul) against torch
+references: SiLU against the unfused activation reference then fp32 linear on its rounded output;
+the norms against the folded formula in fp64 (tight) and against the unfused path (whose normed
+activation is rounded twice: the output's tolerance)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from .kernel_devices import DEVICE, KERNEL_DTYPES
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+# one output ulp (fp32: accumulation order)
+TIGHT = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+         torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 EPS = 1e-6
-# (config, N, K): even and ragged N/K, a K split, x loaded 1-D (BLOCK_K spans the warps) and 2-D
+# (config, N, K): even and ragged N/K, a K split (the norms run it unsplit), x loaded 1-D (BLOCK_K spans
+# the warps) and 2-D
 CASES = [
     (GemvConfig(block_n=8, block_k=32, num_warps=4), 24, 64),
     (GemvConfig(block_n=8, block_k=32, num_warps=4), 13, 100),
@@ -27,6 +33,14 @@ CASES = [
 def _linear(x, w, b):
     """fp32 math on the rounded operand, rounded once, like the kernel's accumulation."""
     return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def _folded_norm_linear(h, nw, w, b):
+    """y = (1/rms(h)) * (W @ (w_norm * h)) in fp64, rounded once: the kernel's formula."""
+    h64 = h.double()
+    inv = torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS)
+    y = torch.nn.functional.linear(h64 * nw.double(), w.double()) * inv
+    return (y if b is None else y + b.double()).to(h.dtype)
 
 
 def _data(m, n, k, dtype, seed, x_cols=None, bias=False):
@@ -50,16 +64,21 @@ def test_rms_norm_gemv_matches_unfused(dtype, m, case, with_residual):
     res_in = res.clone()
     if with_residual:
         normed, want_res = fused_add_rms_norm_ref(x, res.clone(), nw, EPS)
+        h = want_res
         y, got_res = rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=cfg)
         torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # round(x + r), exactly
         assert got_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
         torch.testing.assert_close(res, res_in, rtol=0, atol=0)  # the input residual is not touched
     else:
-        normed = rms_norm_ref(x, nw, EPS)
+        normed, h = rms_norm_ref(x, nw, EPS), x
         y, got_res = rms_norm_gemv_triton(x, None, nw, EPS, w, b, config=cfg)
         assert got_res is x
     assert y.dtype == dtype and y.shape == (m, n)
+    folded = _folded_norm_linear(h, nw, w, b).float()
+    torch.testing.assert_close(y.float(), folded, **TIGHT[dtype])  # the kernel's formula: 1-ulp rounding ties
     torch.testing.assert_close(y.float(), _linear(normed, w, b).float(), **TOL[dtype])
+    if dtype != torch.float32:  # teeth: the unfused path's two roundings differ from the formula
+        assert not torch.equal(_linear(normed, w, b).float(), folded)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -231,64 +231,59 @@ def _load_x(ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
 
 
 @triton.jit
-def _x_operand(x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask,
+def _x_operand(x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
                PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
-    """The GEMV's x at columns `koffs` of one row, with its prologue applied in HF's rounding order
-    (each rounding to the model dtype the unfused kernels store in):
-    RMS_NORM: w_n * round(x * inv_rms); ADD_RMS_NORM: the same on round(x + residual);
-    SILU_MUL: round(round(silu(gate)) * up), gate = x[k], up = x[K + k]."""
+    """(operand, h) at columns `koffs` of one row: the GEMV's x with its prologue applied, and the
+    values whose squares the norm prologues sum (unused otherwise).
+    RMS_NORM: operand = w_n * h with h = x (1/rms is applied to the dot product, `_row_result`);
+    ADD_RMS_NORM: the same with h = round(x + residual), which the writer stores to residual_out;
+    SILU_MUL: round(round(silu(gate)) * up), gate = x[k], up = x[K + k] (the unfused rounding)."""
     dt = x_ptr.dtype.element_ty
     x = _load_x(x_ptr + koffs, col_mask, EVEN_K, X_2D)
+    h = x
     if PROLOGUE == 2:
-        x = (x + _load_x(r_ptr + koffs, col_mask, EVEN_K, X_2D)).to(r_ptr.dtype.element_ty).to(tl.float32)
+        summed = (x + _load_x(r_ptr + koffs, col_mask, EVEN_K, X_2D)).to(ro_ptr.dtype.element_ty)
+        tl.store(ro_ptr + koffs, summed, mask=store_mask)
+        h = summed.to(tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        normed = (x * inv_rms).to(dt).to(tl.float32)
-        x = (_load_x(nw_ptr + koffs, col_mask, EVEN_K, X_2D) * normed).to(dt).to(tl.float32)
+        x = _load_x(nw_ptr + koffs, col_mask, EVEN_K, X_2D) * h
     if PROLOGUE == 3:
         up = _load_x(x_ptr + K + koffs, col_mask, EVEN_K, X_2D)
         act = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
         x = (act * up).to(dt).to(tl.float32)
-    return x
+    return x, h
 
 
 @triton.jit
-def _fma_row(acc, w, x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask,
+def _fma_row(acc, sq, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
              PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
-    """acc += w * x (x broadcast over the rows). X_2D loads x through [BLOCK_N, BLOCK_K] pointers, so
-    it gets w's register layout (L1-hit duplicates instead of a shared-memory layout change and two
-    barriers every K-step); the 1-D load is used where its layout already matches."""
-    x = _x_operand(x_ptr, r_ptr, nw_ptr, koffs, inv_rms, K, col_mask, PROLOGUE, EVEN_K, X_2D)
-    if X_2D:
-        return acc + w * x
-    else:
-        return acc + w * x[None, :]
-
-
-@triton.jit
-def _row_inv_rms(x_row, r_row, ro_row, K, eps, write_residual,
-                 PROLOGUE: tl.constexpr, BLOCK: tl.constexpr):
-    """1 / rms of one row over all of K (of round(x + residual) with ADD_RMS_NORM, whose rounded sum
-    the writer program also stores to residual_out); 0.0 without a norm prologue."""
+    """(acc + w * x, sq + h * h), x broadcast over the rows. X_2D loads x through [BLOCK_N, BLOCK_K]
+    pointers, so it gets w's register layout (L1-hit duplicates instead of a shared-memory layout
+    change and two barriers every K-step); the 1-D load is used where its layout already matches."""
+    x, h = _x_operand(x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        offs = tl.arange(0, BLOCK)
-        sq = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            cols = k0 + offs
-            mask = cols < K
-            h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if PROLOGUE == 2:
-                summed = (h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)).to(ro_row.dtype.element_ty)
-                tl.store(ro_row + cols, summed, mask=mask & write_residual)
-                h = summed.to(tl.float32)
-            sq += h * h
-        return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        sq += h * h
+    if X_2D:
+        return acc + w * x, sq
     else:
-        return 0.0
+        return acc + w * x[None, :], sq
 
 
 @triton.jit
-def _store_row(acc, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _row_result(acc, sq, K, eps, PROLOGUE: tl.constexpr, X_2D: tl.constexpr):
+    """The program's BLOCK_N dot products of one row; the norm prologues scale them by the row's
+    1/rms, whose sum of squares the K loop gathered (a program sees all of K: SPLIT_K is 1)."""
     y = tl.sum(acc, axis=1)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        if X_2D:  # each of the BLOCK_N rows of sq holds the whole row's squares
+            y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
+        else:
+            y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    return y
+
+
+@triton.jit
+def _store_row(y, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -304,12 +299,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
-    PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads; the norm prologues first take
-    each row's 1/rms over all of K (every program: the row is a few KB, read from L2), and program
-    (0, 0) stores round(x + residual) to residual_out, a buffer no program reads.
-    Under PDL the programs' launch and address setup overlap the previous kernel's tail. (Loading
-    the first weight tile before pdl_enter, which the weights would allow, was measured: it changed
-    the loop's code and the tuned table ran 0.10 ms slower over the decode set; docs/PERFORMANCE.md.)"""
+    PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads. The norm prologues (SPLIT_K 1)
+    add no pass over x: a program accumulates each row's sum of squares alongside its dot products
+    and scales those by 1/rms at the end; program 0 stores round(x + residual) to residual_out, a
+    buffer no program reads. Under PDL the programs' launch and address setup overlap the previous
+    kernel's tail. (Loading the first weight tile before pdl_enter, which the weights would allow,
+    was measured: it changed the loop's code and the tuned table ran 0.10 ms slower over the decode
+    set; docs/PERFORMANCE.md.)"""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,52 +313,55 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
     offs_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+    writer = (pid_n == 0) & (pid_k == 0)
     if X_2D:
         koffs = k_begin + tl.zeros_like(rows)[:, None] + offs_k[None, :]
+        first_row = (tl.arange(0, BLOCK_N) == 0)[:, None]  # one store per column of residual_out
     else:
         koffs = k_begin + offs_k
+        first_row = True
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq0 = tl.zeros(koffs.shape, dtype=tl.float32)
+    sq1 = sq0
+    sq2 = sq0
+    sq3 = sq0
     pdl_enter(USE_PDL)
-    writer = (pid_n == 0) & (pid_k == 0)
-    inv0 = _row_inv_rms(x_ptr, r_ptr, ro_ptr, K, eps, writer, PROLOGUE, BLOCK_K)
-    inv1 = inv0
-    inv2 = inv0
-    inv3 = inv0
-    if ROWS > 1:
-        inv1 = _row_inv_rms(x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, K, eps, writer,
-                            PROLOGUE, BLOCK_K)
-    if ROWS > 2:
-        inv2 = _row_inv_rms(x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm, ro_ptr + 2 * stride_rom, K, eps,
-                            writer, PROLOGUE, BLOCK_K)
-    if ROWS > 3:
-        inv3 = _row_inv_rms(x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm, ro_ptr + 3 * stride_rom, K, eps,
-                            writer, PROLOGUE, BLOCK_K)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         col_mask = (k_begin + k0 + offs_k) < K
+        if X_2D:
+            store_mask = first_row & col_mask[None, :] & writer
+        else:
+            store_mask = col_mask & writer
         w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
-        acc0 = _fma_row(acc0, w, x_ptr, r_ptr, nw_ptr, koffs, inv0, K, col_mask, PROLOGUE, EVEN_K, X_2D)
+        acc0, sq0 = _fma_row(acc0, sq0, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
+                             PROLOGUE, EVEN_K, X_2D)
         if ROWS > 1:
-            acc1 = _fma_row(acc1, w, x_ptr + stride_xm, r_ptr + stride_rm, nw_ptr, koffs, inv1, K, col_mask,
-                            PROLOGUE, EVEN_K, X_2D)
+            acc1, sq1 = _fma_row(acc1, sq1, w, x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, nw_ptr,
+                                 koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
         if ROWS > 2:
-            acc2 = _fma_row(acc2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm, nw_ptr, koffs, inv2, K,
-                            col_mask, PROLOGUE, EVEN_K, X_2D)
+            acc2, sq2 = _fma_row(acc2, sq2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm,
+                                 ro_ptr + 2 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
+                                 PROLOGUE, EVEN_K, X_2D)
         if ROWS > 3:
-            acc3 = _fma_row(acc3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm, nw_ptr, koffs, inv3, K,
-                            col_mask, PROLOGUE, EVEN_K, X_2D)
+            acc3, sq3 = _fma_row(acc3, sq3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm,
+                                 ro_ptr + 3 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
+                                 PROLOGUE, EVEN_K, X_2D)
         w_ptrs += BLOCK_K
         koffs += BLOCK_K
     y_row = y_ptr + pid_k * stride_ys
-    _store_row(acc0, y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+    _store_row(_row_result(acc0, sq0, K, eps, PROLOGUE, X_2D), y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
     if ROWS > 1:
-        _store_row(acc1, y_row + stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+        _store_row(_row_result(acc1, sq1, K, eps, PROLOGUE, X_2D), y_row + stride_ym, b_ptr, rows, row_mask,
+                   SPLIT_K, HAS_BIAS)
     if ROWS > 2:
-        _store_row(acc2, y_row + 2 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+        _store_row(_row_result(acc2, sq2, K, eps, PROLOGUE, X_2D), y_row + 2 * stride_ym, b_ptr, rows, row_mask,
+                   SPLIT_K, HAS_BIAS)
     if ROWS > 3:
-        _store_row(acc3, y_row + 3 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+        _store_row(_row_result(acc3, sq3, K, eps, PROLOGUE, X_2D), y_row + 3 * stride_ym, b_ptr, rows, row_mask,
+                   SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -439,11 +438,14 @@ def rms_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_we
                          *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm, or residual-add + RMSNorm) then the GEMV, in one launch: returns
     (linear(rms_norm(h)), h) with h = x, or h = round(x + residual) written to a new buffer (never
-    in place: every program reads all of x and residual while one writes h). Rounding as the
-    unfused `fused_add_rms_norm` + `linear`; 1/rms may differ from theirs in the last fp32 bit
-    (another summation order)."""
+    in place: every program reads all of x and residual while one writes h). The norm is folded
+    into the dot product, y[n] = (1/rms(h)) * sum_k W[n, k] * (w_norm[k] * h[k]) in fp32, so the
+    normed activation is never rounded to the model dtype (the unfused path rounds it twice: the
+    two agree to the output's rounding, not bit for bit). Runs with split_k 1 whatever `config`
+    says: each program needs all of K for 1/rms."""
     _check_args(x, weight, bias, fn="rms_norm_gemv_triton")
-    k = weight.shape[1]
+    n, k = weight.shape
+    config = replace(config if config is not None else gemv_config(n, k), split_k=1)
     if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
         raise ValueError(f"norm_weight must be [{k}] with a unit stride, got {tuple(norm_weight.shape)}")
     if residual is None:

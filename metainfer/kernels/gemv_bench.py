@@ -237,7 +237,8 @@ def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36,
     """The folded prologues against the separate kernels, per decode GEMV of Qwen3-8B at batch 1: one
     graph of `layers` distinct weights each, (residual-add + RMSNorm kernel, GEMV) -> qkv and gate_up,
     (SiLU-and-mul kernel, GEMV) -> down, against the fused GEMV; PDL where supported, `table`'s configs
-    ("NxK" -> config dict). ms a layer set and the saving per launch removed."""
+    ("NxK" -> config dict). ms a layer set (and of the GEMVs alone: the floor of the fused one) and the
+    saving per launch removed."""
     from .activation import silu_and_mul_triton
     from .gemv import parse_gemv_table, rms_norm_gemv_triton, silu_mul_gemv_triton
     from .rms_norm import fused_add_rms_norm_triton
@@ -273,8 +274,11 @@ def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36,
 
             def fused(w, cfg=cfg):
                 return rms_norm_gemv_triton(x, res_in, nw, 1e-6, w, config=cfg, pdl=pdl)[0]
+        def gemv_only(w, cfg=cfg, x=x if name != "down" else gate_up[:, :inter]):
+            return gemv_triton(x, w, config=cfg, pdl=pdl)
+
         row = {"config": cfg.to_dict()}
-        for label, fn in (("unfused", unfused), ("fused", fused)):
+        for label, fn in (("gemv_only", gemv_only), ("unfused", unfused), ("fused", fused)):
             row[f"{label}_ms"] = round(_time_graph([lambda w=w, fn=fn: fn(w) for w in weights], replays), 4)
         row["saved_us_per_launch"] = round((row["unfused_ms"] - row["fused_ms"]) * 1e3 / layers, 3)
         out[name] = row
