@@ -181,7 +181,7 @@ def attn_sweep(args):
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     pdl = pdl_supported(dev)
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 36, 40960 // 16
-    shipped = (attn._DECODE_BLOCK_N, attn._DECODE_MIN_SPLIT_TOKENS)
+    shipped = (attn._DECODE_SPLIT_BLOCK_N, attn._DECODE_MIN_SPLIT_TOKENS)  # bs1: a split launch
     res = {"pdl": pdl, "table_width": width, "shipped": shipped, "rows": []}
     contexts = (32, 96, 160, 1024)  # the bs1 bench's contexts run 32..160
     for ctx in contexts:
@@ -351,7 +351,8 @@ def latency(args):
     gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     swept = RESULTS.get("gemv", {}).get("table")
     choices = [("cublas", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table={})),
-               ("triton_gemv_unfused", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_prologues=False)),
+               ("triton_gemv_unfused", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_activation=False)),
+               ("triton_gemv_fold_norm", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_norm=True)),
                ("triton_gemv", runner.ops)]
     if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
         choices.append(("triton_gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
@@ -620,9 +621,10 @@ def table() -> str:
         lines.append(f"| decode-set GEMVs in one graph (ms) | {json.dumps(times)[:90]} | | |")
     for name, v in r.get("gemv", {}).get("prologue_ab", {}).items():
         if isinstance(v, dict) and "fused_ms" in v:
+            best = f", best folded config {v['fused_best_ms']:.3f}" if "fused_best_ms" in v else ""
             lines.append(f"| {name} x36: GEMV alone / separate kernel / folded (ms) | {v['gemv_only_ms']:.3f} / "
-                         f"{v['unfused_ms']:.3f} / {v['fused_ms']:.3f} | saved {v['saved_us_per_launch']:.2f} us "
-                         f"a launch | |")
+                         f"{v['unfused_ms']:.3f} / {v['fused_ms']:.3f}{best} | saved {v['saved_us_per_launch']:.2f} "
+                         f"us a launch | |")
     for ctx in (32, 96, 160, 1024):
         a = r.get("attn_sweep", {}).get(f"ctx{ctx}")
         if a:

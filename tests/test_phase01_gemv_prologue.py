@@ -123,10 +123,14 @@ def _mlp_spec():
 def test_select_ops_fuses_only_with_a_table():
     from metainfer.kernels import REF_OPS, fused_linear, gemv, select_ops
 
-    fused = select_ops("cuda", gpu_name="NVIDIA H200")
+    default = select_ops("cuda", gpu_name="NVIDIA H200")  # the activation folded, the norm apart
+    assert default.norm_linear.func is fused_linear.norm_linear_unfused
+    assert default.silu_mul_linear.func is fused_linear.silu_mul_linear_engine
+    fused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_norm=True)
     assert fused.norm_linear.func is fused_linear.norm_linear_engine
     assert fused.silu_mul_linear.func is fused_linear.silu_mul_linear_engine
-    unfused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_prologues=False)
+    unfused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_activation=False)
+    assert unfused.silu_mul_linear.func is fused_linear.silu_mul_linear_unfused
     assert unfused.norm_linear.func is fused_linear.norm_linear_unfused
     assert unfused.norm_linear.keywords["linear"].func is gemv.linear_engine  # Triton GEMV, norm apart
     cublas = select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={})
@@ -149,7 +153,7 @@ def test_dense_mlp_and_qkv_with_folded_prologues_match_the_reference(monkeypatch
         real = getattr(fused_linear, name)
         monkeypatch.setattr(fused_linear, name,
                             lambda *a, _real=real, _n=name, **k: launched.append(_n) or _real(*a, **k))
-    ops = select_ops("cpu", use_triton=True, gemv_table=TABLE)
+    ops = select_ops("cpu", use_triton=True, gemv_table=TABLE, fuse_norm=True)
     gen = torch.Generator().manual_seed(m)
     mlps, norms = [], []
     for variant in (REF_OPS, ops):

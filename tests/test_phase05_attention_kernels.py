@@ -274,11 +274,11 @@ def test_decode_triton_many_splits_ragged(case, max_num_splits):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_decode_default_min_split_keeps_short_contexts_in_one_split(dtype):
-    """With the default minimum split (256 tokens) a context up to 256 tokens is one split, which
+    """With the default minimum split (32 tokens) a context up to 32 tokens is one split, which
     writes the output directly: the split workspace stays untouched (NaN) although the table's width
     (4096 tokens) gives 32 splits. A longer context in the same batch still splits and merges."""
     hq, hk, head_dim, block_size = 8, 2, 64, 16
-    for contexts, splits_used in (([0, 1, 200, 256], False), ([0, 100, 700, 2000], True)):
+    for contexts, splits_used in (([0, 1, 20, 32], False), ([0, 33, 100, 2000], True)):
         batch = make_paged_batch(contexts, block_size, hk, head_dim, dtype, seed=5)
         tables = _pad_table(batch.block_tables, 4096, block_size)
         q = _randn(len(contexts), hq, head_dim, dtype=dtype, seed=2, device=DEVICE)

@@ -61,15 +61,17 @@ class KernelOps:
 
 
 def with_linear(ops: KernelOps, linear: Callable = linear_ref, gemv_table: Mapping | None = None,
-                fuse_prologues: bool = True) -> KernelOps:
+                fuse_norm: bool = False, fuse_activation: bool = True) -> KernelOps:
     """`ops` with its GEMM set to `linear` and the fused linears bound to it: the unfused compositions
-    of ops' own kernels, or with `gemv_table` (parsed, (N, K) -> GemvConfig) and fuse_prologues the
-    Triton GEMVs with the norm / activation folded in for the shapes that table tunes."""
+    of ops' own kernels, or with `gemv_table` (parsed, (N, K) -> GemvConfig) the Triton GEMVs with
+    the norm (`fuse_norm`) / the activation (`fuse_activation`) folded in for the shapes that table
+    tunes."""
     norm_linear = functools.partial(norm_linear_unfused, rms_norm=ops.rms_norm,
                                     add_rms_norm=ops.fused_add_rms_norm, linear=linear)
     silu_mul_linear = functools.partial(silu_mul_linear_unfused, silu_and_mul=ops.silu_and_mul, linear=linear)
-    if gemv_table is not None and fuse_prologues:
+    if gemv_table is not None and fuse_norm:
         norm_linear = functools.partial(norm_linear_engine, table=gemv_table, pdl=ops.pdl, unfused=norm_linear)
+    if gemv_table is not None and fuse_activation:
         silu_mul_linear = functools.partial(silu_mul_linear_engine, table=gemv_table, pdl=ops.pdl,
                                             unfused=silu_mul_linear)
     return replace(ops, linear=linear, norm_linear=norm_linear, silu_mul_linear=silu_mul_linear)
@@ -106,14 +108,17 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
-               pdl: bool = False, gemv_table: Mapping | None = None, fuse_prologues: bool = True) -> KernelOps:
+               pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
+               fuse_activation: bool = True) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
     table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise;
     `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict) replaces that table (an empty one:
-    cuBLAS everywhere). With a table, `fuse_prologues` folds the RMSNorms and SiLU-and-mul into the
-    GEMVs that follow them (kernels/fused_linear.py); False keeps them separate kernels (an A/B).
+    cuBLAS everywhere). With a table, `fuse_activation` folds SiLU-and-mul into the down GEMV and
+    `fuse_norm` the RMSNorms into the GEMVs after them (kernels/fused_linear.py). Defaults from the
+    H200's A/B (docs/PERFORMANCE.md, runs 12-13): the folded SiLU saved 0.6 us a layer; the folded
+    norm cost 1.4 us (qkv) and 3.4 us (gate_up) a launch more than a separate norm kernel, so it is off.
     `pdl` binds every Triton launcher to programmatic dependent launch (a CUDA device of compute
     capability >= 9: check with `pdl_supported`). Selection makes no CUDA call."""
     device = torch.device(device)
@@ -131,7 +136,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
         ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
     linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
     table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
-    return with_linear(ops, linear, table, fuse_prologues)
+    return with_linear(ops, linear, table, fuse_norm, fuse_activation)
 
 
 __all__ = [

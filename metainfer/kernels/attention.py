@@ -29,11 +29,15 @@ LOG2E = 1.4426950408889634
 DEFAULT_MAX_NUM_SPLITS = 32
 # ~4 resident programs per SM on an H200 (132 SMs): split the KV range until the grid reaches it.
 _TARGET_DECODE_PROGRAMS = 512
+# Tokens a program step: 64 for one-pass launches (large batches), 32 for split launches (small
+# batches). A split covers at least _DECODE_MIN_SPLIT_TOKENS: a context shorter than that is one
+# split that writes its output directly (no partials, no arrival counter, no merge). Chosen on the
+# H200 (docs/PERFORMANCE.md, run 13: attn_sweep at batch 1 with the engine's table width): (32, 32)
+# gave 2.58 / 4.37 / 4.33 us a launch at contexts 32 / 96 / 160 against 3.26 / 4.80 / 6.28 for the
+# earlier (64, 256), and 7.26 against 11.00 at 1,024.
 _DECODE_BLOCK_N = 64
-# A split covers at least this many tokens: short contexts take one split and write their output
-# directly (no partials, no arrival counter, no merge). At batch 1 and 8 KV heads, 16 splits of
-# 256 tokens still give a 4K context 128 programs.
-_DECODE_MIN_SPLIT_TOKENS = 256
+_DECODE_SPLIT_BLOCK_N = 32
+_DECODE_MIN_SPLIT_TOKENS = 32
 # Issue a tile's V load right after its K load (True) or after the scores (False). A module switch
 # for the GPU suite's A/B (scripts/gpu_suite.py: attn_sweep), read at launch; not a per-call option.
 DECODE_EARLY_V = True
@@ -393,7 +397,9 @@ def paged_decode_attention_triton(
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
     `counters` (see alloc_decode_counters: int32, >= B*Hk, zero-initialised, left zeroed) are
     the merge's arrival counters, by default a shared per-device buffer; `out` may be given.
-    `min_split_tokens` (default 256, rounded up to block_n) is the fewest tokens a split covers."""
+    `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
+    block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
+    where it splits (the split count is taken at block_n 64 either way)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -403,13 +409,14 @@ def paged_decode_attention_triton(
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
     _check_attention_inputs(q, k_cache, v_cache)
     group = num_q_heads // num_kv_heads
-    block_n = block_n or _DECODE_BLOCK_N
-    if block_n < 16 or block_n & (block_n - 1):
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     max_num_splits = max_num_splits or DEFAULT_MAX_NUM_SPLITS
     num_splits = decode_num_splits(
-        batch, num_kv_heads, block_tables.shape[1] * block_size, max_num_splits, block_n
+        batch, num_kv_heads, block_tables.shape[1] * block_size, max_num_splits, block_n or _DECODE_BLOCK_N
     )
+    if block_n is None:
+        block_n = _DECODE_BLOCK_N if num_splits == 1 else _DECODE_SPLIT_BLOCK_N
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

@@ -281,6 +281,15 @@ def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36,
         for label, fn in (("gemv_only", gemv_only), ("unfused", unfused), ("fused", fused)):
             row[f"{label}_ms"] = round(_time_graph([lambda w=w, fn=fn: fn(w) for w in weights], replays), 4)
         row["saved_us_per_launch"] = round((row["unfused_ms"] - row["fused_ms"]) * 1e3 / layers, 3)
+        if name != "down":  # the folded norm at other launch shapes: does any beat the separate kernel?
+            sweep_rows = []
+            for block_n, warps in ((2, 4), (4, 8), (8, 4), (8, 8), (16, 8)):
+                alt = GemvConfig(block_n=block_n, block_k=1024, num_warps=warps)
+                ms = _time_graph([lambda w=w, alt=alt: rms_norm_gemv_triton(x, res_in, nw, 1e-6, w, config=alt,
+                                                                            pdl=pdl)[0] for w in weights], replays)
+                sweep_rows.append({"config": alt.to_dict(), "ms": round(ms, 4)})
+            row["fused_sweep"] = sweep_rows
+            row["fused_best_ms"] = min(r["ms"] for r in sweep_rows + [{"ms": row["fused_ms"]}])
         out[name] = row
         del weights
     torch.cuda.empty_cache()
