@@ -469,9 +469,12 @@ def profile(args):
         top = sorted(((e.key[:60], (getattr(e, "device_time_total", 0) or 0) / 1e3 / steps)
                       for e in prof.key_averages() if not e.key.startswith("aten::")), key=lambda kv: -kv[1])[:12]
         device_ms = sum(buckets.values())
+        every = sorted(((e.key[:60], e.count / steps, round((getattr(e, "device_time_total", 0) or 0) / 1e3 / steps, 4))
+                        for e in prof.key_averages() if not e.key.startswith("aten::")), key=lambda r: -r[2])
         out[name] = {"decode_steps": steps, "wall_ms_per_token": wall_ms, "device_ms_per_token": device_ms,
                      "gaps_ms_per_token": wall_ms - device_ms, "device_ms_per_token_by_kind": buckets,
-                     "top_kernels_ms_per_token": top}
+                     "top_kernels_ms_per_token": top, "launches_per_token": sum(r[1] for r in every),
+                     "kernels_per_token": every}
         print(name, json.dumps(out[name], indent=1), flush=True)
         while engine.has_unfinished_requests():
             engine.step()

@@ -240,5 +240,6 @@ def qk_norm_rope_store_triton(
         HEAD_DIM=head_dim, HALF=rot_dim // 2, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[1], HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
         num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(pdl),
+        enable_fp_fusion=False,  # keep HF's rounding points: no mul + sub contracted into a bf16 fma
     )
     return q, k, v

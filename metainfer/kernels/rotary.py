@@ -253,5 +253,6 @@ def rotary_neox_triton(
         q3.shape[1], k3.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         HAS_K=k is not None, num_warps=num_warps, **pdl_args(pdl),
+        enable_fp_fusion=False,  # keep HF's rounding points: no mul + sub contracted into a bf16 fma
     )
     return q, k
