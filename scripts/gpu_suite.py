@@ -356,15 +356,6 @@ def latency(args):
                ("triton_gemv", runner.ops)]
     if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
         choices.append(("triton_gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
-    decode_set = RESULTS.get("gemv", {}).get("decode_set", {})
-    depths = {d: decode_set[f"triton_best_pdl_prefetch{d}_ms"] for d in (1, 2, 4)
-              if f"triton_best_pdl_prefetch{d}_ms" in decode_set}
-    if depths:  # the shipped table with the decode set's best L2 prefetch depth
-        from metainfer.kernels.gemv import TUNED_CONFIGS
-
-        depth = min(depths, key=depths.get)
-        table = {key: {**cfg, "prefetch_tiles": depth} for key, cfg in TUNED_CONFIGS.get(gpu, {}).items()}
-        choices.append((f"triton_gemv_prefetch{depth}", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=table)))
     for name, ops in choices:  # swap, re-capture, measure
         bind_kernel_linears(runner.model, ops)
         runner._capture_cudagraphs()

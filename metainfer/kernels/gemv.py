@@ -26,7 +26,6 @@ Configs are chosen per weight shape once, never in the hot path: `gemv_config(n,
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -37,10 +36,6 @@ from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, t
 
 MAX_ROWS = 4
 _REDUCE_BLOCK = 1024
-# bf16/fp16 elements of one 128-byte L2 line (fp32 weights prefetch every other line: still correct)
-_LINE_ELEMS = 64
-# Triton's CPU interpreter (TRITON_INTERPRET=1, read by Triton at import) runs no inline asm
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -56,8 +51,6 @@ class GemvConfig:
     num_warps: int = 8
     num_stages: int = 1
     split_k: int = 1
-    # Weight tiles of its K range a program asks L2 for before the PDL wait (0: none); see _gemv_kernel.
-    prefetch_tiles: int = 0
 
     def __post_init__(self):
         checks = {
@@ -66,7 +59,6 @@ class GemvConfig:
             "num_warps": (self.num_warps, 1, 16, True),
             "num_stages": (self.num_stages, 1, 8, False),
             "split_k": (self.split_k, 1, 64, False),
-            "prefetch_tiles": (self.prefetch_tiles, 0, 8, False),
         }
         for name, (value, lo, hi, pow2) in checks.items():
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
@@ -181,15 +173,7 @@ class GemvPlan:
     even_n: bool
     even_k: bool
     x_2d: bool            # load x with w's 2-D layout (see _fma_row)
-    prefetch_tiles: int   # at most the K-steps a program makes
     grid: tuple[int, int]
-
-
-def _prefetch_tiles(wanted: int, steps: int, block_k: int) -> int:
-    """The L2 prefetch depth a launch can take: at most its K-steps, a power of two (the line grid
-    is a tl.arange), none for tiles narrower than one 128-byte line."""
-    tiles = min(wanted, steps) if block_k >= _LINE_ELEMS else 0
-    return 1 << (tiles.bit_length() - 1) if tiles > 0 else 0
 
 
 def gemv_plan(m: int, n: int, k: int, config: GemvConfig | None = None, elem_bytes: int = 2) -> GemvPlan:
@@ -206,9 +190,7 @@ def gemv_plan(m: int, n: int, k: int, config: GemvConfig | None = None, elem_byt
     x_2d = block_k < (16 // elem_bytes) * 32 * cfg.num_warps
     return GemvPlan(rows=m, block_n=cfg.block_n, block_k=block_k, num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages, split_k=split_k, k_per_split=k_per_split,
-                    even_n=n % cfg.block_n == 0, even_k=even_k, x_2d=x_2d,
-                    prefetch_tiles=_prefetch_tiles(cfg.prefetch_tiles, k_per_split // block_k, block_k),
-                    grid=(cdiv(n, cfg.block_n), split_k))
+                    even_n=n % cfg.block_n == 0, even_k=even_k, x_2d=x_2d, grid=(cdiv(n, cfg.block_n), split_k))
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,27 +293,13 @@ def _store_row(y, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS:
 
 
 @triton.jit
-def _prefetch_l2(w_ptr, rows, stride_wn, k_begin, N, K, PREFETCH_TILES: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask L2 for the program's first PREFETCH_TILES weight tiles, one `prefetch.global.L2` a line.
-    Issued before the PDL wait (weights are never written), so the fetch overlaps the previous
-    kernel's tail instead of following it. Addresses are clamped into the weight (no masks in asm)."""
-    lines = tl.arange(0, PREFETCH_TILES * BLOCK_K // 64) * 64  # _LINE_ELEMS (a jit function reads no globals)
-    cols = tl.minimum(k_begin + lines, K - 1)
-    ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
                  N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, stride_rom,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
-                 PREFETCH_TILES: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
-    PREFETCH_TILES > 0: the program first asks L2 for its leading weight tiles (`_prefetch_l2`), then
-    waits. PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads. The norm prologues (SPLIT_K 1)
+    PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads. The norm prologues (SPLIT_K 1)
     add no pass over x: a program accumulates each row's sum of squares alongside its dot products
     and scales those by 1/rms at the end; program 0 stores round(x + residual) to residual_out, a
     buffer no program reads. Under PDL the programs' launch and address setup overlap the previous
@@ -360,8 +328,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
     sq1 = sq0
     sq2 = sq0
     sq3 = sq0
-    if PREFETCH_TILES > 0:  # a GPU-only path: the interpreter has no inline asm
-        _prefetch_l2(w_ptr, rows, stride_wn, k_begin, N, K, PREFETCH_TILES, BLOCK_K)
     pdl_enter(USE_PDL)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         col_mask = (k_begin + k0 + offs_k) < K
@@ -448,7 +414,6 @@ def _launch_gemv(x, weight, bias, config, pdl, prologue=PROLOGUE_NONE, residual=
         n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys, r.stride(0), ro.stride(0),
         ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PROLOGUE=prologue,
-        PREFETCH_TILES=0 if _INTERPRETED else plan.prefetch_tiles,  # inline PTX: not in the interpreter
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     if plan.split_k > 1:

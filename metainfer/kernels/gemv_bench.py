@@ -27,22 +27,12 @@ import json
 import math
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from ._triton import pdl_supported
-from .gemv import (
-    DEFAULT_CONFIG,
-    GemvConfig,
-    gemv_plan,
-    gemv_triton,
-    get_gemv_configs,
-    linear_triton,
-    parse_gemv_table,
-    set_gemv_configs,
-)
+from .gemv import DEFAULT_CONFIG, GemvConfig, gemv_plan, gemv_triton, get_gemv_configs, linear_triton, set_gemv_configs
 
 QWEN3_8B_DECODE_SHAPES: dict[str, tuple[int, int]] = {
     "qkv": (6144, 4096),
@@ -89,20 +79,12 @@ SWEEP_CONFIGS: tuple[GemvConfig, ...] = (
     _C(2, 1024, 2),
     _C(4, 1024, 4, split_k=4),
     _C(16, 1024, 8, split_k=2),
-    # L2 prefetch of a program's first tiles before its loads (and, under PDL, before its wait)
-    _C(4, 1024, 4, prefetch_tiles=1),
-    _C(4, 1024, 4, prefetch_tiles=2),
-    _C(4, 1024, 4, prefetch_tiles=4),
-    _C(8, 1024, 8, prefetch_tiles=2),
-    _C(4, 2048, 8, prefetch_tiles=1),
-    _C(16, 1024, 8, prefetch_tiles=2),
 )
 QUICK_CONFIGS: tuple[GemvConfig, ...] = (
     _C(8, 1024, 8), _C(8, 1024, 4), _C(4, 1024, 4), _C(16, 512, 8), _C(4, 2048, 8), _C(8, 1024, 8, split_k=2),
 )
 
 REL_TOL = 1e-2
-PREFETCH_DEPTHS = (1, 2, 4)
 
 
 def _key(n: int, k: int) -> str:
@@ -240,18 +222,11 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
         res["triton_best_ms"] = _time_graph(calls(linear_triton), replays)
         if pdl_supported(device):  # the same launches chained by programmatic dependent launch
             res["triton_best_pdl_ms"] = _time_graph(calls(lambda x, w: gemv_triton(x, w, pdl=True)), replays)
-            for depth in PREFETCH_DEPTHS:  # the same table, every shape asking L2 for `depth` tiles early
-                set_gemv_configs({key: replace(cfg, prefetch_tiles=depth)
-                                  for key, cfg in parse_gemv_table(table).items()})
-                res[f"triton_best_pdl_prefetch{depth}_ms"] = _time_graph(
-                    calls(lambda x, w: gemv_triton(x, w, pdl=True)), replays)
     finally:
         set_gemv_configs(previous)
     weights.clear()
     torch.cuda.empty_cache()
-    names = ("cublas", "triton_default", "triton_best", "triton_best_pdl",
-             *(f"triton_best_pdl_prefetch{d}" for d in PREFETCH_DEPTHS))
-    for name in [nm for nm in names if f"{nm}_ms" in res]:
+    for name in [nm for nm in ("cublas", "triton_default", "triton_best", "triton_best_pdl") if f"{nm}_ms" in res]:
         res[f"{name}_gbps"] = round(total / (res[f"{name}_ms"] * 1e-3) / 1e9, 1)
     res["ratio_cublas_over_triton_best"] = round(res["cublas_ms"] / res["triton_best_ms"], 4)
     res["ratio_cublas_over_triton_default"] = round(res["cublas_ms"] / res["triton_default_ms"], 4)
