@@ -171,16 +171,17 @@ def gemv(args):
 @section("attn_sweep")
 def attn_sweep(args):
     """Batch-1 decode attention at the Qwen3-8B heads (32 q, 8 kv, D=128, block 16) for the bs1 bench's
-    contexts, with the engine's block-table width (max_model_len 40,960 / 16: the split count comes
-    from the table, live splits from the context): one graph of 36 launches over distinct layer
-    caches, PDL where supported, per (block_n, min_split_tokens). us a launch."""
+    contexts, with the latency engine's block-table width (max_model_len 4,096 / 16; the split count
+    comes from the table, 32 at any width from 2,048 tokens, and the live splits from the context):
+    one graph of 36 launches over distinct layer caches, PDL where supported, per (block_n,
+    min_split_tokens). us a launch."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels import pdl_supported
     from metainfer.kernels.gemv_bench import _time_graph
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     pdl = pdl_supported(dev)
-    hq, hk, d, bs, layers, width = 32, 8, 128, 16, 36, 40960 // 16
+    hq, hk, d, bs, layers, width = 32, 8, 128, 16, 36, 4096 // 16
     shipped = (attn._DECODE_SPLIT_BLOCK_N, attn._DECODE_MIN_SPLIT_TOKENS)  # bs1: a split launch
     res = {"pdl": pdl, "table_width": width, "shipped": shipped, "rows": []}
     contexts = (32, 96, 160, 1024)  # the bs1 bench's contexts run 32..160

@@ -173,3 +173,37 @@ def test_dense_mlp_and_qkv_with_folded_prologues_match_the_reference(monkeypatch
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
     assert launched == (["rms_norm_gemv_triton", "silu_mul_gemv_triton"] if m == 1 else [])
+
+
+def _mismatch(a, b) -> float:
+    return (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=8, block_k=32, num_warps=4),     # x loaded 1-D
+                                 GemvConfig(block_n=4, block_k=1024, num_warps=1)])  # 2-D
+def test_prologue_operands_through_an_identity_weight(dtype, cfg):
+    """W = I makes y the GEMV's x operand itself (one nonzero product a row): the SiLU fold's operand
+    is silu_and_mul's output (in half precision element for element, but for rare ties), and the
+    folded norm's is w_norm * h * (1/rms) rounded once (not the unfused path's two roundings): the
+    formulas, not only a tolerance."""
+    k = 256
+    eye = torch.eye(k, dtype=dtype, device=DEVICE)
+    gate_up, res, nw, _, _ = _data(2, k, k, dtype, seed=5, x_cols=2 * k)
+    act, ref = silu_mul_gemv_triton(gate_up, eye, config=cfg), silu_and_mul_ref(gate_up)
+    if dtype == torch.float32:  # no rounding points: exp / division order only
+        torch.testing.assert_close(act, ref, rtol=1e-6, atol=1e-6)
+    else:  # the same rounded activation but for rare ties of exp
+        assert _mismatch(act, ref) < 0.01
+    once = (torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()).to(dtype)
+    x = gate_up[:, :k].contiguous()
+    y, h = rms_norm_gemv_triton(x, res, nw, EPS, eye, config=cfg)
+    h64 = h.double()
+    folded = (h64 * nw.double() * torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS)).to(dtype)
+    unfused = rms_norm_ref(h, nw, EPS)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, folded, rtol=1e-6, atol=1e-6)
+    else:  # teeth: each alternative rounding is told apart
+        assert _mismatch(y, folded) < 0.02  # rare 1-ulp ties: 1/rms in fp32 against fp64
+        assert _mismatch(once, silu_and_mul_ref(gate_up)) > 0.05
+        assert _mismatch(unfused, folded) > 0.05 and _mismatch(y, unfused) > 0.05

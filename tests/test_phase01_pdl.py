@@ -97,8 +97,9 @@ def _decode_chain_inputs(batch: int) -> dict:
 
 
 def _decode_chain(ops, inp: dict) -> torch.Tensor:
-    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: at batch 1-2 the
-    norms and SiLU-and-mul run inside the Triton GEMVs, at 5 as their own kernels before cuBLAS)."""
+    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: at batch 1-2
+    SiLU-and-mul, and with fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own
+    kernels before cuBLAS)."""
     hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
         qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
@@ -120,9 +121,11 @@ def _caches(inp: dict) -> list[torch.Tensor]:
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available() and pdl_supported("cuda")),
                     reason="needs METAINFER_TEST_GPU=1 and a CUDA GPU of compute capability >= 9")
 @pytest.mark.parametrize("batch", [1, 2, 5])  # 1-2: the Triton GEMV; 5: cuBLAS between the Triton kernels
-def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch):
+@pytest.mark.parametrize("fuse_norm", [False, True])  # the shipped op set; the folded-norm GEMV (program 0 writes h)
+def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch, fuse_norm):
     name = torch.cuda.get_device_name()
-    plain, pdl = select_ops("cuda", gpu_name=name), select_ops("cuda", gpu_name=name, pdl=True)
+    plain = select_ops("cuda", gpu_name=name, fuse_norm=fuse_norm)
+    pdl = select_ops("cuda", gpu_name=name, pdl=True, fuse_norm=fuse_norm)
     inp = _decode_chain_inputs(batch)
     initial = _caches(inp)
 

@@ -276,9 +276,10 @@ def test_decode_triton_many_splits_ragged(case, max_num_splits):
 def test_decode_default_min_split_keeps_short_contexts_in_one_split(dtype):
     """With the default minimum split (32 tokens) a context up to 32 tokens is one split, which
     writes the output directly: the split workspace stays untouched (NaN) although the table's width
-    (4096 tokens) gives 32 splits. A longer context in the same batch still splits and merges."""
+    (4096 tokens) gives 32 splits. One token more (33) splits and merges (the earlier 256-token
+    minimum would not), as do longer contexts in the same batch."""
     hq, hk, head_dim, block_size = 8, 2, 64, 16
-    for contexts, splits_used in (([0, 1, 20, 32], False), ([0, 33, 100, 2000], True)):
+    for contexts, splits_used in (([0, 1, 20, 32], False), ([0, 1, 20, 33], True), ([0, 100, 700, 2000], True)):
         batch = make_paged_batch(contexts, block_size, hk, head_dim, dtype, seed=5)
         tables = _pad_table(batch.block_tables, 4096, block_size)
         q = _randn(len(contexts), hq, head_dim, dtype=dtype, seed=2, device=DEVICE)
@@ -468,3 +469,42 @@ def test_aot_compile_sm90_phase05_kernels():
     from tests.test_phase01_kernels import run_aot_check
 
     run_aot_check(["store_kv", "decode", "prefill", "qk_prep"])
+
+
+def test_decode_workspace_for_covers_every_split_launch_and_no_more():
+    """The engine's one decode scratch (model_runner._bind_decode_workspace): for every batch up to
+    the maximum, a default launch's split scratch fits; and it is the largest of those needs (so a
+    256-sequence engine holds ~1 MB, not max_batch x 32 splits)."""
+    from metainfer.kernels.attention import decode_workspace_numel_for
+
+    hq, hk, d, table = 32, 8, 128, 4096
+    numel = decode_workspace_numel_for(256, hq, hk, d, table)
+    needs = [decode_workspace_numel(b, hq, d, decode_num_splits(b, hk, table)) for b in range(1, 257)
+             if decode_num_splits(b, hk, table) > 1]
+    assert needs and numel == max(needs) and numel < decode_workspace_numel(256, hq, d, 32) // 50
+    assert decode_workspace_numel_for(256, hq, hk, d, 64) == 0  # 64-token tables: one tile, never a split
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_attention_layer_bound_workspace_is_used(dtype):
+    """Attention.bind_decode_workspace: the layer's decode launches write their partials there (a
+    split context), and the output still matches the reference."""
+    from metainfer.kernels import TRITON_OPS
+    from metainfer.kernels.attention import decode_workspace_numel_for
+    from metainfer.layers.attention import Attention, AttentionMetadata, forward_context
+
+    hq, hk, head_dim, block_size = 8, 2, 64, 16
+    batch = make_paged_batch([700, 5], block_size, hk, head_dim, dtype, seed=3)
+    tables = _pad_table(batch.block_tables, 1024, block_size)
+    layer = Attention(hq, hk, head_dim, head_dim**-0.5, TRITON_OPS)
+    layer.k_cache, layer.v_cache = batch.k_cache, batch.v_cache
+    workspace = torch.full((decode_workspace_numel_for(2, hq, hk, head_dim, 1024),), float("nan"), device=DEVICE)
+    layer.bind_decode_workspace(workspace)
+    q = _randn(2, hq, head_dim, dtype=dtype, seed=4, device=DEVICE)
+    meta = AttentionMetadata(False, torch.full((2,), -1, dtype=torch.int32, device=DEVICE), batch.context_lens,
+                             tables)
+    with forward_context(meta):
+        out = layer.attend(q)
+    want = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, tables, batch.context_lens, head_dim**-0.5)
+    _close(out.view(2, hq, head_dim), want, dtype)
+    assert not bool(torch.isnan(workspace).all())  # the 700-token context split into this buffer

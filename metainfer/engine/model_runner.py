@@ -21,6 +21,7 @@ from metainfer.config import EngineConfig
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import pdl_supported, select_ops
+from metainfer.kernels.attention import decode_workspace_numel_for
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.layers.linear import bind_kernel_linears
 from metainfer.loader import load_weights
@@ -112,6 +113,8 @@ class ModelRunner:
         self.model = self._build_model()
         self.attention_layers = self.model.attention_layers()
         self.num_kv_heads = self.attention_layers[0].num_kv_heads
+        if self.ops.backend == "triton":
+            self._bind_decode_workspace()
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -132,6 +135,17 @@ class ModelRunner:
         model.eval()
         self._load(model)
         return model
+
+    def _bind_decode_workspace(self) -> None:
+        """One split-KV scratch for every decode launch this engine can make (before the KV pool
+        is sized, so the profile sees it)."""
+        cfg, layer = self.config, self.attention_layers[0]
+        table_tokens = -(-cfg.max_model_len // self.block_size) * self.block_size
+        numel = decode_workspace_numel_for(cfg.max_num_seqs, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                           table_tokens)
+        self.decode_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+        for attn in self.attention_layers:
+            attn.bind_decode_workspace(self.decode_workspace)
 
     def _load(self, model) -> None:
         cfg = self.config

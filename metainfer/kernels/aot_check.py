@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -27,6 +28,10 @@ from ._triton import HAS_TRITON, tl, triton
 
 # H200/H100 opt-in shared memory per block.
 _MAX_SHARED_BYTES = 232448
+
+# Kernels that keep HF's per-op rounding in half precision (launched with enable_fp_fusion=False):
+# their PTX must hold no half-precision fma, which would skip the rounding of a product.
+_HF_ROUNDING_KERNELS = ("_rotary_neox_kernel", "_qk_norm_rope_store_kernel")
 
 ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep")
 
@@ -166,7 +171,6 @@ def _compile_launch(kernel, args, kwargs, target, backend):
 
 def _resource_usage(compiled) -> str:
     """Registers and local memory (spills) per thread from cuobjdump, when the cubin is there."""
-    import re
     import subprocess
     import tempfile
 
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             seen[key] = label
             shared = compiled.metadata.shared
             status = "ok" if shared <= _MAX_SHARED_BYTES else "FAIL shared memory"
+            if name in _HF_ROUNDING_KERNELS and re.search(r"\bfma\.rn\.(bf16|f16)\b", compiled.asm.get("ptx", "")):
+                status = "FAIL half-precision fma (a rounding point contracted away)"
             failures += status != "ok"
             print(f"{status:4s} {name:22s} {label:54s} grid={grid} smem={shared}B "
                   f"warps={compiled.metadata.num_warps} {_resource_usage(compiled)} {time.perf_counter() - t0:.2f}s")

@@ -34,13 +34,11 @@ _TARGET_DECODE_PROGRAMS = 512
 # split that writes its output directly (no partials, no arrival counter, no merge). Chosen on the
 # H200 (docs/PERFORMANCE.md, run 13: attn_sweep at batch 1 with the engine's table width): (32, 32)
 # gave 2.58 / 4.37 / 4.33 us a launch at contexts 32 / 96 / 160 against 3.26 / 4.80 / 6.28 for the
-# earlier (64, 256), and 7.26 against 11.00 at 1,024.
+# earlier (64, 256), and 7.26 against 11.00 at 1,024 (where 64-token tiles would give 6.60: the
+# launch knows the table width, not the context, so the short-context choice is taken).
 _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
-# Issue a tile's V load right after its K load (True) or after the scores (False). A module switch
-# for the GPU suite's A/B (scripts/gpu_suite.py: attn_sweep), read at launch; not a per-call option.
-DECODE_EARLY_V = True
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path)
@@ -198,7 +196,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, EARLY_V: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
@@ -246,8 +244,8 @@ def _decode_split_kernel(
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-        if EARLY_V:  # V's load in flight with K's (one memory round trip a tile instead of two)
-            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # V's load in flight with K's: one memory round trip a tile instead of two
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
@@ -257,8 +255,6 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not EARLY_V:
-            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
@@ -310,6 +306,16 @@ def decode_num_splits(
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """fp32 elements of split scratch: partial outputs [B,Hq,splits,D] + log-sum-exp [B,Hq,splits]."""
     return batch * num_q_heads * num_splits * (head_dim + 1)
+
+
+def decode_workspace_numel_for(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                               table_tokens: int, max_num_splits: int = DEFAULT_MAX_NUM_SPLITS) -> int:
+    """fp32 elements of split scratch that cover every default launch (block_n None) of batch
+    <= max_batch over block tables of `table_tokens` tokens: the largest batch x splits product of
+    the launches that split (tight: ~B*Hk*splits stays near _TARGET_DECODE_PROGRAMS)."""
+    needs = [decode_workspace_numel(b, num_q_heads, head_dim, splits) for b in range(1, max_batch + 1)
+             if (splits := decode_num_splits(b, num_kv_heads, table_tokens, max_num_splits)) > 1]
+    return max(needs, default=0)
 
 
 def alloc_decode_workspace(
@@ -460,7 +466,7 @@ def paged_decode_attention_triton(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
-        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits, EARLY_V=DECODE_EARLY_V,
+        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
     )
     return out

@@ -7,6 +7,7 @@ keeps a plain signature (and CUDA graphs capture the same buffers every replay).
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -57,6 +58,12 @@ class Attention(nn.Module):
         self._store = ops.store_kv
         self._decode = ops.paged_decode_attention
         self._prefill = ops.paged_prefill_attention
+
+    def bind_decode_workspace(self, workspace: torch.Tensor) -> None:
+        """Give the (Triton) decode launches their split scratch (kernels/attention.py:
+        decode_workspace_numel_for), so a split launch allocates nothing per step. One buffer
+        serves every layer: the layers run one after another."""
+        self._decode = functools.partial(self._decode, workspace=workspace)
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's K/V into the cache at the metadata's slot_mapping (-1 skipped)."""

@@ -37,7 +37,8 @@ class DenseAttention(nn.Module):
         self._prep = ops.qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm):
-        """(o_proj output, residual): `norm` (the layer's input RMSNorm) runs folded into qkv_proj."""
+        """(o_proj output, residual): `norm` (the layer's input RMSNorm) is applied through
+        qkv_proj.forward_normed (its own kernel, or folded into the GEMV where the op set says so)."""
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
         # One fused op: per-head q/k RMSNorm (Qwen3) -> rotary -> K/V into the paged cache;
         # q comes back normed and rotated as a view of qkv, then attention reads the cache.
@@ -57,7 +58,8 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(i, spec.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual): `norm` runs folded into gate_up_proj, SiLU-and-mul into down_proj."""
+        """(MLP output, residual): `norm` is applied through gate_up_proj.forward_normed, SiLU-and-mul
+        through down_proj.forward_gated (folded into the GEMVs where the op set says so)."""
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_gated(gate_up), residual
 
@@ -72,7 +74,7 @@ class DenseDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual):
         """Residual flow: residual carries the un-normed stream (None before the first layer: the
-        embedding is the stream); hidden is the block output. Each norm runs inside the linear
+        embedding is the stream); hidden is the block output. Each norm is applied by the linear
         after it (LinearBase.forward_normed), which hands back the updated stream."""
         hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
         return self.mlp(hidden, residual, self.post_attention_layernorm)
