@@ -29,10 +29,12 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
         assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}, name
         assert fn.func is getattr(TRITON_OPS, name), name
     assert ops.linear.keywords["pdl"] is True
-    for fused in (ops.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
-        assert fused.keywords["pdl"] is True and fused.keywords["table"] is ops.linear.keywords["table"]
+    assert ops.norm_linear.keywords["add_rms_norm"].keywords == {"pdl": True}  # the norm apart by default
+    folded = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_norm=True)
+    for fused in (folded.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
+        assert fused.keywords["pdl"] is True and fused.keywords["table"] == ops.linear.keywords["table"]
         unfused = fused.keywords["unfused"].keywords
-        assert unfused["linear"] is ops.linear
+        assert unfused["linear"].keywords["pdl"] is True
         assert all(unfused[k].keywords == {"pdl": True} for k in ("rms_norm", "add_rms_norm", "silu_and_mul")
                    if k in unfused)
 
