@@ -184,38 +184,6 @@ def _decode_merge_splits(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
-def _kv_tile_ptrs(k_cache_ptr, v_cache_ptr, bt_row, tok, t_mask, kv_head, d,
-                  kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-                  BLOCK_SIZE: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] pointers to the K and V rows of context tokens `tok` of one kv head."""
-    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    in_page = tok % BLOCK_SIZE
-    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-    v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    return k_cache_ptr + k_rows[:, None] + d[None, :], v_cache_ptr + v_rows[:, None] + d[None, :]
-
-
-@triton.jit
-def _decode_tile(q, k, v, t_mask, m_i, l_i, acc, scale_log2e, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of one decode tile: (m_i, l_i, acc) after keys k / values v (t_mask)."""
-    if USE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    else:
-        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
-    s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked tile (empty context) adds 0
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if USE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    else:
-        pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
 @triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -228,7 +196,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr, PREWAIT_TILE: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
@@ -236,6 +204,7 @@ def _decode_split_kernel(
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
     counter, and the last one to arrive merges the partials into the output (see above)."""
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -243,7 +212,6 @@ def _decode_split_kernel(
 
     # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
     # Splits 0..live-1 are non-empty; all programs of a (sequence, kv head) agree on `live`.
-    # (Context lengths and block tables are step inputs, written before the step's first kernel.)
     ctx = tl.load(context_lens_ptr + seq)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)  # a BLOCK_N multiple
     live = tl.cdiv(ctx, tl.maximum(chunk, 1))  # 0 for an empty context
@@ -261,47 +229,38 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     qd_mask = g_mask[:, None] & d_mask[None, :]
-    bt_row = block_tables_ptr + seq * bt_stride_b
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if PREWAIT_TILE:
-        # The first tile's K/V are loaded before the PDL wait, all but the newest token's (ctx - 1):
-        # the kernel before this one (the step's KV store) may still be writing that row, never an
-        # older one. After the wait, q and the newest row join them: one memory round trip fewer on
-        # the critical path. (Split launches only: the peeled tile costs registers, ~125 a thread
-        # against 72, that the one-pass launches of large batches need for occupancy.)
-        tok = start + tl.arange(0, BLOCK_N)
-        t_mask = tok < end
-        fresh = tok == ctx - 1
-        k_ptrs, v_ptrs = _kv_tile_ptrs(k_cache_ptr, v_cache_ptr, bt_row, tok, t_mask, kv_head, d,
-                                       kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s,
-                                       vc_stride_h, BLOCK_SIZE)
-        old_mask = (t_mask & ~fresh)[:, None] & d_mask[None, :]
-        k = tl.load(k_ptrs, mask=old_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=old_mask, other=0.0)
-        pdl_enter(USE_PDL)
-        q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
-        fresh_mask = (t_mask & fresh)[:, None] & d_mask[None, :]
-        k += tl.load(k_ptrs, mask=fresh_mask, other=0.0)  # each element is in exactly one of the two loads
-        v += tl.load(v_ptrs, mask=fresh_mask, other=0.0)
-        m_i, l_i, acc = _decode_tile(q, k, v, t_mask, m_i, l_i, acc, scale_log2e, USE_DOT, DOT_PRECISION)
-        first = start + BLOCK_N
-    else:
-        pdl_enter(USE_PDL)
-        q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
-        first = start
-    for n0 in range(first, end, BLOCK_N):
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        k_ptrs, v_ptrs = _kv_tile_ptrs(k_cache_ptr, v_cache_ptr, bt_row, tok, t_mask, kv_head, d,
-                                       kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s,
-                                       vc_stride_h, BLOCK_SIZE)
+        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        in_page = tok % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # in flight with K's: one round trip a tile
-        m_i, l_i, acc = _decode_tile(q, k, v, t_mask, m_i, l_i, acc, scale_log2e, USE_DOT, DOT_PRECISION)
+        k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+        # V's load in flight with K's: one memory round trip a tile instead of two
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
+        s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:
@@ -507,7 +466,7 @@ def paged_decode_attention_triton(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
-        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits, PREWAIT_TILE=not one_pass,
+        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
     )
     return out
