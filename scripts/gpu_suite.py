@@ -14,6 +14,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   profile_batch  wall vs device time of a 256-sequence decode step
   allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
   gpu_tests  the kernel test files compiled on the GPU (METAINFER_TEST_GPU=1)
+  sampler    the torch sampler against the one-pass Gumbel-max kernel (METAINFER_FUSED_SAMPLER=1)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -396,6 +397,55 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    os.environ["METAINFER_FUSED_SAMPLER"] = "1"  # the same protocol with the one-pass Gumbel-max sampler
+    try:
+        llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+        fused = run_throughput(llm, progress=False)
+        res["fused_sampler"] = {k: fused[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+        res["fused_sampler"]["decode_seconds"] = fused["timeline"]["decode_seconds"]
+        print("fused sampler", json.dumps(res["fused_sampler"]), flush=True)
+    finally:
+        del os.environ["METAINFER_FUSED_SAMPLER"]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+@section("sampler")
+def sampler(args):
+    """The torch sampler against the one-pass Gumbel-max kernel on [B, 151936] bf16 logits (greedy
+    and temperature 0.6): ms a call (CUDA events, after a warm-up), and the greedy tokens compared."""
+    from metainfer.engine.sampler import Sampler
+    from metainfer.engine.sequence import Sequence
+    from metainfer.kernels.sampling import GumbelSampler
+    from metainfer.sampling_params import SamplingParams
+
+    vocab, res = 151936, {}
+    kernel = GumbelSampler(256, vocab, "cuda")
+    paths = {"torch": Sampler(vocab, (0,), "cuda"), "fused": Sampler(vocab, (0,), "cuda", fused=kernel)}
+    for batch in (1, 256):
+        logits = torch.randn(batch, vocab + 64, device="cuda", dtype=torch.bfloat16) * 3
+        for temperature in (0.0, 0.6):
+            seqs = [Sequence(f"r{i}", i, [1], SamplingParams(temperature=temperature, max_tokens=8))
+                    for i in range(batch)]
+            row = {}
+            for name, path in paths.items():
+                for _ in range(3):
+                    path(logits, seqs)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    out = path(logits, seqs)
+                end.record()
+                end.synchronize()
+                row[f"{name}_ms"] = round(start.elapsed_time(end) / 20, 4)
+                row[f"{name}_tokens"] = out.token_ids
+            if temperature == 0.0:
+                row["greedy_equal"] = bool(torch.equal(row["torch_tokens"], row["fused_tokens"]))
+            del row["torch_tokens"], row["fused_tokens"]
+            res[f"b{batch}_t{temperature}"] = row
+            print(batch, temperature, row, flush=True)
     return res
 
 
@@ -635,6 +685,14 @@ def table() -> str:
             b = a["best"]
             lines.append(f"| bs1 decode attention ctx {ctx} (us) | shipped {a['shipped']['us']:.2f} | "
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
+    tp = r.get("throughput", {})
+    if "fused_sampler" in tp and "output_tok_s" in tp:
+        lines.append(f"| throughput output tok/s: torch sampler / fused sampler | {tp['output_tok_s']:.0f} / "
+                     f"{tp['fused_sampler']['output_tok_s']:.0f} | | |")
+    for name, v in r.get("sampler", {}).items():
+        if isinstance(v, dict) and "fused_ms" in v:
+            lines.append(f"| sampler {name}: torch / fused (ms) | {v['torch_ms']:.3f} / {v['fused_ms']:.3f} | "
+                         f"greedy equal: {v.get('greedy_equal', '-')} | |")
     pb = r.get("profile_batch", {})
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
@@ -697,7 +755,8 @@ def main():
     p.add_argument("--baseline-modes", default="eager,compile")
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
-                                        "test_phase01_kernels", "test_phase01_gemv_prologue")))
+                                        "test_phase01_kernels", "test_phase01_gemv_prologue",
+                                        "test_phase05_sampling_kernel")))
     # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()

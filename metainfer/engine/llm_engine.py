@@ -16,6 +16,7 @@ step with a running penalised sequence first reads back what is in flight.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,13 +86,24 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, config.torch_device)
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, config.torch_device,
+                               fused=self._fused_sampler(config), seed=config.seed)
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
         # throughput bench's timeline. None (the default) records nothing.
         self.step_trace: list[tuple[float, bool, int, int]] | None = None
+
+    @staticmethod
+    def _fused_sampler(config: EngineConfig):
+        """The one-pass Gumbel-max sampler on CUDA when METAINFER_FUSED_SAMPLER=1 (an A/B switch read
+        once here, off by default until the GPU suite has measured it), else None (the torch path)."""
+        if config.torch_device.type != "cuda" or os.environ.get("METAINFER_FUSED_SAMPLER", "0") != "1":
+            return None
+        from metainfer.kernels.sampling import GumbelSampler
+
+        return GumbelSampler(config.max_num_seqs, config.spec.vocab_size, config.torch_device)
 
     @staticmethod
     def _make_runner(config: EngineConfig):

@@ -11,6 +11,7 @@ other requests share the batch.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +80,32 @@ def _pinned_rows(values: list, dtype: torch.dtype, device: torch.device) -> torc
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
+def _plain(seq: Sequence) -> bool:
+    """Greedy or temperature-only: what the one-pass Gumbel-max kernel samples (kernels/sampling.py)."""
+    p = seq.params
+    return (not p.has_penalties and seq.num_output_tokens >= p.min_tokens and p.top_k == 0 and p.top_p == 1.0
+            and p.min_p == 0.0 and p.seed is None and p.logprobs is None)
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str = "cpu",
+                 fused: Callable | None = None, seed: int = 0):
+        """`fused`: a `kernels.sampling.GumbelSampler` (logits, temperatures, seed) -> ids, taken for
+        a batch whose every row is greedy or temperature-only (chosen per batch from the host-side
+        parameters; the rest goes through the torch path). `seed` starts its per-step noise seeds."""
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self._fused, self._fused_seed = fused, seed * 1_000_003
         device = torch.device(device)
         # Per-row parameters reach CUDA through pinned memory and a non-blocking copy: a plain
         # torch.tensor(..., device="cuda") would wait for the GPU and undo async scheduling.
         self._rows = functools.partial(_pinned_rows, device=device) if device.type == "cuda" else _host_rows
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+        if self._fused is not None and all(_plain(s) for s in seqs):
+            self._fused_seed += 1  # fresh noise every step
+            temps = self._rows([0.0 if s.params.greedy else s.params.temperature for s in seqs], torch.float32)
+            return SampledBatch(self._fused(logits, temps, self._fused_seed), [None] * len(seqs))
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]

@@ -9,7 +9,7 @@ Triton's own argument binder (same specialisation as a real launch).
 
 Usage (in a process WITHOUT TRITON_INTERPRET, ideally with a fresh TRITON_CACHE_DIR):
     python -m metainfer.kernels.aot_check [--arch 90] [op ...]
-ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep (default: all).
+ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep sampling (default: all).
 The first case of each op is compiled a second time with programmatic dependent launch (pdl=True).
 Exit status: 0 all compiled, 1 a kernel failed, 2 Triton cannot compile here at all (skip).
 """
@@ -33,13 +33,13 @@ _MAX_SHARED_BYTES = 232448
 # their PTX must hold no half-precision fma, which would skip the rounding of a product.
 _HF_ROUNDING_KERNELS = ("_rotary_neox_kernel", "_qk_norm_rope_store_kernel")
 
-ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep")
+ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep", "sampling")
 
 
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling
 
     bf16, fp32 = torch.bfloat16, torch.float32
     cases = []
@@ -141,18 +141,32 @@ def _cases(op: str):
             cases.append((f"qk_norm_rope_store {dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
                           lambda pdl, a=(qkv, pos, cos_sin, w, w, 1e-6, cache[0], cache[1], slots, hq, hk, head_dim):
                           qkv_prep.qk_norm_rope_store_triton(*a, pdl=pdl)))
+    elif op == "sampling":
+        # Qwen3 vocabulary (padded LM-head rows): one row (148 splits), 256 rows (4 splits), given noise
+        vocab = 151936
+        for rows, dtype in ((1, bf16), (256, bf16), (3, fp32)):
+            logits = torch.zeros(rows, vocab + 64, dtype=dtype)
+            temps = torch.zeros(rows, dtype=fp32)
+            cases.append((f"gumbel_sample {dtype} B={rows}",
+                          lambda pdl, lg=logits, t=temps, n=rows: sampling.GumbelSampler(n, vocab, "cpu", pdl=pdl)(
+                              lg, t, seed=1)))
+        logits, noise = torch.zeros(2, 1000, dtype=bf16), torch.full((2, 1000), 0.5, dtype=fp32)
+        cases.append(("gumbel_sample bf16 B=2 given noise",
+                      lambda pdl: sampling.GumbelSampler(2, 1000, "cpu", pdl=pdl)(
+                          logits, torch.zeros(2, dtype=fp32), seed=1, noise=noise)))
     else:
         raise ValueError(f"unknown op {op!r}; choose from {ALL_OPS}")
     return cases
 
 
 def _kernel_objects():
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
         kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
+        sampling._gumbel_sample_kernel,
     ]
 
 

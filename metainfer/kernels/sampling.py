@@ -1,0 +1,137 @@
+"""Greedy / temperature sampling in one pass over the logits (Gumbel-max).
+
+Contract (docs/CONTRACTS.md): `gumbel_sample(logits[B, >=V], temperatures fp32[B], vocab_size V,
+seed) -> token ids int64[B]`: a row with temperature 0 takes argmax(logits[:V]) (the first index of
+the maximum, as torch.argmax); any other row draws from softmax(logits[:V] / T) as
+argmax(logits / T + G) with G = -log(-log(U)) i.i.d. Gumbel noise, U uniform from Philox
+(`tl.rand(seed, row * V + column)`): the Gumbel-max trick, an exact draw. The caller changes `seed`
+every step. `noise` (fp32 [B, V], uniforms in (0, 1)) replaces the generator: the reference and
+the tests use it to check the kernel element for element.
+
+Why: the torch sampler's temperature path reads and writes [B, V] fp32 about ten times (cast,
+argmax, divide, softmax, exponential noise, divide, argmax): ~0.4 ms a 256-sequence step on the
+H200 against ~0.05 ms for one read of the bf16 logits. Programs split the vocabulary so that even
+a batch of 1 fills the GPU; the last program of a row to finish reduces the partial maxima (an
+arrival counter, as the split decode attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+
+_BLOCK = 1024
+# Programs to aim for (a few per SM on a 132-SM GPU): the vocabulary is split until the grid reaches it.
+_TARGET_PROGRAMS = 1024
+
+
+def gumbel_sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, vocab_size: int,
+                      noise: torch.Tensor) -> torch.Tensor:
+    """The kernel's formula with given uniforms: argmax over where(T == 0, x, x / T - log(-log(u)))."""
+    x = logits[:, :vocab_size].float()
+    t = temperatures.float().unsqueeze(1)
+    gumbel = -torch.log(-torch.log(noise[:, :vocab_size].float()))
+    keys = torch.where(t == 0, x, x * (1.0 / torch.where(t == 0, 1.0, t)) + gumbel)
+    return keys.argmax(dim=-1)
+
+
+def sample_splits(batch: int, vocab_size: int) -> int:
+    """Vocabulary splits per row: enough programs to fill the GPU, at least one block a split."""
+    return max(1, min(cdiv(_TARGET_PROGRAMS, max(1, batch)), cdiv(vocab_size, _BLOCK)))
+
+
+@triton.jit
+def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_ptr, part_idx_ptr, counters_ptr,
+                          V, stride_l, stride_n, seed, chunk,
+                          NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                          HAS_NOISE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, split) scans columns [split * chunk, +chunk) for its best key; with one split
+    it writes the token, else its (key, index) partial, and the row's last arrival picks the best."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    t = tl.load(temps_ptr + row)
+    greedy = t == 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    begin = split * chunk
+    stop = tl.minimum(begin + chunk, V)
+    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    for c0 in range(begin, stop, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < stop
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_NOISE:
+            u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + cols, mask=mask, other=0.5)
+        else:
+            u = tl.rand(seed, row * V + cols)
+        key = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
+        key = tl.where(mask, key, float("-inf"))
+        better = key > best_key  # strict: a lane keeps its first (smallest) index on ties
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best_key, axis=0)
+    top_idx = tl.min(tl.where(best_key == top, best_idx, 2147483647), axis=0)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row, top_idx.to(tl.int64))
+    else:
+        slot = row * NUM_SPLITS + split
+        tl.store(part_key_ptr + slot, top)
+        tl.store(part_idx_ptr + slot, top_idx)
+        tl.debug_barrier()  # the partial is stored before the counting thread releases it
+        arrived = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:  # the row's last split: reduce the partials
+            tl.debug_barrier()
+            tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed", scope="gpu")
+            s = tl.arange(0, BLOCK_S)
+            s_mask = s < NUM_SPLITS
+            keys = tl.load(part_key_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"),
+                           cache_modifier=".cg")
+            idxs = tl.load(part_idx_ptr + row * NUM_SPLITS + s, mask=s_mask, other=2147483647, cache_modifier=".cg")
+            best = tl.max(keys, axis=0)
+            tl.store(out_ptr + row, tl.min(tl.where(keys == best, idxs, 2147483647), axis=0).to(tl.int64))
+
+
+class GumbelSampler:
+    """`gumbel_sample` with its scratch allocated once for up to `max_batch` rows (partials and
+    arrival counters; the counters are left zeroed by every launch)."""
+
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device | str, pdl: bool = False):
+        require_triton()
+        splits = sample_splits(1, vocab_size)  # the most splits a row gets (fewer for larger batches)
+        numel = max(b * sample_splits(b, vocab_size) for b in range(1, max_batch + 1))
+        self.max_batch, self.vocab_size, self.pdl = max_batch, vocab_size, pdl
+        self.part_keys = torch.empty(max(numel, splits), dtype=torch.float32, device=device)
+        self.part_idx = torch.empty(max(numel, splits), dtype=torch.int32, device=device)
+        self.counters = torch.zeros(max_batch, dtype=torch.int32, device=device)
+
+    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
+        batch = logits.shape[0]
+        if logits.dim() != 2 or logits.shape[1] < self.vocab_size or logits.stride(1) != 1:
+            raise ValueError(f"logits must be [B, >= {self.vocab_size}] with a unit last stride, "
+                             f"got {tuple(logits.shape)}")
+        if batch > self.max_batch or temperatures.shape != (batch,) or temperatures.dtype != torch.float32:
+            raise ValueError(f"temperatures must be fp32 [{batch}] and the batch <= {self.max_batch}, got "
+                             f"{tuple(temperatures.shape)} {temperatures.dtype}")
+        if noise is not None and (noise.shape[0] != batch or noise.shape[1] < self.vocab_size
+                                  or noise.stride(1) != 1 or noise.dtype != torch.float32):
+            raise ValueError(f"noise must be fp32 [{batch}, >= {self.vocab_size}], got {tuple(noise.shape)}")
+        out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        if batch == 0:
+            return out
+        splits = sample_splits(batch, self.vocab_size)
+        chunk = cdiv(cdiv(self.vocab_size, splits), _BLOCK) * _BLOCK
+        splits = cdiv(self.vocab_size, chunk)  # every split owns at least one column
+        _gumbel_sample_kernel[(batch, splits)](
+            logits, temperatures, noise if noise is not None else logits, out, self.part_keys, self.part_idx,
+            self.counters, self.vocab_size, logits.stride(0), noise.stride(0) if noise is not None else 0,
+            int(seed) & 0x7FFFFFFF, chunk,
+            NUM_SPLITS=splits, BLOCK=_BLOCK, BLOCK_S=max(16, next_pow2(splits)), HAS_NOISE=noise is not None,
+            num_warps=4, **pdl_args(self.pdl),
+        )
+        return out
+
+
+__all__ = ["GumbelSampler", "gumbel_sample_ref", "sample_splits"]

@@ -1,0 +1,124 @@
+"""The one-pass Gumbel-max sampling kernel (kernels/sampling.py) against its references: with given
+uniforms, the token of every row equals the torch formula's (greedy rows: torch.argmax, ties to the
+first index); with its own Philox noise, draws follow softmax(logits / T) (chi-square), also when the
+vocabulary is split over several programs; and the Sampler takes it only for plain batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels.sampling import GumbelSampler, gumbel_sample_ref, sample_splits
+
+from .kernel_devices import DEVICE
+
+
+def _uniform(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g).clamp_(1e-7, 1 - 1e-7).to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab, pad", [(100, 0), (3000, 13)])  # one split; 3 splits, padded LM-head rows
+@pytest.mark.parametrize("batch", [1, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gumbel_sample_matches_the_formula_with_given_noise(vocab, pad, batch, dtype):
+    g = torch.Generator().manual_seed(vocab + batch)
+    logits = (torch.randn(batch, vocab + pad, generator=g) * 3).to(dtype).to(DEVICE)
+    temps = torch.tensor([0.0, 0.5, 1.3, 0.0, 2.0, 0.7, 1.0][:batch], device=DEVICE)
+    noise = _uniform((batch, vocab), seed=batch)
+    sampler = GumbelSampler(8, vocab, DEVICE)
+    got = sampler(logits, temps, seed=1, noise=noise)
+    assert got.dtype == torch.int64 and got.shape == (batch,)
+    torch.testing.assert_close(got, gumbel_sample_ref(logits, temps, vocab, noise), rtol=0, atol=0)
+    greedy = temps == 0
+    assert torch.equal(got[greedy], logits[greedy, :vocab].float().argmax(-1))
+    assert int(sampler.counters.abs().sum()) == 0  # left zeroed for the next launch
+
+
+def test_greedy_ties_take_the_first_index_across_splits():
+    vocab = 3000
+    assert sample_splits(2, vocab) > 1
+    logits = torch.zeros(2, vocab, device=DEVICE)
+    logits[0, [2999, 1500, 7]] = 5.0   # the maximum in three splits: the first index wins
+    logits[1, [2048, 2049]] = 1.0
+    out = GumbelSampler(2, vocab, DEVICE)(logits, torch.zeros(2, device=DEVICE), seed=3)
+    assert out.tolist() == [7, 2048] == logits.argmax(-1).tolist()
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("vocab, hot", [(6, [0, 1, 2, 3, 4, 5]), (2500, [5, 1200, 2400])])
+def test_philox_draws_follow_softmax_over_temperature(vocab, hot):
+    """Rows share one distribution; 10 seeds x 128 rows = 1,280 draws. `hot` columns carry the mass
+    (the rest at -30: never drawn in practice); with 2,500 columns they sit in three splits."""
+    rows, temperature = 128, 0.7
+    base = torch.full((vocab,), -30.0)
+    base[hot] = torch.linspace(1.0, -0.5, len(hot))
+    logits = base.expand(rows, vocab).contiguous().to(DEVICE)
+    sampler = GumbelSampler(rows, vocab, DEVICE)
+    temps = torch.full((rows,), temperature, device=DEVICE)
+    draws = torch.cat([sampler(logits, temps, seed=seed) for seed in range(10)]).cpu()
+    assert set(draws.tolist()) <= set(hot)
+    counts = torch.bincount(draws, minlength=vocab)[hot].double()
+    probs = torch.softmax(base[hot].double() / temperature, 0)
+    # chi-square critical values at p = 1e-4: 25.7 (5 dof), 18.4 (2 dof); deterministic seeds
+    assert _chi_square(counts, probs) < {6: 25.7, 3: 18.4}[len(hot)]
+    assert len(set(draws.tolist())) == len(hot)  # it samples, it does not take the argmax
+
+
+def test_seed_changes_the_draws_and_repeats_them():
+    vocab, rows = 50, 64
+    logits = torch.zeros(rows, vocab, device=DEVICE)
+    temps = torch.ones(rows, device=DEVICE)
+    sampler = GumbelSampler(rows, vocab, DEVICE)
+    a, b, c = (sampler(logits, temps, seed=s) for s in (11, 11, 12))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert len(set(a.tolist())) > 10  # rows get their own noise
+
+
+def test_gumbel_sampler_argument_errors():
+    sampler = GumbelSampler(2, 100, DEVICE)
+    logits = torch.zeros(2, 100, device=DEVICE)
+    with pytest.raises(ValueError, match="logits"):
+        sampler(logits[:, :50], torch.zeros(2, device=DEVICE), seed=0)
+    with pytest.raises(ValueError, match="temperatures"):
+        sampler(logits, torch.zeros(2, device=DEVICE, dtype=torch.float64), seed=0)
+    with pytest.raises(ValueError, match="batch"):
+        sampler(torch.zeros(3, 100, device=DEVICE), torch.zeros(3, device=DEVICE), seed=0)
+    with pytest.raises(ValueError, match="noise"):
+        sampler(logits, torch.zeros(2, device=DEVICE), seed=0, noise=torch.rand(2, 10, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU sampler wiring test")
+def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
+    from metainfer.engine.sampler import Sampler
+    from metainfer.engine.sequence import Sequence
+    from metainfer.sampling_params import SamplingParams
+
+    vocab = 40
+    kernel = GumbelSampler(4, vocab, "cpu")
+    calls = []
+    sampler = Sampler(vocab, (0,), "cpu", fused=lambda *a: calls.append(a) or kernel(*a), seed=5)
+    torch_path = Sampler(vocab, (0,), "cpu")
+
+    def seqs(**kw):
+        return [Sequence(f"r{i}", i, [1, 2, 3], SamplingParams(max_tokens=4, **kw)) for i in range(3)]
+
+    logits = torch.randn(3, vocab + 8, generator=torch.Generator().manual_seed(0))
+    greedy = sampler(logits, seqs(temperature=0.0))
+    assert len(calls) == 1 and torch.equal(greedy.token_ids, torch_path(logits, seqs(temperature=0.0)).token_ids)
+    sampler(logits, seqs(temperature=0.8))
+    assert len(calls) == 2 and calls[1][2] != calls[0][2]  # a fresh seed each step
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=3), dict(logprobs=2),
+               dict(repetition_penalty=1.2)):
+        sampler(logits, seqs(temperature=0.8, **kw))
+    assert len(calls) == 2  # none of those is plain: the torch path
+
+
+def test_aot_compile_sm90_sampling_kernel():
+    from tests.test_phase01_kernels import run_aot_check
+
+    run_aot_check(["sampling"])
