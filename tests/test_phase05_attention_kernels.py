@@ -485,6 +485,28 @@ def test_decode_workspace_for_covers_every_split_launch_and_no_more():
     assert decode_workspace_numel_for(256, hq, hk, d, 64) == 0  # 64-token tables: one tile, never a split
 
 
+def test_decode_workspace_for_serves_every_batch_launch():
+    """Every batch up to the maximum launches against the one buffer (the launcher refuses a
+    workspace that is too small), with a long context in each batch so the launches split."""
+    from metainfer.kernels.attention import decode_workspace_numel_for
+
+    hq, hk, head_dim, block_size, max_batch, width = 4, 2, 16, 16, 12, 1024
+    workspace = torch.empty(decode_workspace_numel_for(max_batch, hq, hk, head_dim, width), device=DEVICE)
+    refused = []
+    for b in range(1, max_batch + 1):
+        batch = make_paged_batch([500] + [3] * (b - 1), block_size, hk, head_dim, torch.float32, seed=b)
+        tables = _pad_table(batch.block_tables, width, block_size)
+        q = _randn(b, hq, head_dim, seed=b, device=DEVICE)
+        args = (q, batch.k_cache, batch.v_cache, tables, batch.context_lens, head_dim**-0.5)
+        out = paged_decode_attention_triton(*args, workspace=workspace)
+        _close(out, paged_decode_attention_ref(*args), torch.float32)
+        try:  # teeth: one element less fails the batch that needs the most
+            paged_decode_attention_triton(*args, workspace=workspace[:-1])
+        except ValueError:
+            refused.append(b)
+    assert refused  # the size is tight
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_attention_layer_bound_workspace_is_used(dtype):
     """Attention.bind_decode_workspace: the layer's decode launches write their partials there (a

@@ -50,11 +50,12 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("vocab, hot", [(6, [0, 1, 2, 3, 4, 5]), (2500, [5, 1200, 2400])])
-def test_philox_draws_follow_softmax_over_temperature(vocab, hot):
-    """Rows share one distribution; 10 seeds x 128 rows = 1,280 draws. `hot` columns carry the mass
-    (the rest at -30: never drawn in practice); with 2,500 columns they sit in three splits."""
-    rows, temperature = 128, 0.7
+@pytest.mark.parametrize("vocab, hot, rows", [(6, [0, 1, 2, 3, 4, 5], 512), (2500, [5, 1200, 2400], 128)])
+def test_philox_draws_follow_softmax_over_temperature(vocab, hot, rows):
+    """Rows share one distribution; 10 seeds x `rows` draws (5,120 over 6 tokens: a temperature of
+    0.6 or 0.8 instead of 0.7 fails the bound). `hot` columns carry the mass (the rest at -30:
+    never drawn in practice); with 2,500 columns they sit in three splits."""
+    temperature = 0.7
     base = torch.full((vocab,), -30.0)
     base[hot] = torch.linspace(1.0, -0.5, len(hot))
     logits = base.expand(rows, vocab).contiguous().to(DEVICE)
@@ -67,6 +68,21 @@ def test_philox_draws_follow_softmax_over_temperature(vocab, hot):
     # chi-square critical values at p = 1e-4: 25.7 (5 dof), 18.4 (2 dof); deterministic seeds
     assert _chi_square(counts, probs) < {6: 25.7, 3: 18.4}[len(hot)]
     assert len(set(draws.tolist())) == len(hot)  # it samples, it does not take the argmax
+
+
+def test_nan_and_all_masked_rows_give_valid_ids():
+    """NaN counts as +inf (torch.argmax picks the first NaN); a row of -inf gives 0, never an id
+    outside the vocabulary (it would feed the next step's embedding lookup)."""
+    vocab = 3000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[0, 1234] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 2500] = float("nan")
+    logits[3] = float("-inf")
+    for temps in (torch.zeros(4), torch.tensor([0.0, 0.0, 0.9, 0.9])):
+        out = GumbelSampler(4, vocab, DEVICE)(logits, temps.to(DEVICE), seed=7).tolist()
+        assert out == [1234, 0, 2500, 0]
+    assert logits[:2].argmax(-1).tolist() == [1234, 0]  # torch.argmax agrees on the greedy rows
 
 
 def test_seed_changes_the_draws_and_repeats_them():
@@ -101,7 +117,14 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
     vocab = 40
     kernel = GumbelSampler(4, vocab, "cpu")
     calls = []
-    sampler = Sampler(vocab, (0,), "cpu", fused=lambda *a: calls.append(a) or kernel(*a), seed=5)
+    class Counting:  # the kernel, its calls recorded
+        zero_temperatures = kernel.zero_temperatures
+
+        def __call__(self, *a):
+            calls.append(a)
+            return kernel(*a)
+
+    sampler = Sampler(vocab, (0,), "cpu", fused=Counting(), seed=5)
     torch_path = Sampler(vocab, (0,), "cpu")
 
     def seqs(**kw):
@@ -113,7 +136,8 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
     sampler(logits, seqs(temperature=0.8))
     assert len(calls) == 2 and calls[1][2] != calls[0][2]  # a fresh seed each step
     for kw in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=3), dict(logprobs=2),
-               dict(repetition_penalty=1.2)):
+               dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+               dict(min_tokens=2)):  # min_tokens pending: EOS masked by the torch path
         sampler(logits, seqs(temperature=0.8, **kw))
     assert len(calls) == 2  # none of those is plain: the torch path
 

@@ -103,7 +103,8 @@ class LLMEngine:
             return None
         from metainfer.kernels.sampling import GumbelSampler
 
-        return GumbelSampler(config.max_num_seqs, config.spec.vocab_size, config.torch_device)
+        return GumbelSampler(config.max_num_seqs, config.spec.vocab_size, config.torch_device,
+                             warmup_dtype=config.torch_dtype)
 
     @staticmethod
     def _make_runner(config: EngineConfig):

@@ -96,6 +96,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._fused, self._fused_seed = fused, seed * 1_000_003
+        self._zero_temperatures = getattr(fused, "zero_temperatures", None)  # GumbelSampler's device zeros
         device = torch.device(device)
         # Per-row parameters reach CUDA through pinned memory and a non-blocking copy: a plain
         # torch.tensor(..., device="cuda") would wait for the GPU and undo async scheduling.
@@ -104,7 +105,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         if self._fused is not None and all(_plain(s) for s in seqs):
             self._fused_seed += 1  # fresh noise every step
-            temps = self._rows([0.0 if s.params.greedy else s.params.temperature for s in seqs], torch.float32)
+            if self._zero_temperatures is not None and all(s.params.greedy for s in seqs):
+                temps = self._zero_temperatures[: len(seqs)]  # no per-step copy of temperatures
+            else:
+                temps = self._rows([0.0 if s.params.greedy else s.params.temperature for s in seqs], torch.float32)
             return SampledBatch(self._fused(logits, temps, self._fused_seed), [None] * len(seqs))
         logits = logits[:, : self.vocab_size].float()
         raw = logits

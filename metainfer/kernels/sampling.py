@@ -2,11 +2,13 @@
 
 Contract (docs/CONTRACTS.md): `gumbel_sample(logits[B, >=V], temperatures fp32[B], vocab_size V,
 seed) -> token ids int64[B]`: a row with temperature 0 takes argmax(logits[:V]) (the first index of
-the maximum, as torch.argmax); any other row draws from softmax(logits[:V] / T) as
-argmax(logits / T + G) with G = -log(-log(U)) i.i.d. Gumbel noise, U uniform from Philox
-(`tl.rand(seed, row * V + column)`): the Gumbel-max trick, an exact draw. The caller changes `seed`
-every step. `noise` (fp32 [B, V], uniforms in (0, 1)) replaces the generator: the reference and
-the tests use it to check the kernel element for element.
+the maximum, as torch.argmax; NaN counts as +inf; a row of -inf gives 0); any other row draws from
+softmax(logits[:V] / T) as argmax(logits / T - log(E)), E = -log(1 - U) i.i.d. Exp(1) noise from
+uniforms U in [0, 1) (Philox, `tl.rand(seed, row * V + column)`): the exponential race (Gumbel-max),
+an exact draw up to the noise's fp32 resolution (E is taken by its series below U = 1e-3, so the
+winning tail keeps U's 2^-31 steps; E is floored at 2^-32). The caller changes `seed` every step.
+`noise` (fp32 [B, V] uniforms) replaces the generator: the reference and the tests use it to check
+the kernel element for element.
 
 Why: the torch sampler's temperature path reads and writes [B, V] fp32 about ten times (cast,
 argmax, divide, softmax, exponential noise, divide, argmax): ~0.4 ms a 256-sequence step on the
@@ -22,17 +24,26 @@ import torch
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 _BLOCK = 1024
+_THIRD = 0.33333334  # fp32 1/3
+_E_FLOOR = 2.3283064e-10  # 2^-32: U = 0 draws a Gumbel of 22.2, not +inf
 # Programs to aim for (a few per SM on a 132-SM GPU): the vocabulary is split until the grid reaches it.
 _TARGET_PROGRAMS = 1024
 
 
+def _exp_noise_ref(u: torch.Tensor) -> torch.Tensor:
+    """E = -log(1 - u) in the kernel's fp32 operation order (a series below 1e-3, floored at 2^-32)."""
+    series = u + u * u * 0.5 + u * u * u * _THIRD
+    return torch.where(u < 1e-3, series, -torch.log(1.0 - u)).clamp_min(_E_FLOOR)
+
+
 def gumbel_sample_ref(logits: torch.Tensor, temperatures: torch.Tensor, vocab_size: int,
                       noise: torch.Tensor) -> torch.Tensor:
-    """The kernel's formula with given uniforms: argmax over where(T == 0, x, x / T - log(-log(u)))."""
+    """The kernel's formula with given uniforms: argmax of where(T == 0, x, x / T - log(E(u)))."""
     x = logits[:, :vocab_size].float()
+    x = torch.where(torch.isnan(x), float("inf"), x)
     t = temperatures.float().unsqueeze(1)
-    gumbel = -torch.log(-torch.log(noise[:, :vocab_size].float()))
-    keys = torch.where(t == 0, x, x * (1.0 / torch.where(t == 0, 1.0, t)) + gumbel)
+    keys = torch.where(t == 0, x, x * (1.0 / torch.where(t == 0, 1.0, t))
+                       - torch.log(_exp_noise_ref(noise[:, :vocab_size].float())))
     return keys.argmax(dim=-1)
 
 
@@ -42,12 +53,27 @@ def sample_splits(batch: int, vocab_size: int) -> int:
 
 
 @triton.jit
+def _exp_noise(u):
+    return tl.maximum(tl.where(u < 1e-3, u + u * u * 0.5 + u * u * u * 0.33333334, -tl.log(1.0 - u)),
+                      2.3283064e-10)
+
+
+@triton.jit
+def _best(keys, idx):
+    """(max key, smallest index holding it; 0 if none does, e.g. a row of -inf)."""
+    top = tl.max(keys, axis=0)
+    top_idx = tl.min(tl.where(keys == top, idx, 2147483647), axis=0)
+    return top, tl.where(top_idx == 2147483647, 0, top_idx)
+
+
+@triton.jit(do_not_specialize=["stride_l", "stride_n", "seed", "chunk", "num_splits"])
 def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_ptr, part_idx_ptr, counters_ptr,
-                          V, stride_l, stride_n, seed, chunk,
-                          NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                          V, stride_l, stride_n, seed, chunk, num_splits,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                           HAS_NOISE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row, split) scans columns [split * chunk, +chunk) for its best key; with one split
-    it writes the token, else its (key, index) partial, and the row's last arrival picks the best."""
+    """Program (row, split) scans columns [split * chunk, +chunk) for its best key; unsplit it writes
+    the token, else its (key, index) partial, and the row's last arrival picks the best. Runtime ints
+    are not specialised: one compiled variant per (SPLIT, BLOCK_S), whatever the batch and seed."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -62,49 +88,75 @@ def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_pt
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < stop
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        if HAS_NOISE:
-            u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + cols, mask=mask, other=0.5)
+        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
+        if greedy:  # uniform over the program: greedy rows draw no noise
+            key = x
         else:
-            u = tl.rand(seed, row * V + cols)
-        key = tl.where(greedy, x, x * inv_t - tl.log(-tl.log(u)))
+            if HAS_NOISE:
+                u = tl.load(noise_ptr + row.to(tl.int64) * stride_n + cols, mask=mask, other=0.5)
+            else:
+                u = tl.rand(seed, row * V + cols)
+            key = x * inv_t - tl.log(_exp_noise(u))
         key = tl.where(mask, key, float("-inf"))
         better = key > best_key  # strict: a lane keeps its first (smallest) index on ties
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, cols, best_idx)
-    top = tl.max(best_key, axis=0)
-    top_idx = tl.min(tl.where(best_key == top, best_idx, 2147483647), axis=0)
-    if NUM_SPLITS == 1:
+    top, top_idx = _best(best_key, best_idx)
+    if not SPLIT:
         tl.store(out_ptr + row, top_idx.to(tl.int64))
     else:
-        slot = row * NUM_SPLITS + split
+        slot = row * num_splits + split
         tl.store(part_key_ptr + slot, top)
         tl.store(part_idx_ptr + slot, top_idx)
         tl.debug_barrier()  # the partial is stored before the counting thread releases it
         arrived = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:  # the row's last split: reduce the partials
+        if arrived == num_splits - 1:  # the row's last split: reduce the partials
             tl.debug_barrier()
             tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed", scope="gpu")
             s = tl.arange(0, BLOCK_S)
-            s_mask = s < NUM_SPLITS
-            keys = tl.load(part_key_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"),
+            s_mask = s < num_splits
+            keys = tl.load(part_key_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"),
                            cache_modifier=".cg")
-            idxs = tl.load(part_idx_ptr + row * NUM_SPLITS + s, mask=s_mask, other=2147483647, cache_modifier=".cg")
-            best = tl.max(keys, axis=0)
-            tl.store(out_ptr + row, tl.min(tl.where(keys == best, idxs, 2147483647), axis=0).to(tl.int64))
+            idxs = tl.load(part_idx_ptr + row * num_splits + s, mask=s_mask, other=2147483647, cache_modifier=".cg")
+            _, token = _best(keys, idxs)
+            tl.store(out_ptr + row, token.to(tl.int64))
 
 
 class GumbelSampler:
     """`gumbel_sample` with its scratch allocated once for up to `max_batch` rows (partials and
-    arrival counters; the counters are left zeroed by every launch)."""
+    arrival counters; the counters are left zeroed by every launch). On CUDA every compiled variant
+    is built here (`warmup_dtype`: the logits' dtype), so no serving step compiles."""
 
-    def __init__(self, max_batch: int, vocab_size: int, device: torch.device | str, pdl: bool = False):
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device | str, pdl: bool = False,
+                 warmup_dtype: torch.dtype | None = None):
         require_triton()
-        splits = sample_splits(1, vocab_size)  # the most splits a row gets (fewer for larger batches)
+        device = torch.device(device)
         numel = max(b * sample_splits(b, vocab_size) for b in range(1, max_batch + 1))
         self.max_batch, self.vocab_size, self.pdl = max_batch, vocab_size, pdl
-        self.part_keys = torch.empty(max(numel, splits), dtype=torch.float32, device=device)
-        self.part_idx = torch.empty(max(numel, splits), dtype=torch.int32, device=device)
+        self.part_keys = torch.empty(numel, dtype=torch.float32, device=device)
+        self.part_idx = torch.empty(numel, dtype=torch.int32, device=device)
         self.counters = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.zero_temperatures = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        if device.type == "cuda" and warmup_dtype is not None:
+            self._warm_up(warmup_dtype)
+
+    def _launch_shape(self, batch: int) -> tuple[int, int, int]:
+        """(splits, chunk, BLOCK_S): every split owns at least one column."""
+        splits = sample_splits(batch, self.vocab_size)
+        chunk = cdiv(cdiv(self.vocab_size, splits), _BLOCK) * _BLOCK
+        splits = cdiv(self.vocab_size, chunk)
+        return splits, chunk, max(16, next_pow2(splits))
+
+    def _warm_up(self, dtype: torch.dtype) -> None:
+        first_of_variant = {}
+        for b in range(1, self.max_batch + 1):
+            splits, _, block_s = self._launch_shape(b)
+            first_of_variant.setdefault((splits > 1, block_s), b)
+        device = self.counters.device
+        for b in first_of_variant.values():
+            logits = torch.zeros(b, self.vocab_size, dtype=dtype, device=device)
+            self(logits, self.zero_temperatures[:b], seed=2)
+        torch.cuda.synchronize(device)
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
                  noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,14 +173,12 @@ class GumbelSampler:
         out = torch.empty(batch, dtype=torch.int64, device=logits.device)
         if batch == 0:
             return out
-        splits = sample_splits(batch, self.vocab_size)
-        chunk = cdiv(cdiv(self.vocab_size, splits), _BLOCK) * _BLOCK
-        splits = cdiv(self.vocab_size, chunk)  # every split owns at least one column
+        splits, chunk, block_s = self._launch_shape(batch)
         _gumbel_sample_kernel[(batch, splits)](
             logits, temperatures, noise if noise is not None else logits, out, self.part_keys, self.part_idx,
             self.counters, self.vocab_size, logits.stride(0), noise.stride(0) if noise is not None else 0,
-            int(seed) & 0x7FFFFFFF, chunk,
-            NUM_SPLITS=splits, BLOCK=_BLOCK, BLOCK_S=max(16, next_pow2(splits)), HAS_NOISE=noise is not None,
+            int(seed) & 0x7FFFFFFF, chunk, splits,
+            SPLIT=splits > 1, BLOCK=_BLOCK, BLOCK_S=block_s, HAS_NOISE=noise is not None,
             num_warps=4, **pdl_args(self.pdl),
         )
         return out
