@@ -370,12 +370,8 @@ def latency(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    os.environ["METAINFER_DISABLE_PDL"] = "1"  # the same engine without programmatic dependent launch
-    try:
-        llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
-        variants["no_pdl"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    finally:
-        del os.environ["METAINFER_DISABLE_PDL"]
+    llm = _bench_llm(folder, METAINFER_DISABLE_PDL="1")  # the same engine without programmatic dependent launch
+    variants["no_pdl"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
            "bs1_sync": bs1_sync, "bs1_variants": variants,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
@@ -384,6 +380,21 @@ def latency(args):
     gc.collect()
     torch.cuda.empty_cache()
     return res
+
+
+def _bench_llm(folder: str, **switches: str):
+    """The suite's bf16 dummy-weight engine (max_model_len 4,096), built with A/B environment switches
+    (read once at engine build) set for the construction only."""
+    saved = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        return LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @section("throughput")
@@ -397,15 +408,11 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    os.environ["METAINFER_FUSED_SAMPLER"] = "1"  # the same protocol with the one-pass Gumbel-max sampler
-    try:
-        llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
-        fused = run_throughput(llm, progress=False)
-        res["fused_sampler"] = {k: fused[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-        res["fused_sampler"]["decode_seconds"] = fused["timeline"]["decode_seconds"]
-        print("fused sampler", json.dumps(res["fused_sampler"]), flush=True)
-    finally:
-        del os.environ["METAINFER_FUSED_SAMPLER"]
+    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="1")  # the same protocol, the one-pass Gumbel-max sampler
+    fused = run_throughput(llm, progress=False)
+    res["fused_sampler"] = {k: fused[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+    res["fused_sampler"]["decode_seconds"] = fused["timeline"]["decode_seconds"]
+    print("fused sampler", json.dumps(res["fused_sampler"]), flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
