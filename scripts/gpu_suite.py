@@ -169,6 +169,15 @@ def gemv(args):
     return res  # run before latency, and latency also measures the engine with these winners
 
 
+@section("gemm_rows")
+def gemm_rows(args):
+    """The decode set through cuBLAS at 1..256 rows: how far from the weight-streaming floor the
+    batches between the Triton GEMV (M <= 2) and the compute-bound ones run."""
+    from metainfer.kernels.gemv_bench import cublas_by_rows
+
+    return cublas_by_rows()
+
+
 @section("attn_sweep")
 def attn_sweep(args):
     """Batch-1 decode attention at the Qwen3-8B heads (32 q, 8 kv, D=128, block 16) for the bs1 bench's
@@ -372,8 +381,14 @@ def latency(args):
     torch.cuda.empty_cache()
     llm = _bench_llm(folder, METAINFER_DISABLE_PDL="1")  # the same engine without programmatic dependent launch
     variants["no_pdl"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="1")  # greedy through the one-pass sampler kernel
+    variants["fused_sampler"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    bs8_fused = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
-           "bs1_sync": bs1_sync, "bs1_variants": variants,
+           "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_fused_sampler": bs8_fused,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm

@@ -233,6 +233,33 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
     return res
 
 
+def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECODE_SHAPES,
+                   counts=QWEN3_8B_DECODE_COUNTS, device="cuda", replays: int = 5, dtype=torch.bfloat16) -> dict:
+    """The whole decode set through cuBLAS at M rows (one graph of every distinct weight in the model's
+    order per M): ms, GB/s of weight + activation bytes and TFLOP/s, to show where cuBLAS leaves the
+    weight-streaming floor between the Triton GEMV's M <= 2 and the compute-bound batches."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    g = torch.Generator(device=device).manual_seed(11)
+    weights = {nm: [torch.randn(*shapes[nm], generator=g, device=device, dtype=dtype)
+                    for _ in range(counts.get(nm, 1))] for nm in shapes}
+    layers = max(counts.values())
+    order = [(nm, i) for i in range(layers) for nm in shapes if i < counts.get(nm, 1) and counts.get(nm, 1) > 1]
+    order += [(nm, 0) for nm in shapes if counts.get(nm, 1) <= 1]
+    out = {"launches": len(order)}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g, device=device, dtype=dtype) for k in {s[1] for s in shapes.values()}}
+        calls = [lambda nm=nm, i=i, xs=xs: F.linear(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order]
+        ms = _time_graph(calls, replays)
+        nbytes = sum(_gemv_bytes(*shapes[nm], m, elem) for nm, _ in order)
+        flops = sum(2 * m * shapes[nm][0] * shapes[nm][1] for nm, _ in order)
+        out[f"m{m}"] = {"ms": round(ms, 4), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+                        "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
+        print("cublas decode set", m, out[f"m{m}"], flush=True)
+    weights.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36, dtype=torch.bfloat16) -> dict:
     """The folded prologues against the separate kernels, per decode GEMV of Qwen3-8B at batch 1: one
     graph of `layers` distinct weights each, (residual-add + RMSNorm kernel, GEMV) -> qkv and gate_up,
