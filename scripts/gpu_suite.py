@@ -14,7 +14,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   profile_batch  wall vs device time of a 256-sequence decode step
   allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
   gpu_tests  the kernel test files compiled on the GPU (METAINFER_TEST_GPU=1)
-  sampler    the torch sampler against the one-pass Gumbel-max kernel (METAINFER_FUSED_SAMPLER=1)
+  sampler    the torch sampler against the one-pass Gumbel-max kernel (the default on CUDA)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -254,6 +254,9 @@ def graphs(args):
     results = {}
     variants = {"eager": dict(enforce_eager=True, async_scheduling=False), "graph": {},  # graph: async (default)
                 "graph_no_pdl": dict(env={"METAINFER_DISABLE_PDL": "1"}),
+                "graph_torch_sampler": dict(env={"METAINFER_FUSED_SAMPLER": "0"}),  # greedy: fused == torch argmax
+                # q/k prep and attention as two launches: the same q/K/V bits, fp32 sums in another order
+                "graph_unfused_decode_prep": dict(env={"METAINFER_FUSED_DECODE_PREP": "0"}),
                 "graph_sync": dict(async_scheduling=False), "graph_preempt": dict(num_kv_blocks=60),
                 "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60),
                 "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False)}
@@ -384,11 +387,16 @@ def latency(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="1")  # greedy through the one-pass sampler kernel
-    variants["fused_sampler"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    bs8_fused = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
+    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="0")  # greedy through the torch sampler (the reference)
+    variants["torch_sampler"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    bs8_torch_sampler = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _bench_llm(folder, METAINFER_FUSED_DECODE_PREP="0")  # q/k prep and decode attention as two launches
+    variants["unfused_decode_prep"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
-           "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_fused_sampler": bs8_fused,
+           "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_torch_sampler": bs8_torch_sampler,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
@@ -423,11 +431,11 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="1")  # the same protocol, the one-pass Gumbel-max sampler
-    fused = run_throughput(llm, progress=False)
-    res["fused_sampler"] = {k: fused[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-    res["fused_sampler"]["decode_seconds"] = fused["timeline"]["decode_seconds"]
-    print("fused sampler", json.dumps(res["fused_sampler"]), flush=True)
+    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="0")  # the same protocol, the torch sampler
+    other = run_throughput(llm, progress=False)
+    res["torch_sampler"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+    res["torch_sampler"]["decode_seconds"] = other["timeline"]["decode_seconds"]
+    print("torch sampler", json.dumps(res["torch_sampler"]), flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -708,9 +716,9 @@ def table() -> str:
             lines.append(f"| bs1 decode attention ctx {ctx} (us) | shipped {a['shipped']['us']:.2f} | "
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
-    if "fused_sampler" in tp and "output_tok_s" in tp:
-        lines.append(f"| throughput output tok/s: torch sampler / fused sampler | {tp['output_tok_s']:.0f} / "
-                     f"{tp['fused_sampler']['output_tok_s']:.0f} | | |")
+    if "torch_sampler" in tp and "output_tok_s" in tp:
+        lines.append(f"| throughput output tok/s: fused sampler (default) / torch sampler | {tp['output_tok_s']:.0f} / "
+                     f"{tp['torch_sampler']['output_tok_s']:.0f} | | |")
     for name, v in r.get("sampler", {}).items():
         if isinstance(v, dict) and "fused_ms" in v:
             lines.append(f"| sampler {name}: torch / fused (ms) | {v['torch_ms']:.3f} / {v['fused_ms']:.3f} | "
@@ -778,7 +786,7 @@ def main():
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv_prologue",
-                                        "test_phase05_sampling_kernel")))
+                                        "test_phase05_sampling_kernel", "test_phase05_decode_qkv")))
     # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()

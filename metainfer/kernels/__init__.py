@@ -21,6 +21,9 @@ from .attention import (
     alloc_decode_workspace,
     decode_num_splits,
     decode_workspace_numel,
+    paged_decode_attention_qkv_composed,
+    paged_decode_attention_qkv_ref,
+    paged_decode_attention_qkv_triton,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
     paged_prefill_attention_ref,
@@ -51,6 +54,9 @@ class KernelOps:
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
     qk_norm_rope_store: Callable
+    # qk_norm_rope_store + paged_decode_attention for a decode step (kernels/attention.py): one fused
+    # launch, or (select_ops(fuse_decode_prep=False), the references) the two composed
+    paged_decode_attention_qkv: Callable
     linear: Callable = linear_ref
     backend: str = "torch"
     pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
@@ -86,6 +92,7 @@ REF_OPS = with_linear(KernelOps(
     paged_decode_attention=paged_decode_attention_ref,
     paged_prefill_attention=paged_prefill_attention_ref,
     qk_norm_rope_store=qk_norm_rope_store_ref,
+    paged_decode_attention_qkv=paged_decode_attention_qkv_ref,
     backend="torch",
 ))
 
@@ -98,6 +105,7 @@ TRITON_OPS = with_linear(KernelOps(
     paged_decode_attention=paged_decode_attention_triton,
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
+    paged_decode_attention_qkv=paged_decode_attention_qkv_triton,
     backend="triton",
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
@@ -109,7 +117,7 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
-               fuse_activation: bool = True) -> KernelOps:
+               fuse_activation: bool = True, fuse_decode_prep: bool = True) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
@@ -120,7 +128,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     H200's A/B (docs/PERFORMANCE.md, runs 12-13): the folded SiLU saved 0.6 us a layer; the folded
     norm cost 1.4 us (qkv) and 3.4 us (gate_up) a launch more than a separate norm kernel, so it is off.
     `pdl` binds every Triton launcher to programmatic dependent launch (a CUDA device of compute
-    capability >= 9: check with `pdl_supported`). Selection makes no CUDA call."""
+    capability >= 9: check with `pdl_supported`). `fuse_decode_prep` (default) runs a decode step's
+    q/k norm, rotary and K/V store inside the decode attention launch; False composes the two
+    kernels (the A/B). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -134,6 +144,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     ops = TRITON_OPS
     if pdl:
         ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
+    if not fuse_decode_prep:
+        ops = replace(ops, paged_decode_attention_qkv=functools.partial(
+            paged_decode_attention_qkv_composed, prep=ops.qk_norm_rope_store, decode=ops.paged_decode_attention))
     linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
     table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
     return with_linear(ops, linear, table, fuse_norm, fuse_activation)
@@ -151,6 +164,9 @@ __all__ = [
     "decode_workspace_numel",
     "fused_add_rms_norm_ref",
     "fused_add_rms_norm_triton",
+    "paged_decode_attention_qkv_composed",
+    "paged_decode_attention_qkv_ref",
+    "paged_decode_attention_qkv_triton",
     "paged_decode_attention_ref",
     "paged_decode_attention_triton",
     "paged_prefill_attention_ref",

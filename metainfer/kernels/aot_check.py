@@ -101,6 +101,17 @@ def _cases(op: str):
                               lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
                               attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
                                                                       pdl=pdl)))
+                # the fused q/k prep variant (Qwen3: both norms; a model without them)
+                qkv = torch.zeros(2, (hq + 2 * hk) * head_dim, dtype=dtype)
+                pos, slots = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
+                cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
+                for norm_w in (w, None):
+                    cases.append((f"decode_qkv {tag} splits<={n} norm={norm_w is not None}",
+                                  lambda pdl, qkv=qkv, c=cache, t=tables, lens=lens, n=n, a=(pos, cos_sin, norm_w,
+                                                                                             norm_w, 1e-6),
+                                  h=(hq, hk, head_dim), slots=slots:
+                                  attention.paged_decode_attention_qkv_triton(
+                                      qkv, *a, c[0], c[1], slots, t, lens, 0.1, *h, max_num_splits=n, pdl=pdl)))
             else:
                 q = torch.zeros(5, hq, head_dim, dtype=dtype)
                 cu = torch.zeros(3, dtype=torch.int32)
@@ -277,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             seen[key] = label
             shared = compiled.metadata.shared
             status = "ok" if shared <= _MAX_SHARED_BYTES else "FAIL shared memory"
-            if name in _HF_ROUNDING_KERNELS and re.search(r"\bfma\.rn\.(bf16|f16)\b", compiled.asm.get("ptx", "")):
+            hf_rounding = name in _HF_ROUNDING_KERNELS or kw.get("FUSED_PREP", False)
+            if hf_rounding and re.search(r"\bfma\.rn\.(bf16|f16)\b", compiled.asm.get("ptx", "")):
                 status = "FAIL half-precision fma (a rounding point contracted away)"
             failures += status != "ok"
             print(f"{status:4s} {name:22s} {label:54s} grid={grid} smem={shared}B "

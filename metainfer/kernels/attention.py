@@ -20,10 +20,13 @@ counter that it resets to 0, merges the partial results (no separate reduce kern
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_NUM_SPLITS = 32
@@ -188,6 +191,7 @@ def _decode_merge_splits(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    pos_ptr, cos_sin_ptr, q_norm_w_ptr, k_norm_w_ptr, slot_ptr, eps, cos_sin_stride,
     scale_log2e, num_splits, min_chunk,
     q_stride_b, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
@@ -197,13 +201,21 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
-    counter, and the last one to arrive merges the partials into the output (see above)."""
+    counter, and the last one to arrive merges the partials into the output (see above).
+
+    FUSED_PREP: q_ptr is the raw qkv projection row ([B, (Hq+2Hk)*D], row stride q_stride_b).
+    Every program norms and rotates its GROUP q heads itself (qkv_prep's rounding); the program
+    whose range ends at the context's last token (this step's, position ctx-1) reads the cache up
+    to ctx-2, then norms and rotates that token's k, attends to it from registers (one more
+    online-softmax step) and stores k and v into the cache at slot_mapping[b] (-1: not stored).
+    One launch instead of qk_norm_rope_store + decode; the loop holds nothing more than the plain one."""
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -224,20 +236,35 @@ def _decode_split_kernel(
             return
 
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
+    if FUSED_PREP:
+        dtype = q_ptr.dtype.element_ty
+        d, partner, sign, is_rot, cos, sin = _rope_lanes(pos_ptr, seq, cos_sin_ptr, cos_sin_stride, dtype, HALF,
+                                                         BLOCK_D)
+    else:
+        d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
+    if FUSED_PREP:
+        qkv_row = q_ptr + seq * q_stride_b
+        x, xp = _load_heads(qkv_row + heads[:, None] * HEAD_DIM, d, partner, qd_mask)
+        q = _norm_rope(x, xp, q_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot, HEAD_DIM, HAS_Q_NORM, dtype)
+        # the program whose range ends at the context's end takes the newest token (this step's)
+        # from qkv after the loop: the loop stops one token short for it
+        owner = (end == ctx) & (ctx > 0)
+        loop_end = tl.where(owner, end - 1, end)
+    else:
+        loop_end = end
+        q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, loop_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
-        t_mask = tok < end
+        t_mask = tok < loop_end
         page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         in_page = tok % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
@@ -261,6 +288,33 @@ def _decode_split_kernel(
             pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if FUSED_PREP:
+        if owner:  # the newest token: k normed and rotated, v as projected, one more online-softmax step
+            one = tl.zeros([1], dtype=tl.int32)  # the token as a [1, BLOCK_D] row
+            new_mask = (one == 0)[:, None] & d_mask[None, :]
+            xk, xkp = _load_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM + one[:, None], d, partner, new_mask)
+            k_new = _norm_rope(xk, xkp, k_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot, HEAD_DIM, HAS_K_NORM,
+                               dtype).to(k_cache_ptr.dtype.element_ty)
+            v_src = qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + one[:, None]
+            v_new = tl.load(v_src + d[None, :], mask=new_mask, other=0.0).to(v_cache_ptr.dtype.element_ty)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            if USE_DOT:  # the loop's P @ V takes p in the cache dtype
+                p_new = p_new.to(v_new.dtype).to(tl.float32)
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+            m_i = m_new
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            if slot >= 0:
+                page = slot // BLOCK_SIZE
+                in_page = slot % BLOCK_SIZE
+                k_dst = k_cache_ptr + page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+                v_dst = v_cache_ptr + page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+                tl.store(k_dst + one[:, None] + d[None, :], k_new, mask=new_mask)
+                tl.store(v_dst + one[:, None] + d[None, :], v_new, mask=new_mask)
 
     out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:
@@ -408,12 +462,66 @@ def paged_decode_attention_triton(
     where it splits (the split count is taken at block_n 64 either way)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
+    _check_attention_inputs(q, k_cache, v_cache)
+    return _launch_decode(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, k_cache, v_cache,
+                          block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
+                          workspace=workspace, out=out, block_n=block_n, counters=counters,
+                          min_split_tokens=min_split_tokens, pdl=pdl)
+
+
+def paged_decode_attention_qkv_composed(
+    qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
+    block_tables, context_lens, scale, num_q_heads, num_kv_heads, head_dim, *, prep, decode, **decode_kw,
+):
+    """The composition the fused decode launch replaces: `prep` (a qk_norm_rope_store: in place on
+    qkv, K/V into the cache), then `decode` (a paged_decode_attention, given `decode_kw`) of the
+    normed, rotated q."""
+    q, _, _ = prep(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
+                   num_q_heads, num_kv_heads, head_dim)
+    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, **decode_kw)
+
+
+# the torch path: the two references composed (the CPU engine and the oracle of the fused kernel)
+paged_decode_attention_qkv_ref = functools.partial(paged_decode_attention_qkv_composed, prep=qk_norm_rope_store_ref,
+                                                   decode=paged_decode_attention_ref)
+
+
+def paged_decode_attention_qkv_triton(
+    qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
+    block_tables, context_lens, scale, num_q_heads, num_kv_heads, head_dim, *,
+    max_num_splits: int | None = None, workspace: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    block_n: int | None = None, counters: torch.Tensor | None = None, min_split_tokens: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """qk_norm_rope_store + paged decode attention in one launch, for decode steps (one token a
+    sequence, at position context_lens[b] - 1 of its block table). Same results: the cache gets the
+    same K/V bits, q is rounded as qk_norm_rope_store rounds it, and the output matches the
+    composition up to fp32 summation order. qkv's q and k parts are left as projected (the
+    composition updates them in place: read neither after the call). Keywords as
+    paged_decode_attention_triton."""
+    require_triton()
+    _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
+    batch = qkv.shape[0]
+    cos_sin = _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
+                                 num_kv_heads, head_dim)
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"qkv {qkv.dtype} and KV cache {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    prep = (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, float(eps))
+    return _launch_decode(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, k_cache, v_cache,
+                          block_tables, context_lens, scale, prep, max_num_splits=max_num_splits,
+                          workspace=workspace, out=out, block_n=block_n, counters=counters,
+                          min_split_tokens=min_split_tokens, pdl=pdl)
+
+
+def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
+                   scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, pdl):
+    """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
+    eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not match q heads [{batch}, {num_q_heads}, {head_dim}]")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
-    _check_attention_inputs(q, k_cache, v_cache)
     group = num_q_heads // num_kv_heads
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -424,7 +532,7 @@ def paged_decode_attention_triton(
     if block_n is None:
         block_n = _DECODE_BLOCK_N if num_splits == 1 else _DECODE_SPLIT_BLOCK_N
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=q_src.dtype, device=q_src.device)
     if batch == 0:
         return out
 
@@ -434,17 +542,23 @@ def paged_decode_attention_triton(
     else:
         numel = decode_workspace_numel(batch, num_q_heads, head_dim, num_splits)
         if workspace is None:
-            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+            workspace = torch.empty(numel, dtype=torch.float32, device=q_src.device)
         elif workspace.dtype != torch.float32 or workspace.numel() < numel:
             raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
         split_rows = batch * num_q_heads * num_splits
         part_out = workspace[: split_rows * head_dim]
         part_lse = workspace[split_rows * head_dim : split_rows * (head_dim + 1)]
         if counters is None:
-            counters = _default_decode_counters(q.device, batch * num_kv_heads)
+            counters = _default_decode_counters(q_src.device, batch * num_kv_heads)
         elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:
             raise ValueError(f"counters need {batch * num_kv_heads} int32 elements, "
                              f"got {counters.numel()} {counters.dtype}")
+    if prep is None:  # placeholders for the fused variant's pointers (never read)
+        positions = cos_sin = q_norm_w = k_norm_w = slot_mapping = q_src
+        eps, half, cos_sin_stride = 0.0, 1, 0
+    else:
+        positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps = prep
+        half, cos_sin_stride = cos_sin.shape[-1] // 2, cos_sin.stride(0)
 
     use_dot = group > 1
     block_g = max(16, next_pow2(group)) if use_dot else 1
@@ -456,18 +570,24 @@ def paged_decode_attention_triton(
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q_src, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, counters,
+        positions, cos_sin, q_norm_w if q_norm_w is not None else q_src,
+        k_norm_w if k_norm_w is not None else q_src, slot_mapping, eps, cos_sin_stride,
         scale_log2e, num_splits, min_chunk,
-        q.stride(0), q.stride(1),
+        q_strides[0], q_strides[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
+        USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q_src.dtype),
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
+        FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
+        HAS_K_NORM=prep is not None and k_norm_w is not None,
         num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
+        # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
+        enable_fp_fusion=prep is None,
     )
     return out
 

@@ -91,31 +91,61 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(
-    x_ptr, row, head0, num_heads, w_ptr, eps, cos, sin, dims, partner, sign, is_rot,
-    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """Norm + rotate BLOCK_H heads of D starting at head0 of the row at x_ptr + row, in place.
+def _rope_lanes(pos_ptr, token, cos_sin_ptr, cos_sin_stride, dtype: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Per-lane neox rotary constants of one token: (dims, partner, sign, is_rot, cos, sin), cos/sin
+    rounded to the model dtype (HF casts the cache before the products)."""
+    dims = tl.arange(0, BLOCK_D)
+    first = dims < HALF
+    is_rot = dims < 2 * HALF
+    partner = tl.where(first, dims + HALF, tl.where(is_rot, dims - HALF, dims))
+    sign = tl.where(first, -1.0, 1.0)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cs_idx = tl.where(first, dims, dims - HALF)
+    cs_row = cos_sin_ptr + pos * cos_sin_stride
+    cos = _round(tl.load(cs_row + cs_idx, mask=is_rot, other=0.0).to(tl.float32), dtype)
+    sin = _round(tl.load(cs_row + HALF + cs_idx, mask=is_rot, other=0.0).to(tl.float32), dtype)
+    return dims, partner, sign, is_rot, cos, sin
 
-    Every lane also loads its rotary partner (d +- rot_dim/2) and normalises it with the same
-    per-head inverse RMS, so partial rotary (rot_dim < D) needs no special layout.
-    Returns the rounded output [BLOCK_H, BLOCK_D], the head indices and the mask.
-    """
-    dtype = x_ptr.dtype.element_ty
-    heads = head0 + tl.arange(0, BLOCK_H)
-    d_mask = dims < HEAD_DIM
-    mask = (heads[:, None] < num_heads) & d_mask[None, :]
-    base = x_ptr + row + heads[:, None] * HEAD_DIM
-    x = tl.load(base + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+
+@triton.jit
+def _norm_rope(x, xp, w_ptr, eps, cos, sin, dims, partner, sign, is_rot,
+               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+    """Per-head RMSNorm then neox rotary of fp32 heads x [H, BLOCK_D] (xp: each lane's rotary
+    partner d +- rot_dim/2, normalised with the same per-head inverse RMS, so partial rotary needs
+    no special layout), rounded where HF rounds; returns [H, BLOCK_D] in `dtype`."""
     if HAS_NORM:
+        d_mask = dims < HEAD_DIM
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         w = tl.load(w_ptr + dims, mask=d_mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
         x = _round(_round(x * inv_rms, dtype) * w[None, :], dtype)
         xp = _round(_round(xp * inv_rms, dtype) * wp[None, :], dtype)
     rotated = _round(x * cos[None, :], dtype) + sign[None, :] * _round(xp * sin[None, :], dtype)
-    out = tl.where(is_rot[None, :], rotated, x).to(dtype)
+    return tl.where(is_rot[None, :], rotated, x).to(dtype)
+
+
+@triton.jit
+def _load_heads(base, dims, partner, mask):
+    """fp32 heads at base + [H, 1] offsets and their rotary partners."""
+    x = tl.load(base + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, xp
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr, row, head0, num_heads, w_ptr, eps, cos, sin, dims, partner, sign, is_rot,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Norm + rotate BLOCK_H heads of D starting at head0 of the row at x_ptr + row, in place.
+    Returns the rounded output [BLOCK_H, BLOCK_D], the head indices and the mask."""
+    dtype = x_ptr.dtype.element_ty
+    heads = head0 + tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < num_heads) & (dims < HEAD_DIM)[None, :]
+    base = x_ptr + row + heads[:, None] * HEAD_DIM
+    x, xp = _load_heads(base, dims, partner, mask)
+    out = _norm_rope(x, xp, w_ptr, eps, cos, sin, dims, partner, sign, is_rot, HEAD_DIM, HAS_NORM, dtype)
     # in place: every lane's partner load must precede any lane's store (lanes may sit in other warps)
     tl.debug_barrier()
     tl.store(base + dims[None, :], out, mask=mask)
@@ -139,16 +169,8 @@ def _qk_norm_rope_store_kernel(
     num_q_groups = tl.cdiv(num_q_heads, BLOCK_H)
     dtype = qkv_ptr.dtype.element_ty
 
-    dims = tl.arange(0, BLOCK_D)
-    first = dims < HALF
-    is_rot = dims < 2 * HALF
-    partner = tl.where(first, dims + HALF, tl.where(is_rot, dims - HALF, dims))
-    sign = tl.where(first, -1.0, 1.0)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cs_idx = tl.where(first, dims, dims - HALF)
-    cs_row = cos_sin_ptr + pos * cos_sin_stride
-    cos = _round(tl.load(cs_row + cs_idx, mask=is_rot, other=0.0).to(tl.float32), dtype)
-    sin = _round(tl.load(cs_row + HALF + cs_idx, mask=is_rot, other=0.0).to(tl.float32), dtype)
+    dims, partner, sign, is_rot, cos, sin = _rope_lanes(pos_ptr, token, cos_sin_ptr, cos_sin_stride, dtype, HALF,
+                                                        BLOCK_D)
 
     row = token * qkv_stride_t
     if group < num_q_groups:
@@ -180,6 +202,26 @@ def _check_norm_weight(w: torch.Tensor | None, head_dim: int, name: str) -> None
         raise ValueError(f"{name} must be a contiguous [{head_dim}] tensor, got {tuple(w.shape)}")
 
 
+def _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
+                       num_kv_heads, head_dim) -> torch.Tensor:
+    """ValueError on inputs the fused q/k kernels cannot take; returns cos_sin with a unit last stride."""
+    num_tokens = qkv.shape[0]
+    rot_dim = cos_sin.shape[-1]
+    if rot_dim % 2 or rot_dim > head_dim or rot_dim == 0:
+        raise ValueError(f"rot_dim {rot_dim} must be even, > 0 and <= head_dim {head_dim}")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         f"must be [{num_tokens}]")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} are not [N, S, {num_kv_heads}, "
+                         f"{head_dim}]")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have a unit last stride")
+    _check_norm_weight(q_norm_w, head_dim, "q_norm_w")
+    _check_norm_weight(k_norm_w, head_dim, "k_norm_w")
+    return cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+
+
 def qk_norm_rope_store_triton(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -203,21 +245,9 @@ def qk_norm_rope_store_triton(
     require_triton()
     q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
+    cos_sin = _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
+                                 num_kv_heads, head_dim)
     rot_dim = cos_sin.shape[-1]
-    if rot_dim % 2 or rot_dim > head_dim or rot_dim == 0:
-        raise ValueError(f"rot_dim {rot_dim} must be even, > 0 and <= head_dim {head_dim}")
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
-                         f"must be [{num_tokens}]")
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} are not [N, S, {num_kv_heads}, "
-                         f"{head_dim}]")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have a unit last stride")
-    _check_norm_weight(q_norm_w, head_dim, "q_norm_w")
-    _check_norm_weight(k_norm_w, head_dim, "k_norm_w")
-    if cos_sin.stride(-1) != 1:
-        cos_sin = cos_sin.contiguous()
     if num_tokens == 0:
         return q, k, v
 

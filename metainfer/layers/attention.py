@@ -58,12 +58,14 @@ class Attention(nn.Module):
         self._store = ops.store_kv
         self._decode = ops.paged_decode_attention
         self._prefill = ops.paged_prefill_attention
+        self._decode_qkv = ops.paged_decode_attention_qkv
 
     def bind_decode_workspace(self, workspace: torch.Tensor) -> None:
         """Give the (Triton) decode launches their split scratch (kernels/attention.py:
         decode_workspace_numel_for), so a split launch allocates nothing per step. One buffer
         serves every layer: the layers run one after another."""
         self._decode = functools.partial(self._decode, workspace=workspace)
+        self._decode_qkv = functools.partial(self._decode_qkv, workspace=workspace)
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's K/V into the cache at the metadata's slot_mapping (-1 skipped)."""
@@ -82,6 +84,17 @@ class Attention(nn.Module):
                                 meta.block_tables, meta.max_seqlen_q, self.scale)
         else:
             out = self._decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def decode_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """A decode step from the raw qkv projection [B, (Hq+2Hk)*D]: per-head q/k RMSNorm (weights
+        given) and neox rotary, this step's K/V into the cache, attention (one launch on the Triton
+        path: kernels/attention.py, paged_decode_attention_qkv). Returns [B, Hq*D]."""
+        meta = get_attention_metadata()
+        out = self._decode_qkv(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, self.k_cache, self.v_cache,
+                               meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale,
+                               self.num_heads, self.num_kv_heads, self.head_dim)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

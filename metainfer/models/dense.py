@@ -40,12 +40,15 @@ class DenseAttention(nn.Module):
         """(o_proj output, residual): `norm` (the layer's input RMSNorm) is applied through
         qkv_proj.forward_normed (its own kernel, or folded into the GEMV where the op set says so)."""
         qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
-        # One fused op: per-head q/k RMSNorm (Qwen3) -> rotary -> K/V into the paged cache;
-        # q comes back normed and rotated as a view of qkv, then attention reads the cache.
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        attn = self.attn
+        attn, meta = self.attn, get_attention_metadata()
+        if not meta.is_prefill:  # per-head q/k RMSNorm (Qwen3), rotary, K/V store and attention in one op
+            return self.o_proj(attn.decode_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, q_w, k_w,
+                                               self.eps)), residual
+        # prefill: one fused op for per-head q/k RMSNorm -> rotary -> K/V into the paged cache (q
+        # comes back normed and rotated as a view of qkv), then attention reads the cache
         q, _, _ = self._prep(qkv, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, self.eps,
-                             attn.k_cache, attn.v_cache, get_attention_metadata().slot_mapping,
+                             attn.k_cache, attn.v_cache, meta.slot_mapping,
                              self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.attend(q)), residual
 

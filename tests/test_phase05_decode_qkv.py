@@ -1,0 +1,150 @@
+"""Phase 5 fused decode launch: q/k norm + rotary + K/V store inside the paged decode attention.
+
+`paged_decode_attention_qkv_triton` must equal its composition, `qk_norm_rope_store` then
+`paged_decode_attention`: the cache it writes bit for bit against the Triton q/k kernel (the
+same rounding code) and within the reference's tolerance against the torch composition; the
+output against the torch composition, checked on its own against a float64 softmax. The slot of
+the new token is poisoned with NaN beforehand (the kernel must take that row from registers), and
+every other cache slot must come back unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import build_cos_sin_cache, qk_norm_rope_store_triton
+from metainfer.kernels.attention import (
+    paged_decode_attention_qkv_ref,
+    paged_decode_attention_qkv_triton,
+    paged_decode_attention_triton,
+)
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES
+from tests.test_phase05_attention_kernels import _close, make_paged_batch, naive_attention
+
+triton = pytest.importorskip("triton")
+
+EPS = 1e-6
+
+
+def _case(contexts, group, hk, head_dim, rot_dim, norm, block_size, dtype, seed=0):
+    """Decode inputs: the cache holds contexts[b] - 1 tokens of sequence b (the slot of the last,
+    this step's, token poisoned); qkv the step's raw projection; a context of 0 is a padded row
+    (slot -1)."""
+    hq = group * hk
+    batch = make_paged_batch([max(c, 1) for c in contexts], block_size, hk, head_dim, dtype, seed=seed,
+                             device="cpu")
+    gen = torch.Generator().manual_seed(seed + 1)
+    slots = []
+    for b, ctx in enumerate(contexts):
+        if ctx == 0:
+            slots.append(-1)
+            continue
+        pos = ctx - 1
+        slot = int(batch.block_tables[b, pos // block_size]) * block_size + pos % block_size
+        batch.k_cache.view(-1, hk, head_dim)[slot] = float("nan")
+        batch.v_cache.view(-1, hk, head_dim)[slot] = float("nan")
+        slots.append(slot)
+    qkv = (torch.randn(len(contexts), (hq + 2 * hk) * head_dim, generator=gen) * 2).to(dtype)
+    max_pos = max(contexts) + 1
+    positions = torch.tensor([max(c - 1, 0) for c in contexts], dtype=torch.int64)
+    q_w = k_w = None
+    if norm:  # random weights: a wrong weight index shows
+        q_w = (torch.rand(head_dim, generator=gen) * 1.5 + 0.25).to(dtype)
+        k_w = (torch.rand(head_dim, generator=gen) * 1.5 + 0.25).to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    to = lambda t: t if t is None else t.to(DEVICE)  # noqa: E731
+    return dict(qkv=to(qkv), positions=to(positions), cos_sin=to(build_cos_sin_cache(rot_dim, max_pos, 10000.0)),
+                q_norm_w=to(q_w), k_norm_w=to(k_w), eps=EPS, k_cache=to(batch.k_cache), v_cache=to(batch.v_cache),
+                slot_mapping=to(torch.tensor(slots, dtype=torch.int32)), block_tables=to(batch.block_tables),
+                context_lens=to(lens), scale=head_dim ** -0.5, num_q_heads=hq, num_kv_heads=hk, head_dim=head_dim)
+
+
+def _clone(args):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _composed_with_triton_prep(a, **kw):
+    """qk_norm_rope_store_triton, then the plain decode kernel: the two launches the fused one replaces."""
+    q, _, _ = qk_norm_rope_store_triton(a["qkv"], a["positions"], a["cos_sin"], a["q_norm_w"], a["k_norm_w"],
+                                        a["eps"], a["k_cache"], a["v_cache"], a["slot_mapping"], a["num_q_heads"],
+                                        a["num_kv_heads"], a["head_dim"])
+    return paged_decode_attention_triton(q, a["k_cache"], a["v_cache"], a["block_tables"], a["context_lens"],
+                                         a["scale"], **kw)
+
+
+CASES = [  # (contexts, group, hk, head_dim, rot_dim, norm, block_size)
+    ([1, 17, 33, 70], 4, 2, 64, 64, True, 16),     # block boundaries, GQA 4
+    ([5, 0, 48, 16], 1, 2, 128, 128, False, 16),   # GQA 1 (no dot), no q/k norm, a padded row
+    ([40, 3, 96], 8, 1, 128, 64, True, 32),       # GQA 8, partial rotary
+    ([65, 2], 4, 2, 64, 32, True, 1),             # block size 1
+]
+
+
+def _case_id(case):
+    contexts, group, hk, d, rot, norm, block = case
+    return f"ctx{'-'.join(map(str, contexts))}-g{group}-hk{hk}-d{d}-rot{rot}-{'norm' if norm else 'nonorm'}-S{block}"
+
+
+@pytest.mark.parametrize("max_num_splits", [1, 3, 32], ids=["one-pass", "split3", "split32"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fused_decode_equals_composition(case, dtype, max_num_splits):
+    a = _case(*case, dtype)
+    before_k, before_v = a["k_cache"].clone(), a["v_cache"].clone()
+    fused_args, ref_args, prep_args = _clone(a), _clone(a), _clone(a)
+    qkv_in = a["qkv"].clone()
+    out = paged_decode_attention_qkv_triton(**fused_args, max_num_splits=max_num_splits, min_split_tokens=16)
+    ref = paged_decode_attention_qkv_ref(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                            for k, v in ref_args.items()})
+    composed = _composed_with_triton_prep(prep_args, max_num_splits=max_num_splits, min_split_tokens=16)
+
+    assert torch.equal(fused_args["qkv"], qkv_in), "the fused launch must leave qkv as projected"
+    # the cache: bit-equal to the Triton q/k kernel's store, close to the torch composition's
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(fused_args[name].cpu(), prep_args[name].cpu()), name
+        _close(fused_args[name].float().nan_to_num(7.0), ref_args[name].float().nan_to_num(7.0), dtype)
+    # every slot but the new tokens' is unchanged
+    new = a["slot_mapping"][a["slot_mapping"] >= 0].long().cpu()
+    hk, d = a["num_kv_heads"], a["head_dim"]
+    for name, before in (("k_cache", before_k), ("v_cache", before_v)):
+        keep = torch.ones(before.numel() // (hk * d), dtype=torch.bool)
+        keep[new] = False
+        assert torch.equal(fused_args[name].view(-1, hk, d).cpu()[keep], before.view(-1, hk, d).cpu()[keep])
+    assert not torch.isnan(out).any()
+    _close(out, ref, dtype)
+    _close(out, composed, dtype)
+    ctx = a["context_lens"].cpu()
+    assert (out[ctx == 0] == 0).all(), "a padded row (context 0) gives zeros"
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_fused_decode_reference_matches_naive_softmax(dtype):
+    """The composition itself against a float64 softmax over the cache it leaves behind."""
+    a = _case([9, 20], 4, 2, 64, 64, True, 16, dtype, seed=4)
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    out = paged_decode_attention_qkv_ref(**a)
+    d, hq, hk = a["head_dim"], a["num_q_heads"], a["num_kv_heads"]
+    q = a["qkv"][:, : hq * d].view(-1, hq, d)  # normed and rotated in place by the composition
+    for b, ctx in enumerate(a["context_lens"].tolist()):
+        rows = [int(a["block_tables"][b, t // 16]) * 16 + t % 16 for t in range(ctx)]
+        k = a["k_cache"].view(-1, hk, d)[rows]
+        v = a["v_cache"].view(-1, hk, d)[rows]
+        expected = naive_attention(q[b : b + 1], k, v, a["scale"], ctx - 1)
+        _close(out[b : b + 1], expected, dtype)
+
+
+def test_fused_decode_rejects_bad_inputs():
+    a = _case([4, 9], 4, 2, 64, 64, True, 16, torch.float32)
+    bad = _clone(a)
+    bad["slot_mapping"] = bad["slot_mapping"][:1]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        paged_decode_attention_qkv_triton(**bad)
+    bad = _clone(a)
+    bad["k_cache"], bad["v_cache"] = bad["k_cache"].half(), bad["v_cache"].half()
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention_qkv_triton(**bad)
+    bad = _clone(a)
+    bad["num_kv_heads"] = 3
+    with pytest.raises(ValueError, match="qkv"):
+        paged_decode_attention_qkv_triton(**bad)
