@@ -148,6 +148,31 @@ def kernels(args):
         compare(f"qk_norm_rope_store_T{tokens}_k", got[1], ref[1])
         compare(f"qk_norm_rope_store_T{tokens}_kcache", caches[0], caches[2])
         out[f"qk_norm_rope_store_T{tokens}_vcache"] = {"ok": bool(torch.equal(caches[1], caches[3]))}
+    # the fused decode launch (q/k prep inside attention) against the torch composition: decode rows
+    # at contexts up to 4,096 (the new token at ctx-1), batch 1 (split launch) and 256 (one pass)
+    from metainfer.kernels.attention import paged_decode_attention_qkv_ref, paged_decode_attention_qkv_triton
+
+    for batch in (1, 8, 256):
+        nb, bs = 8192, 16
+        lens = torch.randint(1, 4097, (batch,)).tolist()
+        lens[0] = 4096
+        width = 4096 // bs
+        tables = torch.randperm(nb, device=dev)[: batch * width].view(batch, width).int()
+        ctx = torch.tensor(lens, device=dev, dtype=torch.int32)
+        last = ctx.long() - 1
+        slots = (tables.gather(1, (last // bs)[:, None]).squeeze(1).long() * bs + last % bs).int()
+        qkv = torch.randn(batch, (Hq + 2 * Hk) * D, device=dev, dtype=dt)
+        qn, kn = 1 + 0.3 * torch.randn(D, device=dev, dtype=dt), 1 + 0.3 * torch.randn(D, device=dev, dtype=dt)
+        caches = [torch.randn(nb, bs, Hk, D, device=dev, dtype=dt) for _ in range(2)]
+        caches += [c.clone() for c in caches]
+        args = (last, cache, qn, kn, 1e-6)
+        got = paged_decode_attention_qkv_triton(qkv.clone(), *args, caches[0], caches[1], slots, tables, ctx, D ** -0.5,
+                                                Hq, Hk, D)
+        ref = paged_decode_attention_qkv_ref(qkv.clone(), *args, caches[2], caches[3], slots, tables, ctx, D ** -0.5,
+                                             Hq, Hk, D)
+        compare(f"decode_attention_qkv_B{batch}", got, ref)
+        compare(f"decode_attention_qkv_B{batch}_kcache", caches[0], caches[2])
+        out[f"decode_attention_qkv_B{batch}_vcache"] = {"ok": bool(torch.equal(caches[1], caches[3]))}
     out["all_ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
     print(json.dumps(out, indent=1))
     return out
@@ -439,6 +464,14 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    llm = _bench_llm(folder, METAINFER_FUSED_DECODE_PREP="0")  # q/k prep and decode attention as two launches
+    other = run_throughput(llm, progress=False)
+    res["unfused_decode_prep"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+    res["unfused_decode_prep"]["decode_seconds"] = other["timeline"]["decode_seconds"]
+    print("unfused decode prep", json.dumps(res["unfused_decode_prep"]), flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
 
 
@@ -716,9 +749,10 @@ def table() -> str:
             lines.append(f"| bs1 decode attention ctx {ctx} (us) | shipped {a['shipped']['us']:.2f} | "
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
-    if "torch_sampler" in tp and "output_tok_s" in tp:
-        lines.append(f"| throughput output tok/s: fused sampler (default) / torch sampler | {tp['output_tok_s']:.0f} / "
-                     f"{tp['torch_sampler']['output_tok_s']:.0f} | | |")
+    for name in ("torch_sampler", "unfused_decode_prep", "fused_sampler"):  # fused_sampler: run 17's variant
+        if name in tp and "output_tok_s" in tp:
+            lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
+                         f"{tp[name]['output_tok_s']:.0f} | | |")
     for name, v in r.get("sampler", {}).items():
         if isinstance(v, dict) and "fused_ms" in v:
             lines.append(f"| sampler {name}: torch / fused (ms) | {v['torch_ms']:.3f} / {v['fused_ms']:.3f} | "

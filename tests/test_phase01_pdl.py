@@ -18,7 +18,8 @@ from metainfer.kernels.gemv import gemv_triton
 from tests.kernel_devices import ON_GPU
 
 PDL_LAUNCHERS = ("rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul", "store_kv",
-                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store")
+                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store",
+                 "paged_decode_attention_qkv")
 
 
 def test_select_ops_binds_pdl_to_every_triton_launcher():
@@ -99,16 +100,15 @@ def _decode_chain_inputs(batch: int) -> dict:
 
 
 def _decode_chain(ops, inp: dict) -> torch.Tensor:
-    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: at batch 1-2
-    SiLU-and-mul, and with fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own
-    kernels before cuBLAS)."""
+    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: q/k norm,
+    rotary and the K/V store inside the decode attention launch; at batch 1-2 SiLU-and-mul, and with
+    fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own kernels before cuBLAS)."""
     hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
         qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
-        q, _, _ = ops.qk_norm_rope_store(qkv, inp["positions"], inp["cos_sin"], w["q_norm"], w["k_norm"], EPS,
-                                         w["k_cache"], w["v_cache"], inp["slots"], HQ, HK, D)
-        attn = ops.paged_decode_attention(q.reshape(-1, HQ, D), w["k_cache"], w["v_cache"], inp["tables"],
-                                          inp["context_lens"], D ** -0.5)
+        attn = ops.paged_decode_attention_qkv(qkv, inp["positions"], inp["cos_sin"], w["q_norm"], w["k_norm"], EPS,
+                                              w["k_cache"], w["v_cache"], inp["slots"], inp["tables"],
+                                              inp["context_lens"], D ** -0.5, HQ, HK, D)
         hidden = ops.linear(attn.reshape(-1, HQ * D), w["o"])
         gate_up, residual = ops.norm_linear(hidden, residual, w["w_post"], EPS, w["gate_up"], None)
         hidden = ops.silu_mul_linear(gate_up, w["down"], None)

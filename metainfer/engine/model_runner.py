@@ -86,6 +86,7 @@ class StepStaging:
         self._uploaded = [torch.cuda.Event() if on_cuda else None for _ in self._host]
         self._current = 0
         self._device = torch.zeros(capacity, dtype=torch.int32, device=device) if on_cuda else self._host[0]
+        self.device_buffer = self._device  # what every upload writes (CUDA graphs read it in place)
         self.upload = self._upload_cuda if on_cuda else self._upload_cpu  # chosen once
 
     def next_host_buffer(self) -> np.ndarray:
@@ -250,11 +251,12 @@ class ModelRunner:
     def record_sampled(self, token_ids: torch.Tensor) -> None:
         self.sampled_ids[: token_ids.shape[0]].copy_(token_ids)
 
-    def _pack(self, batch: ScheduledBatch, num_rows: int, view: np.ndarray) -> StepLayout:
+    def _pack(self, batch: ScheduledBatch, num_rows: int, view: np.ndarray, width: int | None = None) -> StepLayout:
         """Fill a host buffer with the batch's fields; decode batches are padded to
-        `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing)."""
+        `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing) and
+        their block tables to `width` columns (default: the longest table)."""
         seqs, bs = batch.seqs, self.block_size
-        width = max(len(s.block_table) for s in seqs)
+        width = width or max(len(s.block_table) for s in seqs)
         sampling_rows: list[int] = []
         if batch.is_prefill:
             ids, pos, cu, ctx, src = [], [], [0], [], []
@@ -313,8 +315,6 @@ class ModelRunner:
         host = self.staging.next_host_buffer()
         layout = self._pack(batch, num_rows or len(batch.seqs), host)
         v = layout.views(self.staging.upload(layout.size))
-        src = v["src"]
-        input_ids = torch.where(src >= 0, self.sampled_ids[src.clamp(min=0)], v["ids"].long())
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=v["slots"],
@@ -323,7 +323,12 @@ class ModelRunner:
             cu_seqlens_q=v["cu"],
             max_seqlen_q=max(s.num_scheduled_tokens for s in batch.seqs),
         )
-        return input_ids, v["positions"].long(), meta, v["rows"].long()
+        return self._input_ids(v), v["positions"].long(), meta, v["rows"].long()
+
+    def _input_ids(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's token ids: a PENDING row (src >= 0) reads the previous step's sampled id."""
+        src = views["src"]
+        return torch.where(src >= 0, self.sampled_ids[src.clamp(min=0)], views["ids"].long())
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -335,8 +340,11 @@ class ModelRunner:
         num_seqs = len(batch.seqs)
         if not batch.is_prefill and num_seqs <= self.max_graph_batch:
             bucket = self._bucket_of[num_seqs]
-            input_ids, positions, meta, _ = self.prepare(batch, bucket)
-            return self.model.compute_logits(self._replay(input_ids, positions, meta, bucket)[:num_seqs])
+            host = self.staging.next_host_buffer()
+            layout = self._pack(batch, bucket, host, width=self.max_blocks_per_seq)
+            self.staging.upload(layout.size)  # the captured graph reads its inputs there
+            self.graphs[bucket].replay()
+            return self.model.compute_logits(self.static_hidden[:num_seqs])
         input_ids, positions, meta, logit_rows = self.prepare(batch)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
@@ -346,52 +354,43 @@ class ModelRunner:
     max_graph_batch = 0
 
     def _capture_cudagraphs(self) -> None:
-        """Capture the decode forward for each batch bucket, largest first, one memory pool."""
+        """Capture the decode forward for each batch bucket, largest first, one memory pool. A
+        graph reads its inputs straight from the staging device buffer, at the fixed offsets of its
+        bucket's layout (block tables padded to the full width), and does the step's input
+        preparation itself: a replay is one upload and one launch."""
         cfg = self.config
         max_bs = min(cfg.max_num_seqs, 512)
         self.graph_batch_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
         if max_bs not in self.graph_batch_sizes:
             self.graph_batch_sizes.append(max_bs)
-        max_blocks = self.max_blocks_per_seq
-        dev = self.device
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.full((max_bs, max_blocks), -1, dtype=torch.int32, device=dev),
-        }
-        self.static_hidden = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.dtype, device=dev)
+        self.static_hidden = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.graph_batch_sizes):
-                meta = self._static_meta(bs)
+                views = self._idle_step_inputs(bs)
+                meta = AttentionMetadata(False, views["slots"], views["context_lens"], views["tables"])
                 graph = torch.cuda.CUDAGraph()
                 with forward_context(meta):
-                    self.static_hidden[:bs] = self.model(self.static["input_ids"][:bs], self.static["positions"][:bs])
+                    self._graph_forward(bs, views)  # warm-up (compiles, workspaces) outside the capture
                     with torch.cuda.graph(graph, pool=pool):
-                        self.static_hidden[:bs] = self.model(self.static["input_ids"][:bs],
-                                                             self.static["positions"][:bs])
+                        self._graph_forward(bs, views)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.max_graph_batch = max_bs
         self._bucket_of = [next(b for b in self.graph_batch_sizes if b >= n) for n in range(max_bs + 1)]
 
-    def _static_meta(self, bs: int) -> AttentionMetadata:
-        s = self.static
-        return AttentionMetadata(False, s["slot_mapping"][:bs], s["context_lens"][:bs], s["block_tables"][:bs])
+    def _idle_step_inputs(self, bs: int) -> dict[str, torch.Tensor]:
+        """The staging device buffer's views for a `bs`-row decode step, filled with rows that
+        store and attend to nothing (ids 0, slot -1, context 0, tables -1)."""
+        views = StepLayout(bs, bs, self.max_blocks_per_seq, bs).views(self.staging.device_buffer)
+        for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1), ("context_lens", 0),
+                            ("tables", -1)):
+            views[name].fill_(value)
+        return views
 
-    def _replay(self, input_ids, positions, meta: AttentionMetadata, bucket: int) -> torch.Tensor:
-        """Inputs already padded to the bucket (padded rows: slot -1, context 0)."""
-        s = self.static
-        s["input_ids"][:bucket].copy_(input_ids)
-        s["positions"][:bucket].copy_(positions)
-        s["slot_mapping"][:bucket].copy_(meta.slot_mapping)
-        s["context_lens"][:bucket].copy_(meta.context_lens)
-        s["block_tables"][:bucket, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self.graphs[bucket].replay()
-        return self.static_hidden[:bucket]
+    def _graph_forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
+        self.static_hidden[:bs] = self.model(self._input_ids(views), views["positions"].long())
 
     @staticmethod
     def sampling_seqs(batch: ScheduledBatch) -> list[Sequence]:

@@ -266,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         launches = []
         for op in args.ops:
             cases = _cases(op)
-            for label, thunk, pdl in [(label, thunk, False) for label, thunk in cases] + [(*cases[0], True)]:
+            firsts = list({label.split()[0]: (label, thunk) for label, thunk in reversed(cases)}.values())
+            # every case without PDL, and the first case of each launcher (label's first word) with it
+            for label, thunk, pdl in [(label, thunk, False) for label, thunk in cases] + [(*c, True) for c in firsts]:
                 start = len(captured)
                 thunk(pdl)
                 label = f"{label} pdl" if pdl else label

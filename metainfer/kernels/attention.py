@@ -214,8 +214,12 @@ def _decode_split_kernel(
     Every program norms and rotates its GROUP q heads itself (qkv_prep's rounding); the program
     whose range ends at the context's last token (this step's, position ctx-1) reads the cache up
     to ctx-2, then norms and rotates that token's k, attends to it from registers (one more
-    online-softmax step) and stores k and v into the cache at slot_mapping[b] (-1: not stored).
-    One launch instead of qk_norm_rope_store + decode; the loop holds nothing more than the plain one."""
+    online-softmax step) and stores k and v into the cache at slot_mapping[b]; with slot -1 it
+    stores nothing and reads position ctx-1 from the cache, as the composition does. One launch
+    instead of qk_norm_rope_store + decode. Costs: the rotary lane constants stay live across the
+    loop (sm_90: 109-111 registers a thread against 72 for the split launch, 118-120 against 107
+    one-pass), and the launch compiles without fp contraction (for q's rounding points), so the
+    softmax updates are separate multiplies and adds."""
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -251,8 +255,10 @@ def _decode_split_kernel(
         x, xp = _load_heads(qkv_row + heads[:, None] * HEAD_DIM, d, partner, qd_mask)
         q = _norm_rope(x, xp, q_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot, HEAD_DIM, HAS_Q_NORM, dtype)
         # the program whose range ends at the context's end takes the newest token (this step's)
-        # from qkv after the loop: the loop stops one token short for it
-        owner = (end == ctx) & (ctx > 0)
+        # from qkv after the loop and stores it: the loop stops one token short for it. A row
+        # whose token is not stored (slot -1) attends to what the cache holds, as the composition.
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        owner = (end == ctx) & (ctx > 0) & (slot >= 0)
         loop_end = tl.where(owner, end - 1, end)
     else:
         loop_end = end
@@ -307,14 +313,12 @@ def _decode_split_kernel(
                 p_new = p_new.to(v_new.dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
             m_i = m_new
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
-            if slot >= 0:
-                page = slot // BLOCK_SIZE
-                in_page = slot % BLOCK_SIZE
-                k_dst = k_cache_ptr + page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-                v_dst = v_cache_ptr + page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-                tl.store(k_dst + one[:, None] + d[None, :], k_new, mask=new_mask)
-                tl.store(v_dst + one[:, None] + d[None, :], v_new, mask=new_mask)
+            page = slot // BLOCK_SIZE
+            in_page = slot % BLOCK_SIZE
+            k_dst = k_cache_ptr + page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+            v_dst = v_cache_ptr + page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+            tl.store(k_dst + one[:, None] + d[None, :], k_new, mask=new_mask)
+            tl.store(v_dst + one[:, None] + d[None, :], v_new, mask=new_mask)
 
     out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:

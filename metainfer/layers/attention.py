@@ -48,7 +48,8 @@ class Attention(nn.Module):
     """Paged attention over this layer's KV cache.
 
     `forward(q, k, v)` = `store(k, v)` then `attend(q)`. Models whose K/V reach the cache another
-    way (the dense family's fused `qk_norm_rope_store`) call `attend(q)` alone.
+    way call `attend(q)` alone (the dense family's prefill, after its fused `qk_norm_rope_store`), or
+    `decode_qkv` for a decode step (q/k prep, the store and attention in one op).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops):
