@@ -18,8 +18,7 @@ from metainfer.kernels.gemv import gemv_triton
 from tests.kernel_devices import ON_GPU
 
 PDL_LAUNCHERS = ("rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul", "store_kv",
-                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store",
-                 "paged_decode_attention_qkv")
+                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store")
 
 
 def test_select_ops_binds_pdl_to_every_triton_launcher():
@@ -31,6 +30,11 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
         assert fn.func is getattr(TRITON_OPS, name), name
     assert ops.linear.keywords["pdl"] is True
     assert ops.norm_linear.keywords["add_rms_norm"].keywords == {"pdl": True}  # the norm apart by default
+    # the decode step's q/k prep + attention: the two launchers composed by default, or the fused one
+    composed = ops.paged_decode_attention_qkv.keywords
+    assert composed["prep"].keywords == {"pdl": True} and composed["decode"].keywords == {"pdl": True}
+    fused = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_decode_prep=True).paged_decode_attention_qkv
+    assert fused.func is TRITON_OPS.paged_decode_attention_qkv and fused.keywords == {"pdl": True}
     folded = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_norm=True)
     for fused in (folded.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
         assert fused.keywords["pdl"] is True and fused.keywords["table"] == ops.linear.keywords["table"]
@@ -51,7 +55,7 @@ def test_select_ops_without_pdl_leaves_launchers_unbound():
 
 
 def test_every_launcher_takes_the_pdl_keyword():
-    for fn in [getattr(TRITON_OPS, name) for name in PDL_LAUNCHERS] + [gemv_triton]:
+    for fn in [getattr(TRITON_OPS, name) for name in PDL_LAUNCHERS + ("paged_decode_attention_qkv",)] + [gemv_triton]:
         param = inspect.signature(fn).parameters.get("pdl")
         assert param is not None and param.default is False, fn.__name__
 
@@ -101,8 +105,9 @@ def _decode_chain_inputs(batch: int) -> dict:
 
 def _decode_chain(ops, inp: dict) -> torch.Tensor:
     """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: q/k norm,
-    rotary and the K/V store inside the decode attention launch; at batch 1-2 SiLU-and-mul, and with
-    fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own kernels before cuBLAS)."""
+    rotary and the K/V store then attention, or with fuse_decode_prep in one launch; at batch 1-2
+    SiLU-and-mul, and with fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own
+    kernels before cuBLAS)."""
     hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
         qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
@@ -123,11 +128,13 @@ def _caches(inp: dict) -> list[torch.Tensor]:
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available() and pdl_supported("cuda")),
                     reason="needs METAINFER_TEST_GPU=1 and a CUDA GPU of compute capability >= 9")
 @pytest.mark.parametrize("batch", [1, 2, 5])  # 1-2: the Triton GEMV; 5: cuBLAS between the Triton kernels
-@pytest.mark.parametrize("fuse_norm", [False, True])  # the shipped op set; the folded-norm GEMV (program 0 writes h)
-def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch, fuse_norm):
+# the shipped op set; the folded-norm GEMV (program 0 writes h); q/k prep inside the decode attention
+@pytest.mark.parametrize("fuse_norm, fuse_prep", [(False, False), (True, False), (False, True)],
+                         ids=["shipped", "fold-norm", "fused-decode-prep"])
+def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch, fuse_norm, fuse_prep):
     name = torch.cuda.get_device_name()
-    plain = select_ops("cuda", gpu_name=name, fuse_norm=fuse_norm)
-    pdl = select_ops("cuda", gpu_name=name, pdl=True, fuse_norm=fuse_norm)
+    plain = select_ops("cuda", gpu_name=name, fuse_norm=fuse_norm, fuse_decode_prep=fuse_prep)
+    pdl = select_ops("cuda", gpu_name=name, pdl=True, fuse_norm=fuse_norm, fuse_decode_prep=fuse_prep)
     inp = _decode_chain_inputs(batch)
     initial = _caches(inp)
 

@@ -20,7 +20,7 @@ from metainfer.kernels.attention import (
     paged_decode_attention_qkv_triton,
     paged_decode_attention_triton,
 )
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.test_phase05_attention_kernels import _close, make_paged_batch, naive_attention
 
 triton = pytest.importorskip("triton")
@@ -95,7 +95,7 @@ def _case_id(case):
     return f"ctx{'-'.join(map(str, contexts))}-g{group}-hk{hk}-d{d}-rot{rot}-{'norm' if norm else 'nonorm'}-S{block}"
 
 
-def _tight(actual, expected, dtype):
+def _tight(actual, expected, dtype, min_exact=0.9):
     """Fused against the two Triton launches: the same q/K/V bits, fp32 sums in another order (and
     no fp contraction), so fp32 agrees to ~1e-6 and half precision is bit-equal but for rare 1-ulp
     roundings of the output (a wrong rounding point of q moves most elements by 1-2e-3)."""
@@ -104,7 +104,7 @@ def _tight(actual, expected, dtype):
         return
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=2e-3, rtol=2e-3)
     exact = (actual.cpu() == expected.cpu()).float().mean().item()
-    assert exact >= 0.9, f"only {exact:.4f} of the outputs are bit-equal to the two-launch composition"
+    assert exact >= min_exact, f"only {exact:.4f} of the elements are bit-equal to the two-launch composition"
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=["one-pass", "split3", "split32-tiles16"])
@@ -129,14 +129,17 @@ def _check_composition(a, dtype, launch_kw):
     fused_args, ref_args, prep_args = _clone(a), _clone(a), _clone(a)
     qkv_in = a["qkv"].clone()
     out = paged_decode_attention_qkv_triton(**fused_args, **launch_kw)
-    ref = paged_decode_attention_qkv_ref(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                                            for k, v in ref_args.items()})
+    ref_args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in ref_args.items()}
+    ref = paged_decode_attention_qkv_ref(**ref_args)  # on the CPU: the torch composition updates these
     composed = _composed_with_triton_prep(prep_args, **launch_kw)
 
     assert torch.equal(fused_args["qkv"], qkv_in), "the fused launch must leave qkv as projected"
-    # the cache: bit-equal to the Triton q/k kernel's store, close to the torch composition's
+    # the cache: the Triton q/k kernel's store (bit-equal in the interpreter; compiled, the per-head
+    # sum of squares may add in another order and flip a rounding), close to the torch composition's
     for name in ("k_cache", "v_cache"):
-        assert torch.equal(fused_args[name].cpu(), prep_args[name].cpu()), name
+        _tight(fused_args[name].nan_to_num(7.0), prep_args[name].nan_to_num(7.0), dtype, min_exact=0.999)
+        if not ON_GPU:
+            assert torch.equal(fused_args[name], prep_args[name]), name
         _close(fused_args[name].float().nan_to_num(7.0), ref_args[name].float().nan_to_num(7.0), dtype)
     # every slot but the new tokens' is unchanged
     new = a["slot_mapping"][a["slot_mapping"] >= 0].long().cpu()
@@ -185,9 +188,9 @@ def test_fused_decode_rejects_bad_inputs():
 
 
 def test_select_ops_binds_the_fused_decode_or_the_composition():
-    fused = select_ops("cpu", use_triton=True)
+    fused = select_ops("cpu", use_triton=True, fuse_decode_prep=True)
     assert fused.paged_decode_attention_qkv is paged_decode_attention_qkv_triton
-    two = select_ops("cpu", use_triton=True, fuse_decode_prep=False).paged_decode_attention_qkv
+    two = select_ops("cpu", use_triton=True).paged_decode_attention_qkv  # the default
     assert two.func is paged_decode_attention_qkv_composed
     assert two.keywords == {"prep": TRITON_OPS.qk_norm_rope_store, "decode": TRITON_OPS.paged_decode_attention}
     assert select_ops("cpu").paged_decode_attention_qkv is paged_decode_attention_qkv_ref

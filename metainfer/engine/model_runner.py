@@ -128,8 +128,9 @@ class ModelRunner:
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         # PDL on Hopper and later; METAINFER_DISABLE_PDL=1 turns it off (an A/B switch, read once here)
         pdl = pdl_supported(self.device) and os.environ.get("METAINFER_DISABLE_PDL", "0") != "1"
-        # METAINFER_FUSED_DECODE_PREP=0: q/k prep and decode attention as two launches (an A/B switch)
-        fuse_prep = os.environ.get("METAINFER_FUSED_DECODE_PREP", "1") != "0"
+        # METAINFER_FUSED_DECODE_PREP=1: q/k prep inside the decode attention launch (an A/B switch;
+        # off by default: slower on the H200, run 18)
+        fuse_prep = os.environ.get("METAINFER_FUSED_DECODE_PREP", "0") == "1"
         self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl, fuse_decode_prep=fuse_prep)
         cls = model_class(self.spec)
         with torch.device(self.device):
