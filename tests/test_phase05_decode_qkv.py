@@ -97,12 +97,14 @@ def _case_id(case):
 
 def _tight(actual, expected, dtype, min_exact=0.9):
     """Fused against the two Triton launches: the same q/K/V bits, fp32 sums in another order (and
-    no fp contraction), so fp32 agrees to ~1e-6 and half precision is bit-equal but for rare 1-ulp
-    roundings of the output (a wrong rounding point of q moves most elements by 1-2e-3)."""
+    no fp contraction), so fp32 agrees to ~1e-6 and half precision is bit-equal but for rare 1-2 ulp
+    roundings of the output (run 19 on the H200, bf16: 1% of the outputs 1 ulp off); a wrong rounding
+    point of q leaves only ~55% of the elements bit-equal."""
     if dtype == torch.float32:
         torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=2e-6, rtol=2e-6)
         return
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=2e-3, rtol=2e-3)
+    two_ulps = 2 * torch.finfo(dtype).eps  # relative: 2e-3 for fp16, 1.6e-2 for bf16
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=two_ulps, rtol=two_ulps)
     exact = (actual.cpu() == expected.cpu()).float().mean().item()
     assert exact >= min_exact, f"only {exact:.4f} of the elements are bit-equal to the two-launch composition"
 
