@@ -197,7 +197,8 @@ def gemv(args):
 @section("gemm_rows")
 def gemm_rows(args):
     """The decode set through cuBLAS at 1..256 rows: how far from the weight-streaming floor the
-    batches between the Triton GEMV (M <= 2) and the compute-bound ones run."""
+    batches between the Triton GEMV (M <= 2) and the compute-bound ones run; up to 64 rows the
+    tensor-core skinny GEMM next to it."""
     from metainfer.kernels.gemv_bench import cublas_by_rows
 
     return cublas_by_rows()
@@ -758,6 +759,10 @@ def table() -> str:
         if isinstance(v, dict) and "fused_ms" in v:
             lines.append(f"| sampler {name}: torch / fused (ms) | {v['torch_ms']:.3f} / {v['fused_ms']:.3f} | "
                          f"greedy equal: {v.get('greedy_equal', '-')} | |")
+    for key, v in r.get("gemm_rows", {}).items():
+        if isinstance(v, dict) and "ms" in v:
+            skinny = f"{v['skinny_ms']:.3f} (err {v['skinny_max_rel_err']:.1e})" if "skinny_ms" in v else "-"
+            lines.append(f"| decode set at {key[1:]} rows: cuBLAS / skinny GEMM (ms) | {v['ms']:.3f} / {skinny} | | |")
     pb = r.get("profile_batch", {})
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
@@ -821,7 +826,8 @@ def main():
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv_prologue",
-                                        "test_phase05_sampling_kernel", "test_phase05_decode_qkv")))
+                                        "test_phase05_sampling_kernel", "test_phase05_decode_qkv",
+                                        "test_phase05_skinny_gemm")))
     # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()

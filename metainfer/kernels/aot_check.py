@@ -33,13 +33,14 @@ _MAX_SHARED_BYTES = 232448
 # their PTX must hold no half-precision fma, which would skip the rounding of a product.
 _HF_ROUNDING_KERNELS = ("_rotary_neox_kernel", "_qk_norm_rope_store_kernel")
 
-ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep", "sampling")
+ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep", "sampling",
+           "skinny_gemm")
 
 
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm
 
     bf16, fp32 = torch.bfloat16, torch.float32
     cases = []
@@ -165,19 +166,28 @@ def _cases(op: str):
         cases.append(("gumbel_sample bf16 B=2 given noise",
                       lambda pdl: sampling.GumbelSampler(2, 1000, "cpu", pdl=pdl)(
                           logits, torch.zeros(2, dtype=fp32), seed=12345, noise=noise)))
+    elif op == "skinny_gemm":
+        # the Qwen3-8B decode shapes at 8 and 64 rows (the automatic K split on the 4096-row ones), a bias
+        for m, (n, k) in ((8, (6144, 4096)), (8, (4096, 12288)), (64, (4096, 4096)), (64, (151936, 4096))):
+            x, w = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16)
+            cases.append((f"skinny_gemm bf16 M={m} N={n} K={k}",
+                          lambda pdl, x=x, w=w: skinny_gemm.skinny_gemm_triton(x, w, pdl=pdl)))
+        x, w, b = torch.zeros(5, 1000, dtype=fp32), torch.zeros(300, 1000, dtype=fp32), torch.zeros(300, dtype=fp32)
+        cases.append(("skinny_gemm fp32 M=5 N=300 K=1000 bias",
+                      lambda pdl: skinny_gemm.skinny_gemm_triton(x, w, b, pdl=pdl)))
     else:
         raise ValueError(f"unknown op {op!r}; choose from {ALL_OPS}")
     return cases
 
 
 def _kernel_objects():
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
         kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
-        sampling._gumbel_sample_kernel,
+        sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel,
     ]
 
 

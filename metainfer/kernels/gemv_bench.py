@@ -237,7 +237,12 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
                    counts=QWEN3_8B_DECODE_COUNTS, device="cuda", replays: int = 5, dtype=torch.bfloat16) -> dict:
     """The whole decode set through cuBLAS at M rows (one graph of every distinct weight in the model's
     order per M): ms, GB/s of weight + activation bytes and TFLOP/s, to show where cuBLAS leaves the
-    weight-streaming floor between the Triton GEMV's M <= 2 and the compute-bound batches."""
+    weight-streaming floor between the Triton GEMV's M <= 2 and the compute-bound batches; for M <= 64
+    the same set through the tensor-core skinny GEMM (kernels/skinny_gemm.py, automatic K splits) and
+    its largest error against cuBLAS."""
+    from .skinny_gemm import MAX_ROWS as SKINNY_ROWS
+    from .skinny_gemm import skinny_gemm_triton
+
     elem = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(11)
     weights = {nm: [torch.randn(*shapes[nm], generator=g, device=device, dtype=dtype)
@@ -254,7 +259,18 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
         flops = sum(2 * m * shapes[nm][0] * shapes[nm][1] for nm, _ in order)
         out[f"m{m}"] = {"ms": round(ms, 4), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
                         "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
-        print("cublas decode set", m, out[f"m{m}"], flush=True)
+        if m <= SKINNY_ROWS:
+            try:
+                skinny = [lambda nm=nm, i=i, xs=xs: skinny_gemm_triton(xs[shapes[nm][1]], weights[nm][i])
+                          for nm, i in order]
+                sms = _time_graph(skinny, replays)
+                errs = [_rel_err(skinny_gemm_triton(xs[shapes[nm][1]], weights[nm][0]),
+                                 F.linear(xs[shapes[nm][1]], weights[nm][0])) for nm in shapes]
+                out[f"m{m}"].update(skinny_ms=round(sms, 4), skinny_gbps=round(nbytes / (sms * 1e-3) / 1e9, 1),
+                                    skinny_max_rel_err=max(errs))
+            except Exception as exc:  # a compile or launch failure: record it, go on with cuBLAS
+                out[f"m{m}"]["skinny_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print("decode set by rows", m, out[f"m{m}"], flush=True)
     weights.clear()
     torch.cuda.empty_cache()
     return out

@@ -1,0 +1,90 @@
+"""Phase 5 skinny GEMM (tensor cores, a few to 64 rows): against F.linear in float64.
+
+Interpreted on the CPU (fp32, fp16), compiled on the GPU with bf16 too: ragged row counts around
+the padded MMA width, N and K off the tile sizes, explicit and automatic K splits, a bias, and
+argument errors. The AOT check compiles the Qwen3-8B decode shapes for sm_90.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metainfer.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_gemm_triton, skinny_split_k
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES
+from tests.test_phase01_kernels import run_aot_check
+
+triton = pytest.importorskip("triton")
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(m, n, k, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x.to(DEVICE), w.to(DEVICE), None if b is None else b.to(DEVICE)
+
+
+def _check(y, x, w, b, dtype):
+    ref = F.linear(x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu())
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = (y.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+CASES = [  # (m, n, k, config)
+    (3, 100, 96, SkinnyConfig(block_n=32, block_k=32, split_k=1)),   # N and K off the tiles
+    (5, 256, 512, SkinnyConfig(block_n=64, block_k=64, split_k=3)),  # an explicit ragged K split
+    (16, 130, 1000, SkinnyConfig(block_n=64, block_k=128)),          # the automatic split
+    (33, 64, 256, SkinnyConfig(block_n=32, block_k=64, split_k=2)),  # rows past one MMA width of 32
+    (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),
+    (1, 48, 64, SkinnyConfig(block_n=16, block_k=16, split_k=1)),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}-n{c[1]}-k{c[2]}-split{c[3].split_k}")
+def test_skinny_gemm_matches_linear(case, dtype, bias):
+    m, n, k, cfg = case
+    x, w, b = _inputs(m, n, k, dtype, bias)
+    _check(skinny_gemm_triton(x, w, b, config=cfg), x, w, b, dtype)
+
+
+def test_skinny_gemm_strided_rows():
+    """x and weight as row slices of larger tensors (row strides != K)."""
+    x, w, _ = _inputs(7, 80, 300, torch.float32, False)
+    xs = torch.zeros(7, 400, device=DEVICE)
+    xs[:, :300] = x
+    ws = torch.zeros(80, 320, device=DEVICE)
+    ws[:, :300] = w
+    cfg = SkinnyConfig(block_n=32, block_k=64, split_k=2)
+    _check(skinny_gemm_triton(xs[:, :300], ws[:, :300], config=cfg), x, w, None, torch.float32)
+
+
+def test_skinny_split_k_is_shape_only():
+    assert skinny_split_k(4096, 4096) == 5  # 64 programs at BLOCK_N 64: 5 splits reach the 264-program target
+    assert skinny_split_k(151936, 4096) == 1  # 2,374 programs fill the GPU
+    assert skinny_split_k(4096, 12288, SkinnyConfig(split_k=3)) == 3
+    assert skinny_split_k(64, 256) == 1  # at least 4 K-steps a split
+
+
+def test_skinny_gemm_rejects_bad_inputs():
+    x, w, _ = _inputs(4, 32, 64, torch.float32, False)
+    with pytest.raises(ValueError, match="skinny_gemm"):
+        skinny_gemm_triton(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), w)
+    with pytest.raises(ValueError, match="skinny_gemm"):
+        skinny_gemm_triton(x[:, :32], w)
+    with pytest.raises(ValueError, match="skinny_gemm"):
+        skinny_gemm_triton(x.half(), w)
+    with pytest.raises(ValueError, match="split_k"):
+        SkinnyConfig(split_k=-1)
+    with pytest.raises(ValueError, match="block_n"):
+        SkinnyConfig(block_n=48)
+
+
+def test_aot_compile_sm90_skinny_gemm():
+    run_aot_check(["skinny_gemm"])
