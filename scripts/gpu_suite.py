@@ -421,8 +421,14 @@ def latency(args):
     torch.cuda.empty_cache()
     llm = _bench_llm(folder, METAINFER_FUSED_DECODE_PREP="1")  # q/k prep inside the decode attention launch
     variants["fused_decode_prep"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _bench_llm(folder, METAINFER_SKINNY_GEMM="1")  # 3-64-row GEMMs on the tensor-core skinny GEMM
+    bs8_skinny = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
            "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_torch_sampler": bs8_torch_sampler,
+           "bs8_skinny_gemm": bs8_skinny,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
@@ -470,6 +476,14 @@ def throughput(args):
     res["fused_decode_prep"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
     res["fused_decode_prep"]["decode_seconds"] = other["timeline"]["decode_seconds"]
     print("fused decode prep", json.dumps(res["fused_decode_prep"]), flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _bench_llm(folder, METAINFER_SKINNY_GEMM="1")  # 3-64-row GEMMs on the tensor-core skinny GEMM
+    other = run_throughput(llm, progress=False)
+    res["skinny_gemm"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+    res["skinny_gemm"]["decode_seconds"] = other["timeline"]["decode_seconds"]
+    print("skinny gemm", json.dumps(res["skinny_gemm"]), flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -751,7 +765,7 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("torch_sampler", "fused_decode_prep", "unfused_decode_prep", "fused_sampler"):
+    for name in ("torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
         if name in tp and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")
@@ -771,6 +785,9 @@ def table() -> str:
         if "returncode" in r.get(name, {}):
             summary = "; ".join(r[name].get("summary", []))[-90:]
             lines.append(f"| {name}: pytest on the GPU | rc {r[name]['returncode']}: {summary} | | |")
+    if "bs8" in lat and "bs8_skinny_gemm" in lat:
+        lines.append(f"| bs8 decode tok/s: cuBLAS / skinny GEMM | {lat['bs8']['decode_tok_s']:.0f} / "
+                     f"{lat['bs8_skinny_gemm']['decode_tok_s']:.0f} | | |")
     if "bs8" in lat and "eager_bs8" in base:
         ours, theirs = lat["bs8"]["decode_tok_s"], base["eager_bs8"]["decode_tok_s"]
         lines.append(f"| bs8 decode tok/s vs HF eager | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")

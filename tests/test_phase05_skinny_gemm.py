@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metainfer.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_gemm_triton, skinny_split_k
+from metainfer.kernels import select_ops
+from metainfer.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, linear_with_skinny, skinny_gemm_triton, skinny_split_k
 from tests.kernel_devices import DEVICE, KERNEL_DTYPES
 from tests.test_phase01_kernels import run_aot_check
 
@@ -88,3 +89,29 @@ def test_skinny_gemm_rejects_bad_inputs():
 
 def test_aot_compile_sm90_skinny_gemm():
     run_aot_check(["skinny_gemm"])
+
+
+def test_linear_with_skinny_dispatches_by_rows():
+    """3..MAX_ROWS rows go to the skinny GEMM, the rest to the base linear (shape only)."""
+    calls = []
+
+    def base(x, w, b=None):
+        calls.append(x.shape[0])
+        return F.linear(x, w, b)
+
+    w = torch.randn(32, 64, device=DEVICE)
+    for rows, to_base in ((1, True), (2, True), (3, False), (MAX_ROWS, False), (MAX_ROWS + 1, True)):
+        calls.clear()
+        x = torch.randn(rows, 64, device=DEVICE)
+        y = linear_with_skinny(x, w, base=base, pdl=False)
+        assert calls == ([rows] if to_base else []), rows
+        _check(y, x, w, None, torch.float32)
+
+
+def test_select_ops_skinny_switch():
+    plain = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200")
+    skinny = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=True)
+    base = skinny.linear.keywords["base"]
+    assert skinny.linear.func is linear_with_skinny
+    assert base.func is plain.linear.func and base.keywords == plain.linear.keywords
+    assert skinny.silu_mul_linear.keywords["unfused"].keywords["linear"] is skinny.linear  # M > 2 falls back to it

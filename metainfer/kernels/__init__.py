@@ -40,6 +40,7 @@ from .kv_cache import store_kv_ref, store_kv_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
+from .skinny_gemm import linear_with_skinny
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
-               fuse_activation: bool = True, fuse_decode_prep: bool = False) -> KernelOps:
+               fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = False) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
@@ -131,7 +132,8 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     capability >= 9: check with `pdl_supported`). `fuse_decode_prep` runs a decode step's q/k norm,
     rotary and K/V store inside the decode attention launch; off by default, the two kernels
     composed (run 18 on the H200: fused 231.5 against 239.4 tok/s at bs1, the 256-row attention
-    6.47 against 5.75 ms). Selection makes no CUDA call."""
+    6.47 against 5.75 ms). `skinny_gemm` sends 3-64-row GEMMs to the tensor-core skinny GEMM
+    (kernels/skinny_gemm.py; off until the GPU suite has measured it). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -150,6 +152,8 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
             paged_decode_attention_qkv_composed, prep=ops.qk_norm_rope_store, decode=ops.paged_decode_attention))
     linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
     table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
+    if skinny_gemm:
+        linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl)
     return with_linear(ops, linear, table, fuse_norm, fuse_activation)
 
 

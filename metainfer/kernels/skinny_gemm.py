@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .gemv import _REDUCE_BLOCK, _splitk_reduce_kernel
+from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel
 
 MAX_ROWS = 64
 # Programs a launch aims for when its config leaves split_k to the shape (split_k=0): two per SM
@@ -141,4 +141,13 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return y
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "SkinnyConfig", "skinny_gemm_triton", "skinny_split_k"]
+def linear_with_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, base, pdl: bool,
+                       min_rows: int = ENGINE_MAX_ROWS + 1) -> torch.Tensor:
+    """The engine's linear with the skinny GEMM for min_rows..MAX_ROWS rows (by shape: under a CUDA
+    graph the choice is made once per bucket) and `base` (the tuned GEMV / cuBLAS linear) otherwise."""
+    if x.dim() == 2 and min_rows <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+        return skinny_gemm_triton(x, weight, bias, pdl=pdl)
+    return base(x, weight, bias)
+
+
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "SkinnyConfig", "linear_with_skinny", "skinny_gemm_triton", "skinny_split_k"]
