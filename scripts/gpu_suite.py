@@ -463,30 +463,18 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="0")  # the same protocol, the torch sampler
-    other = run_throughput(llm, progress=False)
-    res["torch_sampler"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-    res["torch_sampler"]["decode_seconds"] = other["timeline"]["decode_seconds"]
-    print("torch sampler", json.dumps(res["torch_sampler"]), flush=True)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_DECODE_PREP="1")  # q/k prep inside the decode attention launch
-    other = run_throughput(llm, progress=False)
-    res["fused_decode_prep"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-    res["fused_decode_prep"]["decode_seconds"] = other["timeline"]["decode_seconds"]
-    print("fused decode prep", json.dumps(res["fused_decode_prep"]), flush=True)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_SKINNY_GEMM="1")  # 3-64-row GEMMs on the tensor-core skinny GEMM
-    other = run_throughput(llm, progress=False)
-    res["skinny_gemm"] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-    res["skinny_gemm"]["decode_seconds"] = other["timeline"]["decode_seconds"]
-    print("skinny gemm", json.dumps(res["skinny_gemm"]), flush=True)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    variants = {"torch_sampler": {"METAINFER_FUSED_SAMPLER": "0"},  # the same protocol, the torch sampler
+                "fused_decode_prep": {"METAINFER_FUSED_DECODE_PREP": "1"},  # q/k prep inside decode attention
+                "skinny_gemm": {"METAINFER_SKINNY_GEMM": "1"}}  # 3-64-row GEMMs on the skinny GEMM
+    for name, switches in variants.items():
+        llm = _bench_llm(folder, **switches)
+        other = run_throughput(llm, progress=False)
+        res[name] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+        res[name]["decode_seconds"] = other["timeline"]["decode_seconds"]
+        print(name, json.dumps(res[name]), flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     return res
 
 

@@ -47,6 +47,17 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def check_launch_fields(config, bounds: dict) -> None:
+    """ValueError naming the field of a launch config (a dataclass) whose value is not an int in
+    [lo, hi] (a power of two where asked): bounds = {field: (lo, hi, power_of_two)}."""
+    for name, (lo, hi, pow2) in bounds.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
+                or (pow2 and value & (value - 1)):
+            kind = "a power of two" if pow2 else "an integer"
+            raise ValueError(f"{type(config).__name__}.{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+
+
 def pdl_args(pdl: bool) -> dict:
     """Launch keywords of a kernel with a `USE_PDL` constexpr (see pdl_enter)."""
     return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import cdiv, check_launch_fields, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 
 MAX_ROWS = 4
 _REDUCE_BLOCK = 1024
@@ -53,18 +53,8 @@ class GemvConfig:
     split_k: int = 1
 
     def __post_init__(self):
-        checks = {
-            "block_n": (self.block_n, 1, 128, True),
-            "block_k": (self.block_k, 16, 8192, True),
-            "num_warps": (self.num_warps, 1, 16, True),
-            "num_stages": (self.num_stages, 1, 8, False),
-            "split_k": (self.split_k, 1, 64, False),
-        }
-        for name, (value, lo, hi, pow2) in checks.items():
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
-                    or (pow2 and value & (value - 1)):
-                kind = "a power of two" if pow2 else "an integer"
-                raise ValueError(f"GemvConfig.{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+        check_launch_fields(self, {"block_n": (1, 128, True), "block_k": (16, 8192, True), "num_warps": (1, 16, True),
+                                   "num_stages": (1, 8, False), "split_k": (1, 64, False)})
 
     def to_dict(self) -> dict:
         return asdict(self)

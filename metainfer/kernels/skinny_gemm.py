@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import cdiv, check_launch_fields, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel
 
 MAX_ROWS = 64
@@ -44,15 +44,8 @@ class SkinnyConfig:
     split_k: int = 0
 
     def __post_init__(self):
-        for name, value, lo, hi, pow2 in (("block_n", self.block_n, 16, 256, True),
-                                          ("block_k", self.block_k, 16, 1024, True),
-                                          ("num_warps", self.num_warps, 1, 16, True),
-                                          ("num_stages", self.num_stages, 1, 8, False),
-                                          ("split_k", self.split_k, 0, 64, False)):
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
-                    or (pow2 and value & (value - 1)):
-                kind = "a power of two" if pow2 else "an integer"
-                raise ValueError(f"SkinnyConfig.{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+        check_launch_fields(self, {"block_n": (16, 256, True), "block_k": (16, 1024, True), "num_warps": (1, 16, True),
+                                   "num_stages": (1, 8, False), "split_k": (0, 64, False)})
 
 
 DEFAULT_CONFIG = SkinnyConfig()
