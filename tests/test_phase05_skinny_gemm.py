@@ -39,7 +39,8 @@ def _check(y, x, w, b, dtype):
 CASES = [  # (m, n, k, config)
     (3, 100, 96, SkinnyConfig(block_n=32, block_k=32, split_k=1)),   # N and K off the tiles
     (5, 256, 512, SkinnyConfig(block_n=64, block_k=64, split_k=3)),  # an explicit ragged K split
-    (16, 130, 1000, SkinnyConfig(block_n=64, block_k=128)),          # the automatic split
+    (16, 130, 1000, SkinnyConfig(block_n=64, block_k=128)),          # automatic: too few K-steps to split
+    (20, 64, 4096, SkinnyConfig()),                                  # the automatic split (8), BLOCK_M 32
     (33, 64, 256, SkinnyConfig(block_n=32, block_k=64, split_k=2)),  # rows past one MMA width of 32
     (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),
     (1, 48, 64, SkinnyConfig(block_n=16, block_k=16, split_k=1)),

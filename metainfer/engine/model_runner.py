@@ -255,12 +255,13 @@ class ModelRunner:
     def record_sampled(self, token_ids: torch.Tensor) -> None:
         self.sampled_ids[: token_ids.shape[0]].copy_(token_ids)
 
-    def _pack(self, batch: ScheduledBatch, num_rows: int, view: np.ndarray, width: int | None = None) -> StepLayout:
+    def _pack(self, batch: ScheduledBatch, num_rows: int, view: np.ndarray, graph: bool = False) -> StepLayout:
         """Fill a host buffer with the batch's fields; decode batches are padded to
-        `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing) and
-        their block tables to `width` columns (default: the longest table)."""
+        `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing). With
+        `graph` the layout is the bucket's captured one (_graph_layout: tables at full width),
+        else tables are as wide as the longest one."""
         seqs, bs = batch.seqs, self.block_size
-        width = width or max(len(s.block_table) for s in seqs)
+        width = self.max_blocks_per_seq if graph else max(len(s.block_table) for s in seqs)
         sampling_rows: list[int] = []
         if batch.is_prefill:
             ids, pos, cu, ctx, src = [], [], [0], [], []
@@ -297,7 +298,7 @@ class ModelRunner:
             num_tokens = num_seqs = num_rows
             cu = range(num_rows + 1)
             sampling_rows = list(range(len(seqs)))
-        layout = StepLayout(num_tokens, num_seqs, width, len(sampling_rows))
+        layout = self._graph_layout(num_rows) if graph else StepLayout(num_tokens, num_seqs, width, len(sampling_rows))
         o = layout.offsets
         view[o["ids"]:o["ids"] + num_tokens] = ids
         view[o["positions"]:o["positions"] + num_tokens] = positions
@@ -345,7 +346,7 @@ class ModelRunner:
         if not batch.is_prefill and num_seqs <= self.max_graph_batch:
             bucket = self._bucket_of[num_seqs]
             host = self.staging.next_host_buffer()
-            layout = self._pack(batch, bucket, host, width=self.max_blocks_per_seq)
+            layout = self._pack(batch, bucket, host, graph=True)
             self.staging.upload(layout.size)  # the captured graph reads its inputs there
             self.graphs[bucket].replay()
             return self.model.compute_logits(self.static_hidden[:num_seqs])
@@ -387,11 +388,15 @@ class ModelRunner:
     def _idle_step_inputs(self, bs: int) -> dict[str, torch.Tensor]:
         """The staging device buffer's views for a `bs`-row decode step, filled with rows that
         store and attend to nothing (ids 0, slot -1, context 0, tables -1)."""
-        views = StepLayout(bs, bs, self.max_blocks_per_seq, bs).views(self.staging.device_buffer)
+        views = self._graph_layout(bs).views(self.staging.device_buffer)
         for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1), ("context_lens", 0),
                             ("tables", -1)):
             views[name].fill_(value)
         return views
+
+    def _graph_layout(self, bs: int) -> StepLayout:
+        """The one layout a `bs`-row graph step is captured with and packed at (fixed offsets)."""
+        return StepLayout(bs, bs, self.max_blocks_per_seq, bs)
 
     def _graph_forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
         self.static_hidden[:bs] = self.model(self._input_ids(views), views["positions"].long())

@@ -3,8 +3,9 @@
 Why: between the Triton GEMV (M <= 2) and the compute-bound batches, every decode step streams all
 weights once, yet cuBLAS ran the Qwen3-8B decode set at 4.26-4.40 ms for M = 4..64 on the H200
 against 3.745 ms for the GEMV at M = 1 (docs/PERFORMANCE.md, run 17, `gemm_rows`): ~0.5-0.9 ms a
-step above the weight-streaming floor. Not wired into the engine until the GPU suite has measured it
-(`gemm_rows` times it next to cuBLAS).
+step above the weight-streaming floor. The engine takes it only under METAINFER_SKINNY_GEMM=1
+(`select_ops(skinny_gemm=True)`) until the GPU suite has measured it (`gemm_rows` times it next to
+cuBLAS).
 
 Contract: `skinny_gemm_triton(x[M, K], weight[N, K], bias[N] or None, config=None, *, pdl=False)
 -> y[M, N]` in x's dtype, unit last strides, any M >= 1 (M <= MAX_ROWS: the padded batch is one
@@ -61,7 +62,7 @@ def skinny_split_k(n: int, k: int, config: SkinnyConfig = DEFAULT_CONFIG) -> int
     return max(1, min(wanted, k // (4 * config.block_k)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for every row count of a BLOCK_M (no M % 16 variants)
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split,
                         stride_xm, stride_wn, stride_om, stride_os,
                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -138,7 +139,8 @@ def linear_with_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        min_rows: int = ENGINE_MAX_ROWS + 1) -> torch.Tensor:
     """The engine's linear with the skinny GEMM for min_rows..MAX_ROWS rows (by shape: under a CUDA
     graph the choice is made once per bucket) and `base` (the tuned GEMV / cuBLAS linear) otherwise."""
-    if x.dim() == 2 and min_rows <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1:
+    if (x.dim() == 2 and min_rows <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.dtype == weight.dtype and (bias is None or bias.stride(0) == 1)):
         return skinny_gemm_triton(x, weight, bias, pdl=pdl)
     return base(x, weight, bias)
 
