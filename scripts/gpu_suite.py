@@ -15,6 +15,9 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   allreduce  issue 6 on one GPU: the custom all-reduce's tests with two processes on GPU 0
   gpu_tests  the kernel test files compiled on the GPU (METAINFER_TEST_GPU=1)
   sampler    the torch sampler against the one-pass Gumbel-max kernel (the default on CUDA)
+  gemm_rows  the decode set through cuBLAS at 1-256 rows, the untuned skinny GEMM beside it
+  skinny_sweep  skinny GEMM configs per (shape, row bucket); the decode set with the winners
+  ab         session 7's A/B in one engine: GEMV first-tile preload (bs1), skinny GEMM tables (4-32 rows)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -437,6 +440,71 @@ def latency(args):
     return res
 
 
+@section("skinny_sweep")
+def skinny_sweep(args):
+    """The skinny GEMM's configs per (decode shape, row bucket) against cuBLAS, then the decode set at
+    8-64 rows with the winning table (kernels/skinny_bench.py); the `ab` section runs that table."""
+    from metainfer.kernels.skinny_bench import sweep
+
+    res = sweep()
+    print(json.dumps({"table": res["table"], "decode_set": res["decode_set"]}, indent=1))
+    return res
+
+
+@section("ab")
+def ab(args):
+    """Session 7's A/B in one engine: every variant's ops bound to the model and the graphs re-captured,
+    then bs1 (default measured first and last: the run's own noise) and batches of 4-32 rows.
+    Variants: the GEMV's first weight tile before the PDL wait (GemvConfig.preload) on the GEMVs that
+    follow a non-GEMV kernel (qkv, o_proj, gate_up, LM head) and on all five; the skinny GEMM with this
+    run's swept table (skinny_sweep) and untuned (run 20's A/B)."""
+    from dataclasses import replace
+
+    from metainfer.bench.latency import run_latency
+    from metainfer.kernels import select_ops
+    from metainfer.kernels.gemv import TUNED_CONFIGS, GemvConfig
+    from metainfer.layers.linear import bind_kernel_linears
+
+    folder = model_dir(args)
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    runner = llm.llm_engine.runner
+    gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
+    shipped = TUNED_CONFIGS[gpu]
+    after_others = {"6144x4096", "4096x4096", "24576x4096", "151936x4096"}
+
+    def preload(keys):
+        return {key: replace(GemvConfig.from_any(cfg), preload=key in keys).to_dict() for key, cfg in shipped.items()}
+
+    def measure(ops, batches, iters):
+        bind_kernel_linears(runner.model, ops)
+        runner._capture_cudagraphs()
+        return {f"bs{b}": run_latency(llm, batch_size=b, input_len=32, output_len=128, iters=iters) for b in batches}
+
+    res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes}
+    bs1_variants = [("default", runner.ops),
+                    ("gemv_preload_after_others", select_ops(dev, gpu_name=gpu, pdl=pdl,
+                                                             gemv_table=preload(after_others))),
+                    ("gemv_preload_all", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set(shipped)))),
+                    ("default_again", runner.ops)]
+    for name, ops in bs1_variants:
+        res["bs1"][name] = measure(ops, (1,), 3)["bs1"]
+        print("ab bs1", name, round(res["bs1"][name]["decode_tok_s"], 1), flush=True)
+    swept = RESULTS.get("skinny_sweep", {}).get("table")
+    rows_variants = [("default", runner.ops),
+                     ("skinny_untuned", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=True, skinny_table=None))]
+    if swept:
+        rows_variants.append(("skinny_tuned", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=True,
+                                                         skinny_table=swept)))
+    for name, ops in rows_variants:
+        res["rows"][name] = measure(ops, (4, 8, 16, 32), 2)
+        print("ab rows", name, {b: round(r["decode_tok_s"], 1) for b, r in res["rows"][name].items()}, flush=True)
+    bind_kernel_linears(runner.model, runner.ops)
+    runner = llm = bs1_variants = rows_variants = None  # the modules must go with the LLM (see latency)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
 def _bench_llm(folder: str, **switches: str):
     """The suite's bf16 dummy-weight engine (max_model_len 4,096), built with A/B environment switches
     (read once at engine build) set for the construction only."""
@@ -813,6 +881,17 @@ def table() -> str:
     if gr and "error" not in gr:
         ok = all(v["equal_to_eager"] for k, v in gr.items() if k != "exercised") and all(gr["exercised"].values())
         lines.append(f"| graph == eager greedy (+prefix, +preempt) | {'yes' if ok else 'NO'} | | |")
+    sw = r.get("skinny_sweep", {})
+    for key, d in sw.get("decode_set", {}).items():
+        lines.append(f"| decode set at {key[1:]} rows: cuBLAS / tuned skinny GEMM (ms) | {d['cublas_ms']:.3f} / "
+                     f"{d['skinny_tuned_ms']:.3f} | | {d['ratio_cublas_over_skinny']:.3f} |")
+    abr = r.get("ab", {})
+    for name, v in abr.get("bs1", {}).items():
+        lines.append(f"| ab bs1 tok/s, {name} | {v['decode_tok_s']:.1f} | | |")
+    for name, per in abr.get("rows", {}).items():
+        lines.append(f"| ab tok/s at bs 4 / 8 / 16 / 32, {name} | "
+                     + " / ".join(f"{per[b]['decode_tok_s']:.0f}" for b in ("bs4", "bs8", "bs16", "bs32") if b in per)
+                     + " | | |")
     for name, v in r.items():
         if isinstance(v, dict) and "error" in v:
             lines.append(f"| {name} | ERROR {v['error'][:60]} | | |")

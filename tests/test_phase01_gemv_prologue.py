@@ -92,6 +92,42 @@ def test_silu_mul_gemv_matches_unfused(dtype, m, case):
     torch.testing.assert_close(y.float(), _linear(silu_and_mul_ref(gate_up), w, b).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("prologue", ["none", "add_rms_norm", "silu_mul"])
+def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue):
+    """GemvConfig.preload peels the first K-step (its weight tile loaded before the PDL wait): the same
+    products summed in the same order, so every output bit (and residual_out's) equals the plain
+    kernel's, with and without PDL, a K split, ragged N / K, and a single K-step (the loop empty after
+    the peel: case 3's one 256-column tile)."""
+    from dataclasses import replace
+
+    from metainfer.kernels import pdl_supported
+    from metainfer.kernels.gemv import gemv_triton
+
+    cfg, n, k = CASES[case]
+    pre = replace(cfg, preload=True)
+    x_cols = 2 * k if prologue == "silu_mul" else None
+    x, res, nw, w, b = _data(m, n, k, dtype, seed=case * 11 + m, x_cols=x_cols, bias=case != 1)
+    for pdl in sorted({False, pdl_supported(DEVICE)}):
+        def run(c, pdl=pdl):
+            if prologue == "none":
+                return (gemv_triton(x, w, b, config=c, pdl=pdl),)
+            if prologue == "silu_mul":
+                return (silu_mul_gemv_triton(x, w, b, config=c, pdl=pdl),)
+            return rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=c, pdl=pdl)
+
+        plain, preloaded = run(cfg), run(pre)
+        for a, c in zip(plain, preloaded, strict=True):
+            assert torch.equal(a, c), f"pdl={pdl}"
+
+
+def test_preload_must_be_a_bool():
+    with pytest.raises(ValueError, match="preload"):
+        GemvConfig(preload=1)
+
+
 def test_prologue_argument_errors():
     x, res, nw, w, _ = _data(1, 8, 64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="norm_weight"):

@@ -116,3 +116,69 @@ def test_select_ops_skinny_switch():
     assert skinny.linear.func is linear_with_skinny
     assert base.func is plain.linear.func and base.keywords == plain.linear.keywords
     assert skinny.silu_mul_linear.keywords["unfused"].keywords["linear"] is skinny.linear  # M > 2 falls back to it
+
+
+def test_linear_with_skinny_takes_only_the_tables_entries():
+    """A tuned table sends only its (shape, row bucket) entries to the skinny GEMM, with their configs."""
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
+
+    calls = []
+
+    def base(x, w, b=None):
+        calls.append((x.shape[0], w.shape[0]))
+        return F.linear(x, w, b)
+
+    table = parse_skinny_table({"32x64/m16": {"block_n": 16, "block_k": 32, "split_k": 2},
+                                "48x64/m32": SkinnyConfig(block_n=16, block_k=16)})
+    w32, w48 = torch.randn(32, 64, device=DEVICE), torch.randn(48, 64, device=DEVICE)
+    for rows, w, to_base in ((5, w32, False), (16, w32, False), (17, w32, True), (20, w48, False), (8, w48, True)):
+        calls.clear()
+        x = torch.randn(rows, 64, device=DEVICE)
+        y = linear_with_skinny(x, w, base=base, pdl=False, table=table)
+        assert calls == ([(rows, w.shape[0])] if to_base else []), (rows, w.shape)
+        _check(y, x, w, None, torch.float32)
+
+
+@pytest.mark.parametrize("table", [{"32x64": {}}, {"32x64/m8": {}}, {"0x64/m16": {}}, {"32x64/m16": {"bogus": 1}},
+                                   {"32x64/m16": {"block_n": 3}}, {"32x64/m16": "64x128"}, [("32x64/m16", {})]])
+def test_bad_skinny_tables_raise(table):
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
+
+    with pytest.raises(ValueError):
+        parse_skinny_table(table)
+
+
+def test_select_ops_binds_a_skinny_table():
+    table = {"32x64/m16": {"block_n": 16, "block_k": 32}}
+    ops = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=True, skinny_table=table)
+    assert ops.linear.keywords["table"] == {(32, 64, 16): SkinnyConfig(block_n=16, block_k=32)}
+    untuned = select_ops("cpu", use_triton=True, gpu_name="some GPU", skinny_gemm=True)
+    assert untuned.linear.keywords["table"] is None  # no table: every shape on DEFAULT_CONFIG (the A/B)
+
+
+def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
+    """skinny_bench.sweep's bookkeeping (verify, per-bucket pick, only where it beats cuBLAS, decode
+    set) with the GPU timing stubbed out: each timed call still runs once through the interpreter."""
+    import json
+
+    import metainfer.kernels.skinny_bench as sb
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
+
+    ticks = iter(range(10_000, 0, -1))  # later measurements look faster: cuBLAS loses, the last config wins
+
+    def fake_time_graph(calls, replays):
+        for call in calls:
+            call()
+        return float(next(ticks))
+
+    monkeypatch.setattr(sb, "_time_graph", fake_time_graph)
+    monkeypatch.setattr("metainfer.kernels.gemv_bench._time_graph", fake_time_graph)
+    monkeypatch.setattr(sb, "_env", lambda device: {"gpu": "cpu"})
+    configs = (SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(block_n=32, block_k=16, split_k=2))
+    shapes = {"a": (40, 64), "b": (24, 96)}
+    res = sb.sweep(device="cpu", shapes=shapes, rows=(8, 16, 20), configs=configs, dtype=torch.float32)
+    json.dumps(res)
+    assert set(res["shapes"]) == {f"{nm}/m{m}" for nm in shapes for m in (8, 16, 20)}
+    assert all(r["ok"] for s in res["shapes"].values() for r in s["configs"])
+    assert parse_skinny_table(res["table"]) == {(n, k, b): configs[-1] for n, k in shapes.values() for b in (16, 32)}
+    assert set(res["decode_set"]) == {"m8", "m16", "m20"}

@@ -40,7 +40,8 @@ from .kv_cache import store_kv_ref, store_kv_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
-from .skinny_gemm import linear_with_skinny
+from .skinny_gemm import TUNED_CONFIGS as SKINNY_TUNED_CONFIGS
+from .skinny_gemm import linear_with_skinny, parse_skinny_table
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
-               fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = False) -> KernelOps:
+               fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = False,
+               skinny_table: Mapping | None = None) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
@@ -133,7 +135,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     rotary and K/V store inside the decode attention launch; off by default, the two kernels
     composed (run 18 on the H200: fused 231.5 against 239.4 tok/s at bs1, the 256-row attention
     6.47 against 5.75 ms). `skinny_gemm` sends 3-64-row GEMMs to the tensor-core skinny GEMM
-    (kernels/skinny_gemm.py; off until the GPU suite has measured it). Selection makes no CUDA call."""
+    (kernels/skinny_gemm.py): with `skinny_table` ("NxK/mB" -> config, a sweep's) or the GPU's tuned
+    table only the (shape, row bucket) entries it lists, without either every shape on the untuned
+    DEFAULT_CONFIG (the A/B of run 20). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -153,7 +157,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
     table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
     if skinny_gemm:
-        linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl)
+        tuned = skinny_table if skinny_table is not None else SKINNY_TUNED_CONFIGS.get(gpu_name or "")
+        linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl,
+                                   table=None if tuned is None else parse_skinny_table(tuned))
     return with_linear(ops, linear, table, fuse_norm, fuse_activation)
 
 

@@ -123,9 +123,10 @@ def _cases(op: str):
         # the Qwen3-8B decode shapes' configs (H200 table) at M = 1 and 2, a ragged K split, a bias
         for m, n, k, cfg in ((1, 4096, 4096, gemv.GemvConfig(block_n=16, block_k=1024, num_warps=8)),
                              (2, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)),
-                             (1, 1000, 3000, gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2))):
+                             (1, 1000, 3000, gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2)),
+                             (1, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4, preload=True))):
             x, w, b = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), torch.zeros(n, dtype=bf16)
-            cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k}",
+            cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k} preload={cfg.preload}",
                           lambda pdl, x=x, w=w, b=b, cfg=cfg: gemv.gemv_triton(x, w, b, config=cfg, pdl=pdl)))
         # the folded prologues at the H200 table's qkv / gate_up / down configs
         hidden, inter = 4096, 12288

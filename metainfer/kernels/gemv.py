@@ -51,10 +51,13 @@ class GemvConfig:
     num_warps: int = 8
     num_stages: int = 1
     split_k: int = 1
+    preload: bool = False  # the first weight tile loaded before the PDL wait (see _gemv_kernel)
 
     def __post_init__(self):
         check_launch_fields(self, {"block_n": (1, 128, True), "block_k": (16, 8192, True), "num_warps": (1, 16, True),
                                    "num_stages": (1, 8, False), "split_k": (1, 64, False)})
+        if not isinstance(self.preload, bool):
+            raise ValueError(f"GemvConfig.preload must be a bool, got {self.preload!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +167,7 @@ class GemvPlan:
     even_k: bool
     x_2d: bool            # load x with w's 2-D layout (see _fma_row)
     grid: tuple[int, int]
+    preload: bool = False
 
 
 def gemv_plan(m: int, n: int, k: int, config: GemvConfig | None = None, elem_bytes: int = 2) -> GemvPlan:
@@ -180,7 +184,8 @@ def gemv_plan(m: int, n: int, k: int, config: GemvConfig | None = None, elem_byt
     x_2d = block_k < (16 // elem_bytes) * 32 * cfg.num_warps
     return GemvPlan(rows=m, block_n=cfg.block_n, block_k=block_k, num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages, split_k=split_k, k_per_split=k_per_split,
-                    even_n=n % cfg.block_n == 0, even_k=even_k, x_2d=x_2d, grid=(cdiv(n, cfg.block_n), split_k))
+                    even_n=n % cfg.block_n == 0, even_k=even_k, x_2d=x_2d, grid=(cdiv(n, cfg.block_n), split_k),
+                    preload=cfg.preload)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,19 +288,55 @@ def _store_row(y, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS:
 
 
 @triton.jit
+def _gemv_k_step(w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
+                 store_mask, stride_xm, stride_rm, stride_rom,
+                 ROWS: tl.constexpr, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """One K-step of every row of x against the weight tile w (one body for the loop and the
+    peeled first step of PRELOAD)."""
+    acc0, sq0 = _fma_row(acc0, sq0, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
+                         PROLOGUE, EVEN_K, X_2D)
+    if ROWS > 1:
+        acc1, sq1 = _fma_row(acc1, sq1, w, x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, nw_ptr,
+                             koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
+    if ROWS > 2:
+        acc2, sq2 = _fma_row(acc2, sq2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm,
+                             ro_ptr + 2 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
+                             PROLOGUE, EVEN_K, X_2D)
+    if ROWS > 3:
+        acc3, sq3 = _fma_row(acc3, sq3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm,
+                             ro_ptr + 3 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
+                             PROLOGUE, EVEN_K, X_2D)
+    return acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3
+
+
+@triton.jit
+def _step_masks(k_begin, k0, offs_k, K, first_row, writer, X_2D: tl.constexpr):
+    """(col_mask, store_mask) of the K-step at k0: the columns inside K, and the residual_out store
+    (program 0's first row only)."""
+    col_mask = (k_begin + k0 + offs_k) < K
+    if X_2D:
+        store_mask = first_row & col_mask[None, :] & writer
+    else:
+        store_mask = col_mask & writer
+    return col_mask, store_mask
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
                  N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, stride_rom,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, PRELOAD: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
     PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads. The norm prologues (SPLIT_K 1)
     add no pass over x: a program accumulates each row's sum of squares alongside its dot products
     and scales those by 1/rms at the end; program 0 stores round(x + residual) to residual_out, a
     buffer no program reads. Under PDL the programs' launch and address setup overlap the previous
-    kernel's tail. (Loading the first weight tile before pdl_enter, which the weights would allow,
-    was measured: it changed the loop's code and the tuned table ran 0.10 ms slower over the decode
-    set; docs/PERFORMANCE.md.)"""
+    kernel's tail. PRELOAD loads the first weight tile before pdl_enter (weights are never written)
+    and runs that step peeled off the loop, whose code stays that of the plain kernel (session 3's
+    version changed the loop itself, `if k0 > 0: load`, and the tuned table ran 0.10 ms slower over
+    the decode set; docs/PERFORMANCE.md)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -318,27 +359,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
     sq1 = sq0
     sq2 = sq0
     sq3 = sq0
-    pdl_enter(USE_PDL)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-        col_mask = (k_begin + k0 + offs_k) < K
-        if X_2D:
-            store_mask = first_row & col_mask[None, :] & writer
-        else:
-            store_mask = col_mask & writer
+    if PRELOAD:
+        col_mask, store_mask = _step_masks(k_begin, 0, offs_k, K, first_row, writer, X_2D)
         w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
-        acc0, sq0 = _fma_row(acc0, sq0, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
-                             PROLOGUE, EVEN_K, X_2D)
-        if ROWS > 1:
-            acc1, sq1 = _fma_row(acc1, sq1, w, x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, nw_ptr,
-                                 koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
-        if ROWS > 2:
-            acc2, sq2 = _fma_row(acc2, sq2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm,
-                                 ro_ptr + 2 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
-                                 PROLOGUE, EVEN_K, X_2D)
-        if ROWS > 3:
-            acc3, sq3 = _fma_row(acc3, sq3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm,
-                                 ro_ptr + 3 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
-                                 PROLOGUE, EVEN_K, X_2D)
+        pdl_enter(USE_PDL)
+        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _gemv_k_step(
+            w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
+            store_mask, stride_xm, stride_rm, stride_rom, ROWS, PROLOGUE, EVEN_K, X_2D)
+        w_ptrs += BLOCK_K
+        koffs += BLOCK_K
+        k_first = BLOCK_K
+    else:
+        pdl_enter(USE_PDL)
+        k_first = 0
+    for k0 in range(k_first, K_PER_SPLIT, BLOCK_K):
+        col_mask, store_mask = _step_masks(k_begin, k0, offs_k, K, first_row, writer, X_2D)
+        w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
+        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _gemv_k_step(
+            w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
+            store_mask, stride_xm, stride_rm, stride_rom, ROWS, PROLOGUE, EVEN_K, X_2D)
         w_ptrs += BLOCK_K
         koffs += BLOCK_K
     y_row = y_ptr + pid_k * stride_ys
@@ -403,7 +442,7 @@ def _launch_gemv(x, weight, bias, config, pdl, prologue=PROLOGUE_NONE, residual=
         x, weight, b, out, r, ro, nw, float(eps),
         n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys, r.stride(0), ro.stride(0),
         ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PROLOGUE=prologue,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PROLOGUE=prologue, PRELOAD=plan.preload,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     if plan.split_k > 1:

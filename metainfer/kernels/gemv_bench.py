@@ -233,6 +233,17 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
     return res
 
 
+def decode_set_weights(shapes, counts, generator, device, dtype=torch.bfloat16):
+    """(weights, order): counts[name] distinct random tensors of each shape, and the model's launch
+    order over them (per layer every shape with a count > 1, then the shapes used once)."""
+    weights = {nm: [torch.randn(*shapes[nm], generator=generator, device=device, dtype=dtype)
+                    for _ in range(counts.get(nm, 1))] for nm in shapes}
+    layers = max(counts.values())
+    order = [(nm, i) for i in range(layers) for nm in shapes if i < counts.get(nm, 1) and counts.get(nm, 1) > 1]
+    order += [(nm, 0) for nm in shapes if counts.get(nm, 1) <= 1]
+    return weights, order
+
+
 def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECODE_SHAPES,
                    counts=QWEN3_8B_DECODE_COUNTS, device="cuda", replays: int = 5, dtype=torch.bfloat16) -> dict:
     """The whole decode set through cuBLAS at M rows (one graph of every distinct weight in the model's
@@ -245,11 +256,7 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
 
     elem = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(11)
-    weights = {nm: [torch.randn(*shapes[nm], generator=g, device=device, dtype=dtype)
-                    for _ in range(counts.get(nm, 1))] for nm in shapes}
-    layers = max(counts.values())
-    order = [(nm, i) for i in range(layers) for nm in shapes if i < counts.get(nm, 1) and counts.get(nm, 1) > 1]
-    order += [(nm, 0) for nm in shapes if counts.get(nm, 1) <= 1]
+    weights, order = decode_set_weights(shapes, counts, g, device, dtype)
     out = {"launches": len(order)}
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g, device=device, dtype=dtype) for k in {s[1] for s in shapes.values()}}

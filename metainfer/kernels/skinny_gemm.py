@@ -21,7 +21,8 @@ each of ~132 SMs; the fp32 partials are summed by the GEMV's reduce kernel (dete
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -48,8 +49,53 @@ class SkinnyConfig:
         check_launch_fields(self, {"block_n": (16, 256, True), "block_k": (16, 1024, True), "num_warps": (1, 16, True),
                                    "num_stages": (1, 8, False), "split_k": (0, 64, False)})
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_any(cls, value) -> SkinnyConfig:
+        """A SkinnyConfig, or a dict with its field names (as `to_dict` / the sweep's JSON give it)."""
+        if isinstance(value, SkinnyConfig):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown SkinnyConfig fields {sorted(unknown)}")
+            return cls(**value)
+        raise ValueError(f"a skinny GEMM config must be a SkinnyConfig or a dict, got {type(value).__name__}")
+
 
 DEFAULT_CONFIG = SkinnyConfig()
+
+
+def skinny_block_m(m: int) -> int:
+    """The padded row count a launch compiles for (the MMA's narrow side: at least 16)."""
+    return max(16, next_pow2(m))
+
+
+def skinny_table_key(n: int, k: int, block_m: int) -> str:
+    return f"{n}x{k}/m{block_m}"
+
+
+def parse_skinny_table(table: Mapping) -> dict[tuple[int, int, int], SkinnyConfig]:
+    """A per-(shape, row bucket) table ("NxK/mBLOCK_M" -> config or its dict, as skinny_bench.sweep
+    gives it), validated: bad keys or configs raise ValueError."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"a skinny GEMM table must be a mapping, got {type(table).__name__}")
+    out = {}
+    for key, value in table.items():
+        shape, _, bucket = str(key).partition("/m")
+        dims = shape.split("x")
+        if not (len(dims) == 2 and all(d.isdigit() and int(d) > 0 for d in dims) and bucket.isdigit()
+                and int(bucket) in (16, 32, 64)):
+            raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' with B in 16/32/64, got {key!r}")
+        out[(int(dims[0]), int(dims[1]), int(bucket))] = SkinnyConfig.from_any(value)
+    return out
+
+
+# Per-GPU tables chosen by `skinny_bench.sweep()` (the JSON is in docs/results/): the engine sends a
+# (shape, row bucket) to the skinny GEMM only where its table has it, elsewhere to the base linear.
+TUNED_CONFIGS: dict[str, dict[str, dict]] = {}
 
 
 def skinny_split_k(n: int, k: int, config: SkinnyConfig = DEFAULT_CONFIG) -> int:
@@ -123,7 +169,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     _skinny_gemm_kernel[(cdiv(n, cfg.block_n), split)](
         x, weight, b, out, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=max(16, next_pow2(m)), BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=skinny_block_m(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl),
     )
@@ -136,13 +182,21 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def linear_with_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, base, pdl: bool,
+                       table: Mapping[tuple[int, int, int], SkinnyConfig] | None = None,
                        min_rows: int = ENGINE_MAX_ROWS + 1) -> torch.Tensor:
     """The engine's linear with the skinny GEMM for min_rows..MAX_ROWS rows (by shape: under a CUDA
-    graph the choice is made once per bucket) and `base` (the tuned GEMV / cuBLAS linear) otherwise."""
+    graph the choice is made once per bucket) and `base` (the tuned GEMV / cuBLAS linear) otherwise.
+    `table` ((N, K, BLOCK_M) -> config): only its entries take the skinny GEMM; None: DEFAULT_CONFIG
+    for every shape (the untuned A/B)."""
     if (x.dim() == 2 and min_rows <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
             and x.dtype == weight.dtype and (bias is None or bias.stride(0) == 1)):
-        return skinny_gemm_triton(x, weight, bias, pdl=pdl)
+        if table is None:
+            return skinny_gemm_triton(x, weight, bias, pdl=pdl)
+        config = table.get((weight.shape[0], weight.shape[1], skinny_block_m(x.shape[0])))
+        if config is not None:
+            return skinny_gemm_triton(x, weight, bias, config, pdl=pdl)
     return base(x, weight, bias)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "SkinnyConfig", "linear_with_skinny", "skinny_gemm_triton", "skinny_split_k"]
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "TUNED_CONFIGS", "SkinnyConfig", "linear_with_skinny", "parse_skinny_table",
+           "skinny_block_m", "skinny_gemm_triton", "skinny_split_k", "skinny_table_key"]

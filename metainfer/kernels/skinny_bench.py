@@ -1,0 +1,161 @@
+"""Skinny-GEMM sweep on CUDA: pick a SkinnyConfig per (decode weight shape, row bucket), against cuBLAS.
+
+    from metainfer.kernels.skinny_bench import sweep
+    res = sweep()              # JSON-able dict; res["table"]: "NxK/mBLOCK_M" -> config dict
+
+Why: run 20 (docs/PERFORMANCE.md) measured the untuned skinny GEMM (64 x 128 tiles, 4 stages) at
+4.30 ms over the Qwen3-8B decode set at 8 rows against cuBLAS 4.46, but 4.57 / 5.33 ms at 32 / 64
+rows against 4.37 / 4.41: its tiles were guesses. The sweep times every config on every shape at
+the row counts the engine's graph buckets use (one compile per BLOCK_M, the padded row count),
+with the GEMV sweep's method (kernels/gemv_bench.py: CUDA graphs of launches rotating over weight
+copies larger than the L2, median of replays), checks each against cuBLAS (relative L2 error),
+and then times the whole decode set at each row count with the best table next to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .gemv_bench import (
+    QWEN3_8B_DECODE_COUNTS,
+    QWEN3_8B_DECODE_SHAPES,
+    REL_TOL,
+    _env,
+    _gemv_bytes,
+    _measure,
+    _rel_err,
+    _time_graph,
+    decode_set_weights,
+)
+from .skinny_gemm import SkinnyConfig, skinny_block_m, skinny_gemm_triton, skinny_table_key
+
+_S = SkinnyConfig
+SWEEP_CONFIGS: tuple[SkinnyConfig, ...] = (
+    _S(64, 128, 4, 4),   # DEFAULT_CONFIG (run 20)
+    _S(64, 128, 8, 4),
+    _S(32, 128, 4, 4),
+    _S(32, 256, 4, 3),
+    _S(32, 256, 4, 4),
+    _S(32, 512, 4, 2),
+    _S(16, 256, 4, 4),
+    _S(16, 512, 4, 3),
+    _S(16, 1024, 4, 2),
+    _S(64, 256, 4, 3),
+    _S(64, 256, 8, 3),
+    _S(64, 64, 4, 6),
+    _S(128, 128, 8, 3),
+    _S(128, 64, 4, 4),
+    _S(32, 256, 4, 3, split_k=1),
+    _S(16, 512, 4, 3, split_k=1),
+)
+ROWS = (8, 16, 32, 64)
+
+
+def sweep_shape(n: int, k: int, m: int, configs=SWEEP_CONFIGS, device="cuda", calls: int = 20, replays: int = 5,
+                rotate_bytes: int = 256 << 20, deadline: float | None = None, dtype=torch.bfloat16) -> dict:
+    """cuBLAS and every config on one [n, k] weight at m rows; the per-config rows and the best."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    copies = max(3, math.ceil(rotate_bytes / (n * k * elem)))
+    g = torch.Generator(device=device).manual_seed(n * 31 + k + m)
+    weights = [torch.randn(n, k, generator=g, device=device, dtype=dtype) for _ in range(copies)]
+    x = torch.randn(m, k, generator=g, device=device, dtype=dtype)
+    nbytes = _gemv_bytes(n, k, m, elem)
+    ref = F.linear(x, weights[0])
+    out = {"n": n, "k": k, "m": m, "cublas": _measure(lambda w: F.linear(x, w), weights, calls, replays, nbytes)}
+    rows = []
+    for cfg in configs:
+        row = {"config": cfg.to_dict()}
+        if deadline is not None and time.perf_counter() > deadline:
+            rows.append({**row, "ok": False, "error": "skipped: time budget spent"})
+            continue
+        try:
+            def fn(w, cfg=cfg):
+                return skinny_gemm_triton(x, w, config=cfg)
+            row["rel_err"] = _rel_err(fn(weights[0]), ref)
+            row["ok"] = row["rel_err"] < REL_TOL
+            if row["ok"]:
+                row.update(_measure(fn, weights, calls, replays, nbytes))
+        except Exception as exc:  # a config the compiler or the device rejects: record it, go on
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        rows.append(row)
+    out["configs"] = rows
+    good = [r for r in rows if r.get("ok") and "us" in r]
+    if good:
+        out["best"] = min(good, key=lambda r: r["us"])
+        out["speedup_vs_cublas"] = round(out["cublas"]["us"] / out["best"]["us"], 3)
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode_set(table: dict, rows=ROWS, shapes=QWEN3_8B_DECODE_SHAPES, counts=QWEN3_8B_DECODE_COUNTS,
+               device="cuda", replays: int = 5, dtype=torch.bfloat16) -> dict:
+    """The whole decode set (every distinct weight, the model's order) at each row count: cuBLAS
+    against the skinny GEMM with `table`'s config per (shape, BLOCK_M), shapes it lacks on cuBLAS."""
+    from .skinny_gemm import parse_skinny_table
+
+    configs = parse_skinny_table(table)
+    weights, order = decode_set_weights(shapes, counts, torch.Generator(device=device).manual_seed(13), device, dtype)
+    g = torch.Generator(device=device).manual_seed(17)
+    out = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g, device=device, dtype=dtype) for k in {s[1] for s in shapes.values()}}
+
+        def tuned(x, w, m=m):
+            cfg = configs.get((w.shape[0], w.shape[1], skinny_block_m(m)))
+            return F.linear(x, w) if cfg is None else skinny_gemm_triton(x, w, config=cfg)
+
+        def timed(fn, xs=xs):
+            return _time_graph([lambda nm=nm, i=i: fn(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order], replays)
+
+        cublas_ms, skinny_ms = timed(F.linear), timed(tuned)
+        out[f"m{m}"] = {"cublas_ms": round(cublas_ms, 4), "skinny_tuned_ms": round(skinny_ms, 4),
+                        "ratio_cublas_over_skinny": round(cublas_ms / skinny_ms, 4)}
+        print("skinny decode set", m, out[f"m{m}"], flush=True)
+    weights.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP_CONFIGS,
+          time_budget_s: float = 240.0, dtype=torch.bfloat16) -> dict:
+    """Every config on every (shape, row count); `["table"]` keeps, per (shape, BLOCK_M), the config
+    with the least summed time over that bucket's row counts, only where it beats cuBLAS there."""
+    started = time.perf_counter()
+    deadline = started + time_budget_s
+    res = {"env": _env(torch.device(device)), "rel_tol": REL_TOL, "shapes": {}}
+    for name, (n, k) in shapes.items():
+        for m in rows:
+            r = sweep_shape(n, k, m, configs, device, deadline=deadline, dtype=dtype)
+            res["shapes"][f"{name}/m{m}"] = r
+            best = r.get("best")
+            print(f"skinny sweep {name} m={m}: cuBLAS {r['cublas']['us']} us, best "
+                  f"{best['us'] if best else '-'} us {best['config'] if best else ''}", flush=True)
+    table = {}
+    for name, (n, k) in shapes.items():
+        buckets: dict[int, list[int]] = {}
+        for m in rows:
+            buckets.setdefault(skinny_block_m(m), []).append(m)
+        for block_m, ms in buckets.items():
+            per = [res["shapes"][f"{name}/m{m}"] for m in ms]
+            totals = {}
+            for i, cfg in enumerate(configs):
+                rows_i = [p["configs"][i] for p in per]
+                if all(r.get("ok") and "us" in r for r in rows_i):
+                    totals[cfg] = sum(r["us"] for r in rows_i)
+            cublas = sum(p["cublas"]["us"] for p in per)
+            if totals and min(totals.values()) < cublas:
+                best = min(totals, key=totals.get)
+                table[skinny_table_key(n, k, block_m)] = best.to_dict()
+    res["table"] = table
+    res["sweep_s"] = round(time.perf_counter() - started, 1)
+    res["decode_set"] = decode_set(table, rows, shapes, device=device, dtype=dtype)
+    res["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return res
+
+
+__all__ = ["ROWS", "SWEEP_CONFIGS", "decode_set", "sweep", "sweep_shape"]
