@@ -17,7 +17,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   sampler    the torch sampler against the one-pass Gumbel-max kernel (the default on CUDA)
   gemm_rows  the decode set through cuBLAS at 1-256 rows, the untuned skinny GEMM beside it
   skinny_sweep  skinny GEMM configs per (shape, row bucket); the decode set with the winners
-  ab         session 7's A/B in one engine: GEMV first-tile preload (bs1), skinny GEMM tables (4-32 rows)
+  ab         session 7's A/B in one engine: GEMV first-tile preload (bs1), skinny GEMM on/off (4-32 rows)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -393,9 +393,8 @@ def latency(args):
 
     gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     swept = RESULTS.get("gemv", {}).get("table")
+    # (the SiLU-unfused and norm-folded GEMV variants were measured in runs 14-20 and are no longer re-run)
     choices = [("cublas", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table={})),
-               ("triton_gemv_unfused", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_activation=False)),
-               ("triton_gemv_fold_norm", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_norm=True)),
                ("triton_gemv", runner.ops)]
     if swept:  # this run's sweep winners in the engine (the shipped table stays the default)
         choices.append(("triton_gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
@@ -403,7 +402,8 @@ def latency(args):
         bind_kernel_linears(runner.model, ops)
         runner._capture_cudagraphs()
         variants[name] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-        table = getattr(ops.linear, "keywords", {}).get("table")
+        linear = getattr(ops.linear, "keywords", {}).get("base", ops.linear)  # the GEMV under the skinny wrapper
+        table = getattr(linear, "keywords", {}).get("table")
         if table:
             variants[name]["gemv_table"] = {f"{n}x{k}": c.to_dict() for (n, k), c in table.items()}
     bind_kernel_linears(runner.model, runner.ops)
@@ -416,22 +416,11 @@ def latency(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_SAMPLER="0")  # greedy through the torch sampler (the reference)
-    variants["torch_sampler"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    bs8_torch_sampler = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_FUSED_DECODE_PREP="1")  # q/k prep inside the decode attention launch
-    variants["fused_decode_prep"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = _bench_llm(folder, METAINFER_SKINNY_GEMM="1")  # 3-64-row GEMMs on the tensor-core skinny GEMM
-    bs8_skinny = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
+    # (the torch-sampler and fused-decode-prep variants were measured in runs 17-20 and are no longer re-run)
+    llm = _bench_llm(folder, METAINFER_SKINNY_GEMM="0")  # 3-16-row GEMMs on cuBLAS (the skinny GEMM's A/B)
+    bs8_no_skinny = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
     res = {"startup_s": startup, "bs1": bs1, "ttft_1024": {"ttft_ms": ttft["ttft_ms"]}, "bs8": bs8,
-           "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_torch_sampler": bs8_torch_sampler,
-           "bs8_skinny_gemm": bs8_skinny,
+           "bs1_sync": bs1_sync, "bs1_variants": variants, "bs8_no_skinny_gemm": bs8_no_skinny,
            "linear": linear_name, "num_kv_blocks": num_blocks, "graph_batch_sizes": graph_sizes}
     print(json.dumps(res, indent=1, default=str))
     del llm
@@ -455,9 +444,9 @@ def skinny_sweep(args):
 def ab(args):
     """Session 7's A/B in one engine: every variant's ops bound to the model and the graphs re-captured,
     then bs1 (default measured first and last: the run's own noise) and batches of 4-32 rows.
-    Variants: the GEMV's first weight tile before the PDL wait (GemvConfig.preload) on the GEMVs that
-    follow a non-GEMV kernel (qkv, o_proj, gate_up, LM head) and on all five; the skinny GEMM with this
-    run's swept table (skinny_sweep) and untuned (run 20's A/B)."""
+    bs1: the GEMV's first weight tile before the PDL wait (GemvConfig.preload, on every shape in the
+    shipped table since run 21) against none and against the down projection's alone; rows: the
+    tuned skinny GEMM (the default) against cuBLAS, and this run's swept table if skinny_sweep ran."""
     from dataclasses import replace
 
     from metainfer.bench.latency import run_latency
@@ -470,7 +459,6 @@ def ab(args):
     runner = llm.llm_engine.runner
     gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     shipped = TUNED_CONFIGS[gpu]
-    after_others = {"6144x4096", "4096x4096", "24576x4096", "151936x4096"}
 
     def preload(keys):
         return {key: replace(GemvConfig.from_any(cfg), preload=key in keys).to_dict() for key, cfg in shipped.items()}
@@ -482,19 +470,17 @@ def ab(args):
 
     res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes}
     bs1_variants = [("default", runner.ops),
-                    ("gemv_preload_after_others", select_ops(dev, gpu_name=gpu, pdl=pdl,
-                                                             gemv_table=preload(after_others))),
-                    ("gemv_preload_all", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set(shipped)))),
+                    ("gemv_no_preload", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set()))),
+                    ("gemv_preload_down_only", select_ops(dev, gpu_name=gpu, pdl=pdl,
+                                                          gemv_table=preload({"4096x12288"}))),
                     ("default_again", runner.ops)]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]
         print("ab bs1", name, round(res["bs1"][name]["decode_tok_s"], 1), flush=True)
     swept = RESULTS.get("skinny_sweep", {}).get("table")
-    rows_variants = [("default", runner.ops),
-                     ("skinny_untuned", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=True, skinny_table=None))]
+    rows_variants = [("default", runner.ops), ("skinny_off", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=False))]
     if swept:
-        rows_variants.append(("skinny_tuned", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=True,
-                                                         skinny_table=swept)))
+        rows_variants.append(("skinny_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_table=swept)))
     for name, ops in rows_variants:
         res["rows"][name] = measure(ops, (4, 8, 16, 32), 2)
         print("ab rows", name, {b: round(r["decode_tok_s"], 1) for b, r in res["rows"][name].items()}, flush=True)
@@ -531,9 +517,8 @@ def throughput(args):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    variants = {"torch_sampler": {"METAINFER_FUSED_SAMPLER": "0"},  # the same protocol, the torch sampler
-                "fused_decode_prep": {"METAINFER_FUSED_DECODE_PREP": "1"},  # q/k prep inside decode attention
-                "skinny_gemm": {"METAINFER_SKINNY_GEMM": "1"}}  # 3-64-row GEMMs on the skinny GEMM
+    # (the torch-sampler and fused-decode-prep variants: runs 17-20)
+    variants = {"no_skinny_gemm": {"METAINFER_SKINNY_GEMM": "0"}}  # 3-16-row GEMMs on cuBLAS
     for name, switches in variants.items():
         llm = _bench_llm(folder, **switches)
         other = run_throughput(llm, progress=False)
@@ -821,7 +806,8 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
+    for name in ("no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep",
+                 "fused_sampler"):
         if name in tp and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")
@@ -841,9 +827,12 @@ def table() -> str:
         if "returncode" in r.get(name, {}):
             summary = "; ".join(r[name].get("summary", []))[-90:]
             lines.append(f"| {name}: pytest on the GPU | rc {r[name]['returncode']}: {summary} | | |")
-    if "bs8" in lat and "bs8_skinny_gemm" in lat:
+    if "bs8" in lat and "bs8_skinny_gemm" in lat:  # run 20: the skinny GEMM as the variant
         lines.append(f"| bs8 decode tok/s: cuBLAS / skinny GEMM | {lat['bs8']['decode_tok_s']:.0f} / "
                      f"{lat['bs8_skinny_gemm']['decode_tok_s']:.0f} | | |")
+    if "bs8" in lat and "bs8_no_skinny_gemm" in lat:
+        lines.append(f"| bs8 decode tok/s: skinny GEMM (default) / cuBLAS | {lat['bs8']['decode_tok_s']:.0f} / "
+                     f"{lat['bs8_no_skinny_gemm']['decode_tok_s']:.0f} | | |")
     if "bs8" in lat and "eager_bs8" in base:
         ours, theirs = lat["bs8"]["decode_tok_s"], base["eager_bs8"]["decode_tok_s"]
         lines.append(f"| bs8 decode tok/s vs HF eager | {ours:.0f} | {theirs:.0f} | {ours / theirs:.1f}x |")

@@ -168,9 +168,11 @@ def test_select_ops_fuses_only_with_a_table():
     unfused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_activation=False)
     assert unfused.silu_mul_linear.func is fused_linear.silu_mul_linear_unfused
     assert unfused.norm_linear.func is fused_linear.norm_linear_unfused
-    assert unfused.norm_linear.keywords["linear"].func is gemv.linear_engine  # Triton GEMV, norm apart
-    cublas = select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={})
+    # Triton GEMV (under the skinny GEMM's rows wrapper, the H200 default), norm apart
+    assert unfused.norm_linear.keywords["linear"].keywords["base"].func is gemv.linear_engine
+    cublas = select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={}, skinny_gemm=False)
     assert cublas.linear is gemv.linear_ref and cublas.norm_linear.func is fused_linear.norm_linear_unfused
+    assert select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={}).linear.keywords["base"] is gemv.linear_ref
     assert REF_OPS.norm_linear.keywords["linear"] is REF_OPS.linear
     assert REF_OPS.silu_mul_linear.keywords["silu_and_mul"] is REF_OPS.silu_and_mul
 

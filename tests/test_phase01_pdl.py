@@ -28,7 +28,7 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
         fn = getattr(ops, name)
         assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}, name
         assert fn.func is getattr(TRITON_OPS, name), name
-    assert ops.linear.keywords["pdl"] is True
+    assert ops.linear.keywords["pdl"] is True and ops.linear.keywords["base"].keywords["pdl"] is True
     assert ops.norm_linear.keywords["add_rms_norm"].keywords == {"pdl": True}  # the norm apart by default
     # the decode step's q/k prep + attention: the two launchers composed by default, or the fused one
     composed = ops.paged_decode_attention_qkv.keywords
@@ -37,7 +37,8 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
     assert fused.func is TRITON_OPS.paged_decode_attention_qkv and fused.keywords == {"pdl": True}
     folded = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_norm=True)
     for fused in (folded.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
-        assert fused.keywords["pdl"] is True and fused.keywords["table"] == ops.linear.keywords["table"]
+        gemv_table = ops.linear.keywords["base"].keywords["table"]  # the GEMV's, under the skinny GEMM's wrapper
+        assert fused.keywords["pdl"] is True and fused.keywords["table"] == gemv_table
         unfused = fused.keywords["unfused"].keywords
         assert unfused["linear"].keywords["pdl"] is True
         assert all(unfused[k].keywords == {"pdl": True} for k in ("rms_norm", "add_rms_norm", "silu_and_mul")

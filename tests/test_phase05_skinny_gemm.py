@@ -110,12 +110,26 @@ def test_linear_with_skinny_dispatches_by_rows():
 
 
 def test_select_ops_skinny_switch():
-    plain = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200")
-    skinny = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=True)
+    """On by default where the GPU has a skinny table (the H200), wrapping the GEMV / cuBLAS linear;
+    skinny_gemm=False or a GPU without a table leaves that linear as it is."""
+    from metainfer.kernels.skinny_gemm import TUNED_CONFIGS, parse_skinny_table
+
+    plain = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=False)
+    skinny = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200")
     base = skinny.linear.keywords["base"]
     assert skinny.linear.func is linear_with_skinny
+    assert skinny.linear.keywords["table"] == parse_skinny_table(TUNED_CONFIGS["NVIDIA H200"])
     assert base.func is plain.linear.func and base.keywords == plain.linear.keywords
     assert skinny.silu_mul_linear.keywords["unfused"].keywords["linear"] is skinny.linear  # M > 2 falls back to it
+    other = select_ops("cpu", use_triton=True, gpu_name="some GPU")
+    assert other.linear is select_ops("cpu", use_triton=True, gpu_name="some GPU", skinny_gemm=False).linear
+
+
+def test_shipped_skinny_tables_are_valid():
+    from metainfer.kernels.skinny_gemm import TUNED_CONFIGS, parse_skinny_table
+
+    for gpu, table in TUNED_CONFIGS.items():
+        assert parse_skinny_table(table), gpu
 
 
 def test_linear_with_skinny_takes_only_the_tables_entries():
@@ -152,8 +166,8 @@ def test_select_ops_binds_a_skinny_table():
     table = {"32x64/m16": {"block_n": 16, "block_k": 32}}
     ops = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=True, skinny_table=table)
     assert ops.linear.keywords["table"] == {(32, 64, 16): SkinnyConfig(block_n=16, block_k=32)}
-    untuned = select_ops("cpu", use_triton=True, gpu_name="some GPU", skinny_gemm=True)
-    assert untuned.linear.keywords["table"] is None  # no table: every shape on DEFAULT_CONFIG (the A/B)
+    untuned = select_ops("cpu", use_triton=True, gpu_name="some GPU", skinny_table=table)
+    assert untuned.linear.keywords["table"] == {(32, 64, 16): SkinnyConfig(block_n=16, block_k=32)}
 
 
 def test_skinny_sweep_plumbing_on_cpu(monkeypatch):

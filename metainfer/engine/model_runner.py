@@ -131,8 +131,8 @@ class ModelRunner:
         # METAINFER_FUSED_DECODE_PREP=1: q/k prep inside the decode attention launch (an A/B switch;
         # off by default: slower on the H200, run 18)
         fuse_prep = os.environ.get("METAINFER_FUSED_DECODE_PREP", "0") == "1"
-        # METAINFER_SKINNY_GEMM=1: 3-64-row GEMMs on the tensor-core skinny GEMM (an A/B switch, off until measured)
-        skinny = os.environ.get("METAINFER_SKINNY_GEMM", "0") == "1"
+        # METAINFER_SKINNY_GEMM=0: no tensor-core skinny GEMM for the 3-16-row GEMMs its tuned table lists (the A/B)
+        skinny = os.environ.get("METAINFER_SKINNY_GEMM", "1") != "0"
         self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl, fuse_decode_prep=fuse_prep,
                                     skinny_gemm=skinny)
         cls = model_class(self.spec)

@@ -119,7 +119,7 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
-               fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = False,
+               fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = True,
                skinny_table: Mapping | None = None) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
@@ -135,9 +135,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     rotary and K/V store inside the decode attention launch; off by default, the two kernels
     composed (run 18 on the H200: fused 231.5 against 239.4 tok/s at bs1, the 256-row attention
     6.47 against 5.75 ms). `skinny_gemm` sends 3-64-row GEMMs to the tensor-core skinny GEMM
-    (kernels/skinny_gemm.py): with `skinny_table` ("NxK/mB" -> config, a sweep's) or the GPU's tuned
-    table only the (shape, row bucket) entries it lists, without either every shape on the untuned
-    DEFAULT_CONFIG (the A/B of run 20). Selection makes no CUDA call."""
+    (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` ("NxK/mB" ->
+    config, e.g. a sweep's) or else of the GPU's tuned table; with neither it changes nothing (H200,
+    run 21: batch 4 / 8 / 16 decode +5 / +8 / +2%). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -156,10 +156,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
             paged_decode_attention_qkv_composed, prep=ops.qk_norm_rope_store, decode=ops.paged_decode_attention))
     linear = tuned_linear(gpu_name or "", pdl=pdl, table=gemv_table)
     table = linear.keywords["table"] if isinstance(linear, functools.partial) else None
-    if skinny_gemm:
-        tuned = skinny_table if skinny_table is not None else SKINNY_TUNED_CONFIGS.get(gpu_name or "")
-        linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl,
-                                   table=None if tuned is None else parse_skinny_table(tuned))
+    skinny = skinny_table if skinny_table is not None else SKINNY_TUNED_CONFIGS.get(gpu_name or "")
+    if skinny_gemm and skinny:
+        linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl, table=parse_skinny_table(skinny))
     return with_linear(ops, linear, table, fuse_norm, fuse_activation)
 
 

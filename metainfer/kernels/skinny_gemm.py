@@ -3,9 +3,9 @@
 Why: between the Triton GEMV (M <= 2) and the compute-bound batches, every decode step streams all
 weights once, yet cuBLAS ran the Qwen3-8B decode set at 4.26-4.40 ms for M = 4..64 on the H200
 against 3.745 ms for the GEMV at M = 1 (docs/PERFORMANCE.md, run 17, `gemm_rows`): ~0.5-0.9 ms a
-step above the weight-streaming floor. The engine takes it only under METAINFER_SKINNY_GEMM=1
-(`select_ops(skinny_gemm=True)`) until the GPU suite has measured it (`gemm_rows` times it next to
-cuBLAS).
+step above the weight-streaming floor. The engine takes it for the (shape, row bucket) entries of
+its GPU's tuned table (TUNED_CONFIGS, chosen by `skinny_bench.sweep`; METAINFER_SKINNY_GEMM=0 turns
+it off), cuBLAS elsewhere.
 
 Contract: `skinny_gemm_triton(x[M, K], weight[N, K], bias[N] or None, config=None, *, pdl=False)
 -> y[M, N]` in x's dtype, unit last strides, any M >= 1 (M <= MAX_ROWS: the padded batch is one
@@ -95,7 +95,17 @@ def parse_skinny_table(table: Mapping) -> dict[tuple[int, int, int], SkinnyConfi
 
 # Per-GPU tables chosen by `skinny_bench.sweep()` (the JSON is in docs/results/): the engine sends a
 # (shape, row bucket) to the skinny GEMM only where its table has it, elsewhere to the base linear.
-TUNED_CONFIGS: dict[str, dict[str, dict]] = {}
+# H200, run 21 (`skinny_bench.sweep`, results/gpu_run21.json): the 16-row bucket (3-16 rows) of every
+# shape but qkv, where cuBLAS stayed faster; engine decode +5.2% / +7.9% / +2.0% at batch 4 / 8 / 16.
+# The 32- and 64-row winners are left out: the decode set gained 1% / 0% and batch 32 lost 0.7%.
+TUNED_CONFIGS: dict[str, dict[str, dict]] = {
+    "NVIDIA H200": {
+        "4096x4096/m16": {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
+        "24576x4096/m16": {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 6},
+        "4096x12288/m16": {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
+        "151936x4096/m16": {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3},
+    },
+}
 
 
 def skinny_split_k(n: int, k: int, config: SkinnyConfig = DEFAULT_CONFIG) -> int:
