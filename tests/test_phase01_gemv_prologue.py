@@ -96,18 +96,29 @@ def test_silu_mul_gemv_matches_unfused(dtype, m, case):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("prologue", ["none", "add_rms_norm", "silu_mul"])
-def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue):
+def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue, monkeypatch):
     """GemvConfig.preload peels the first K-step (its weight tile loaded before the PDL wait): the same
     products summed in the same order, so every output bit (and residual_out's) equals the plain
     kernel's, with and without PDL, a K split, ragged N / K, and a single K-step (the loop empty after
     the peel: case 3's one 256-column tile)."""
     from dataclasses import replace
 
+    import metainfer.kernels.gemv as gemv_mod
     from metainfer.kernels import pdl_supported
     from metainfer.kernels.gemv import gemv_triton
 
     cfg, n, k = CASES[case]
     pre = replace(cfg, preload=True)
+    seen = []  # the PRELOAD constexpr each launch got: the test must compare two different kernels
+
+    class Spy:
+        def __getitem__(self, grid, kernel=gemv_mod._gemv_kernel):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["PRELOAD"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gemv_mod, "_gemv_kernel", Spy())
     x_cols = 2 * k if prologue == "silu_mul" else None
     x, res, nw, w, b = _data(m, n, k, dtype, seed=case * 11 + m, x_cols=x_cols, bias=case != 1)
     for pdl in sorted({False, pdl_supported(DEVICE)}):
@@ -118,7 +129,9 @@ def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue):
                 return (silu_mul_gemv_triton(x, w, b, config=c, pdl=pdl),)
             return rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=c, pdl=pdl)
 
+        seen.clear()
         plain, preloaded = run(cfg), run(pre)
+        assert seen == [False, True]
         for a, c in zip(plain, preloaded, strict=True):
             assert torch.equal(a, c), f"pdl={pdl}"
 

@@ -108,7 +108,7 @@ def _decode_chain(ops, inp: dict) -> torch.Tensor:
     """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: q/k norm,
     rotary and the K/V store then attention, or with fuse_decode_prep in one launch; at batch 1-2
     SiLU-and-mul, and with fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own
-    kernels before cuBLAS)."""
+    kernels before the skinny GEMM (o_proj, gate_up, down on the H200 table) or cuBLAS (qkv))."""
     hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
         qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
@@ -128,7 +128,7 @@ def _caches(inp: dict) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available() and pdl_supported("cuda")),
                     reason="needs METAINFER_TEST_GPU=1 and a CUDA GPU of compute capability >= 9")
-@pytest.mark.parametrize("batch", [1, 2, 5])  # 1-2: the Triton GEMV; 5: cuBLAS between the Triton kernels
+@pytest.mark.parametrize("batch", [1, 2, 5])  # 1-2: the Triton GEMV; 5: the skinny GEMM and cuBLAS (qkv)
 # the shipped op set; the folded-norm GEMV (program 0 writes h); q/k prep inside the decode attention
 @pytest.mark.parametrize("fuse_norm, fuse_prep", [(False, False), (True, False), (False, True)],
                          ids=["shipped", "fold-norm", "fused-decode-prep"])

@@ -126,7 +126,8 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
     table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise;
     `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict) replaces that table (an empty one:
-    cuBLAS everywhere). With a table, `fuse_activation` folds SiLU-and-mul into the down GEMV and
+    cuBLAS for every shape, but the rows the skinny GEMM takes, below). With a table,
+    `fuse_activation` folds SiLU-and-mul into the down GEMV and
     `fuse_norm` the RMSNorms into the GEMVs after them (kernels/fused_linear.py). Defaults from the
     H200's A/B (docs/PERFORMANCE.md, runs 12-13): the folded SiLU saved 0.6 us a layer; the folded
     norm cost 1.4 us (qkv) and 3.4 us (gate_up) a launch more than a separate norm kernel, so it is off.
@@ -134,7 +135,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     capability >= 9: check with `pdl_supported`). `fuse_decode_prep` runs a decode step's q/k norm,
     rotary and K/V store inside the decode attention launch; off by default, the two kernels
     composed (run 18 on the H200: fused 231.5 against 239.4 tok/s at bs1, the 256-row attention
-    6.47 against 5.75 ms). `skinny_gemm` sends 3-64-row GEMMs to the tensor-core skinny GEMM
+    6.47 against 5.75 ms). `skinny_gemm` sends 3..64-row GEMMs to the tensor-core skinny GEMM
     (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` ("NxK/mB" ->
     config, e.g. a sweep's) or else of the GPU's tuned table; with neither it changes nothing (H200,
     run 21: batch 4 / 8 / 16 decode +5 / +8 / +2%). Selection makes no CUDA call."""

@@ -9,6 +9,8 @@ Triton launcher is actually used.
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
+from dataclasses import fields
 
 try:
     import triton
@@ -56,6 +58,20 @@ def check_launch_fields(config, bounds: dict) -> None:
                 or (pow2 and value & (value - 1)):
             kind = "a power of two" if pow2 else "an integer"
             raise ValueError(f"{type(config).__name__}.{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+
+
+def launch_config_from_any(cls, value):
+    """A launch config dataclass `cls` from an instance or a dict of its field names (as `asdict` / the
+    sweeps' JSON give it); ValueError naming the unknown fields or the wrong type."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = [f.name for f in fields(cls)]
+        unknown = set(value) - set(known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)} (known: {known})")
+        return cls(**value)
+    raise ValueError(f"a {cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}")
 
 
 def pdl_args(pdl: bool) -> dict:

@@ -120,19 +120,21 @@ def _cases(op: str):
                               lambda pdl, q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
                               attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
     elif op == "gemv":
-        # the Qwen3-8B decode shapes' configs (H200 table) at M = 1 and 2, a ragged K split, a bias
-        for m, n, k, cfg in ((1, 4096, 4096, gemv.GemvConfig(block_n=16, block_k=1024, num_warps=8)),
-                             (2, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)),
+        # the H200 table's configs (first weight tile preloaded) at the Qwen3-8B decode shapes, M = 1 and
+        # 2 (the first case is also compiled with PDL: the preload's only effective combination); a ragged
+        # K split and a bias; the plain loop
+        table = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
+        qkv, gate_up, down = table[(6144, 4096)], table[(24576, 4096)], table[(4096, 12288)]
+        for m, n, k, cfg in ((1, 6144, 4096, qkv), (2, 4096, 4096, table[(4096, 4096)]),
                              (1, 1000, 3000, gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2)),
-                             (1, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4, preload=True))):
+                             (1, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4))):
             x, w, b = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), torch.zeros(n, dtype=bf16)
             cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k} preload={cfg.preload}",
                           lambda pdl, x=x, w=w, b=b, cfg=cfg: gemv.gemv_triton(x, w, b, config=cfg, pdl=pdl)))
         # the folded prologues at the H200 table's qkv / gate_up / down configs
         hidden, inter = 4096, 12288
         nw = torch.ones(hidden, dtype=bf16)
-        for m, n, cfg in ((1, 6144, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)),
-                          (2, 24576, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4))):
+        for m, n, cfg in ((1, 6144, qkv), (2, 24576, gate_up)):
             x, w = torch.zeros(m, hidden, dtype=bf16), torch.zeros(n, hidden, dtype=bf16)
             cases.append((f"rms_norm_gemv bf16 M={m} N={n}",
                           lambda pdl, x=x, w=w, cfg=cfg: gemv.rms_norm_gemv_triton(x, None, nw, 1e-6, w, config=cfg,
@@ -142,9 +144,8 @@ def _cases(op: str):
                                                                                   config=cfg, pdl=pdl)))
         for m in (1, 2):
             gu, w = torch.zeros(m, 2 * inter, dtype=bf16), torch.zeros(hidden, inter, dtype=bf16)
-            cfg = gemv.GemvConfig(block_n=16, block_k=1024, num_warps=8)
             cases.append((f"silu_mul_gemv bf16 M={m} N={hidden} K={inter}",
-                          lambda pdl, gu=gu, w=w, cfg=cfg: gemv.silu_mul_gemv_triton(gu, w, config=cfg, pdl=pdl)))
+                          lambda pdl, gu=gu, w=w: gemv.silu_mul_gemv_triton(gu, w, config=down, pdl=pdl)))
     elif op == "qk_prep":
         for dtype, tokens, hq, hk, head_dim in ((bf16, 1, 32, 8, 128), (bf16, 64, 32, 8, 128), (fp32, 3, 4, 2, 64)):
             qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
@@ -168,7 +169,12 @@ def _cases(op: str):
                       lambda pdl: sampling.GumbelSampler(2, 1000, "cpu", pdl=pdl)(
                           logits, torch.zeros(2, dtype=fp32), seed=12345, noise=noise)))
     elif op == "skinny_gemm":
-        # the Qwen3-8B decode shapes at 8 and 64 rows (the automatic K split on the 4096-row ones), a bias
+        # the H200 table's configs at 5 rows (the first also with PDL); the untuned DEFAULT_CONFIG at the
+        # Qwen3-8B decode shapes at 8 and 64 rows (the automatic K split on the 4096-row ones), a bias
+        for (n, k, _), cfg in skinny_gemm.parse_skinny_table(skinny_gemm.TUNED_CONFIGS["NVIDIA H200"]).items():
+            x, w = torch.zeros(5, k, dtype=bf16), torch.zeros(n, k, dtype=bf16)
+            cases.append((f"skinny_gemm bf16 M=5 N={n} K={k} H200 table",
+                          lambda pdl, x=x, w=w, cfg=cfg: skinny_gemm.skinny_gemm_triton(x, w, config=cfg, pdl=pdl)))
         for m, (n, k) in ((8, (6144, 4096)), (8, (4096, 12288)), (64, (4096, 4096)), (64, (151936, 4096))):
             x, w = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16)
             cases.append((f"skinny_gemm bf16 M={m} N={n} K={k}",

@@ -27,12 +27,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from ._triton import cdiv, check_launch_fields, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import (
+    cdiv,
+    check_launch_fields,
+    launch_config_from_any,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    require_triton,
+    tl,
+    triton,
+)
 
 MAX_ROWS = 4
 _REDUCE_BLOCK = 1024
@@ -65,15 +75,7 @@ class GemvConfig:
     @classmethod
     def from_any(cls, value) -> GemvConfig:
         """A GemvConfig, or a dict with its field names (as `to_dict` / JSON give it)."""
-        if isinstance(value, GemvConfig):
-            return value
-        if isinstance(value, Mapping):
-            names = {f.name for f in fields(cls)}
-            unknown = set(value) - names
-            if unknown:
-                raise ValueError(f"unknown GemvConfig fields {sorted(unknown)} (known: {sorted(names)})")
-            return cls(**value)
-        raise ValueError(f"a GEMV config must be a GemvConfig or a dict, got {type(value).__name__}")
+        return launch_config_from_any(cls, value)
 
 
 # The first untuned kernel of the team's design notes (8 rows x 1,024 columns, 8 warps): 3.91 TB/s overall.
@@ -100,9 +102,9 @@ ENGINE_MAX_ROWS = 2
 # Per-GPU tables chosen by `gemv_bench.sweep()` (the JSON is in docs/results/). The engine uses the
 # Triton GEMV only on a GPU listed here, with its table; elsewhere cuBLAS (select_ops, at build).
 TUNED_CONFIGS: dict[str, dict[str, dict]] = {
-    # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms; run 21: the first tile preloaded before the PDL
-    # wait on every shape, bs1 245.6 tok/s against 242.2 / 242.6 without (only after non-GEMV
-    # kernels: 241.2)
+    # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms. preload: run 21 bs1 245.6 tok/s against 242.2 /
+    # 242.6 without (only after the non-GEMV kernels: 241.2); run 22 with 240.9 / 244.1 against 242.7
+    # without: within the runs' noise (~2 tok/s). Kept: bit-equal to the plain loop, never measured slower
     "NVIDIA H200": {
         "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
         "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
@@ -460,7 +462,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
     """y = x @ weight^T (+ bias) in x's dtype, for x[M <= MAX_ROWS, K] and weight[N, K] rows
     (unit last strides). `config` overrides the table (`gemv_config(N, K)`); `pdl`: launch with
-    programmatic dependent launch (kernels/_triton.py: pdl_enter)."""
+    programmatic dependent launch (kernels/_triton.py: pdl_enter). A config with `preload` reads its
+    first weight tile before the PDL wait: under `pdl` the weight must not be written by the kernels
+    still running before it in the stream (true of model weights)."""
     _check_args(x, weight, bias)
     return _launch_gemv(x, weight, bias, config, pdl)
 

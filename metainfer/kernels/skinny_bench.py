@@ -6,7 +6,7 @@
 Why: run 20 (docs/PERFORMANCE.md) measured the untuned skinny GEMM (64 x 128 tiles, 4 stages) at
 4.30 ms over the Qwen3-8B decode set at 8 rows against cuBLAS 4.46, but 4.57 / 5.33 ms at 32 / 64
 rows against 4.37 / 4.41: its tiles were guesses. The sweep times every config on every shape at
-the row counts the engine's graph buckets use (one compile per BLOCK_M, the padded row count),
+the engine's graph row counts from 4 to 64 (one compile per BLOCK_M, the padded row count),
 with the GEMV sweep's method (kernels/gemv_bench.py: CUDA graphs of launches rotating over weight
 copies larger than the L2, median of replays), checks each against cuBLAS (relative L2 error),
 and then times the whole decode set at each row count with the best table next to cuBLAS.
@@ -52,7 +52,7 @@ SWEEP_CONFIGS: tuple[SkinnyConfig, ...] = (
     _S(32, 256, 4, 3, split_k=1),
     _S(16, 512, 4, 3, split_k=1),
 )
-ROWS = (8, 16, 32, 64)
+ROWS = (4, 8, 16, 32, 64)  # run 21 swept 8-64; 4 added after its review (the 4-row graph bucket)
 
 
 def sweep_shape(n: int, k: int, m: int, configs=SWEEP_CONFIGS, device="cuda", calls: int = 20, replays: int = 5,
@@ -123,15 +123,21 @@ def decode_set(table: dict, rows=ROWS, shapes=QWEN3_8B_DECODE_SHAPES, counts=QWE
 
 def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP_CONFIGS,
           time_budget_s: float = 240.0, dtype=torch.bfloat16) -> dict:
-    """Every config on every (shape, row count); `["table"]` keeps, per (shape, BLOCK_M), the config
-    with the least summed time over that bucket's row counts, only where it beats cuBLAS there."""
+    """Every config on every (shape, row count) in 3..64; `["table"]` keeps, per (shape, BLOCK_M), the
+    config with the least time summed over that bucket's row counts, only where that sum beats
+    cuBLAS's (a bucket entry may lose at one of its row counts: run 21's gate_up and down did at 16
+    rows by 0.6% and 0.4%). `["shapes"]` keys are "name/rows M"; table keys "NxK/mBLOCK_M"."""
+    from .skinny_gemm import MAX_ROWS
+
+    if not rows or any(not 3 <= m <= MAX_ROWS for m in rows):
+        raise ValueError(f"rows must lie in 3..{MAX_ROWS} (the engine uses the GEMV for 1-2), got {rows}")
     started = time.perf_counter()
     deadline = started + time_budget_s
     res = {"env": _env(torch.device(device)), "rel_tol": REL_TOL, "shapes": {}}
     for name, (n, k) in shapes.items():
         for m in rows:
             r = sweep_shape(n, k, m, configs, device, deadline=deadline, dtype=dtype)
-            res["shapes"][f"{name}/m{m}"] = r
+            res["shapes"][f"{name}/rows{m}"] = r
             best = r.get("best")
             print(f"skinny sweep {name} m={m}: cuBLAS {r['cublas']['us']} us, best "
                   f"{best['us'] if best else '-'} us {best['config'] if best else ''}", flush=True)
@@ -141,7 +147,7 @@ def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP
         for m in rows:
             buckets.setdefault(skinny_block_m(m), []).append(m)
         for block_m, ms in buckets.items():
-            per = [res["shapes"][f"{name}/m{m}"] for m in ms]
+            per = [res["shapes"][f"{name}/rows{m}"] for m in ms]
             totals = {}
             for i, cfg in enumerate(configs):
                 rows_i = [p["configs"][i] for p in per]

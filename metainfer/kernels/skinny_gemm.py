@@ -22,11 +22,21 @@ each of ~132 SMs; the fp32 partials are summed by the GEMV's reduce kernel (dete
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ._triton import cdiv, check_launch_fields, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import (
+    cdiv,
+    check_launch_fields,
+    launch_config_from_any,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    require_triton,
+    tl,
+    triton,
+)
 from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel
 
 MAX_ROWS = 64
@@ -55,14 +65,7 @@ class SkinnyConfig:
     @classmethod
     def from_any(cls, value) -> SkinnyConfig:
         """A SkinnyConfig, or a dict with its field names (as `to_dict` / the sweep's JSON give it)."""
-        if isinstance(value, SkinnyConfig):
-            return value
-        if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"unknown SkinnyConfig fields {sorted(unknown)}")
-            return cls(**value)
-        raise ValueError(f"a skinny GEMM config must be a SkinnyConfig or a dict, got {type(value).__name__}")
+        return launch_config_from_any(cls, value)
 
 
 DEFAULT_CONFIG = SkinnyConfig()
