@@ -197,18 +197,9 @@ def sweep_shape(n: int, k: int, configs=SWEEP_CONFIGS, device="cuda", calls: int
 
 def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) -> dict:
     """All decode weights (counts[name] distinct tensors per shape), one graph per backend."""
-    names = list(shapes)
-    layer_names = [nm for nm in names if counts.get(nm, 1) > 1]
-    once_names = [nm for nm in names if counts.get(nm, 1) <= 1]
-    layers = max((counts[nm] for nm in layer_names), default=0)
     g = torch.Generator(device=device).manual_seed(7)
-    weights = {nm: [torch.randn(*shapes[nm], generator=g, device=device, dtype=dtype)
-                    for _ in range(counts.get(nm, 1))] for nm in names}
+    weights, order = decode_set_weights(shapes, counts, g, device, dtype)  # the model's launch order
     xs = {k: torch.randn(1, k, generator=g, device=device, dtype=dtype) for k in {s[1] for s in shapes.values()}}
-    order = []  # the model's order: per layer qkv, o_proj, gate_up, down; then the LM head
-    for layer in range(layers):
-        order += [(nm, layer) for nm in layer_names if layer < counts[nm]]
-    order += [(nm, 0) for nm in once_names]
     total = sum(_gemv_bytes(*shapes[nm], 1, torch.empty((), dtype=dtype).element_size()) for nm, _ in order)
 
     def calls(fn):
