@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -454,6 +455,11 @@ def test_select_ops_gemm_by_gpu_name():
     assert select_ops("cuda", gpu_name="A GPU without a tuned table").linear is gemv.linear_ref
     chosen = select_ops("cuda", gpu_name="NVIDIA H200").linear.keywords["base"]  # under the skinny GEMM's wrapper
     assert chosen.func is gemv.linear_engine
-    assert chosen.keywords == {"table": gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"]), "pdl": False}
+    shipped = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
+    assert any(cfg.preload for cfg in shipped.values())
+    # without PDL the first-tile preload is dropped (nothing to hide it behind; slower, run 24)
+    assert chosen.keywords == {"table": {s: replace(c, preload=False) for s, c in shipped.items()}, "pdl": False}
+    with_pdl = select_ops("cuda", gpu_name="NVIDIA H200", pdl=True).linear.keywords["base"]
+    assert with_pdl.keywords == {"table": shipped, "pdl": True}
     assert select_ops("cuda").linear is gemv.linear_ref  # no name: cuBLAS, and no CUDA call
     assert gemv.get_gemv_configs() == previous  # selection installs nothing process-wide

@@ -104,7 +104,8 @@ ENGINE_MAX_ROWS = 2
 TUNED_CONFIGS: dict[str, dict[str, dict]] = {
     # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms. preload: run 21 bs1 245.6 tok/s against 242.2 /
     # 242.6 without (only after the non-GEMV kernels: 241.2); run 22 with 240.9 / 244.1 against 242.7
-    # without: within the runs' noise (~2 tok/s). Kept: bit-equal to the plain loop, never measured slower
+    # without: within the runs' noise (~2 tok/s). Kept under PDL (bit-equal to the plain loop); without
+    # PDL tuned_linear drops it (run 24: the peeled kernel's GEMVs 3.94 ms against 3.79, PDL off)
     "NVIDIA H200": {
         "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
         "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
@@ -529,11 +530,16 @@ def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = None):
     """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table (or to
     `table`, e.g. a sweep's) and to `pdl`, or cuBLAS (linear_ref) for a GPU without a table. Nothing
-    process-wide changes: two engines on different GPUs each keep their own table."""
+    process-wide changes: two engines on different GPUs each keep their own table. Without `pdl` the
+    table's `preload` is dropped: there is no wait to hide a load behind, and the peeled kernel ran
+    the decode-set GEMVs 3.94 ms against the plain loop's 3.79 with PDL off (runs 24 and 14)."""
     table = table if table is not None else TUNED_CONFIGS.get(device_name)
     if not table:  # no table, or an empty one: cuBLAS everywhere
         return linear_ref
-    return functools.partial(linear_engine, table=parse_gemv_table(table), pdl=pdl)
+    configs = parse_gemv_table(table)
+    if not pdl:
+        configs = {shape: replace(cfg, preload=False) for shape, cfg in configs.items()}
+    return functools.partial(linear_engine, table=configs, pdl=pdl)
 
 
 __all__ = [
