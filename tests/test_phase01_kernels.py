@@ -457,7 +457,7 @@ def test_select_ops_gemm_by_gpu_name():
     assert chosen.func is gemv.linear_engine
     shipped = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
     assert any(cfg.preload for cfg in shipped.values())
-    # without PDL the first-tile preload is dropped (nothing to hide it behind; slower, run 24)
+    # without PDL the first-tile preload is dropped (nothing to hide it behind)
     assert chosen.keywords == {"table": {s: replace(c, preload=False) for s, c in shipped.items()}, "pdl": False}
     with_pdl = select_ops("cuda", gpu_name="NVIDIA H200", pdl=True).linear.keywords["base"]
     assert with_pdl.keywords == {"table": shipped, "pdl": True}

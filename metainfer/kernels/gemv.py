@@ -105,7 +105,7 @@ TUNED_CONFIGS: dict[str, dict[str, dict]] = {
     # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms. preload: run 21 bs1 245.6 tok/s against 242.2 /
     # 242.6 without (only after the non-GEMV kernels: 241.2); run 22 with 240.9 / 244.1 against 242.7
     # without: within the runs' noise (~2 tok/s). Kept under PDL (bit-equal to the plain loop); without
-    # PDL tuned_linear drops it (run 24: the peeled kernel's GEMVs 3.94 ms against 3.79, PDL off)
+    # PDL tuned_linear drops it (nothing to hide; run 24's profile hinted at a loss, unconfirmed)
     "NVIDIA H200": {
         "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
         "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
@@ -531,8 +531,9 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
     """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table (or to
     `table`, e.g. a sweep's) and to `pdl`, or cuBLAS (linear_ref) for a GPU without a table. Nothing
     process-wide changes: two engines on different GPUs each keep their own table. Without `pdl` the
-    table's `preload` is dropped: there is no wait to hide a load behind, and the peeled kernel ran
-    the decode-set GEMVs 3.94 ms against the plain loop's 3.79 with PDL off (runs 24 and 14)."""
+    table's `preload` is dropped: there is no wait to hide a load behind (and a profile with PDL off
+    read 3.94 ms for the peeled GEMVs against the plain loop's 3.79, runs 24 and 14 on different
+    machines: unconfirmed, docs/PERFORMANCE.md), so that path runs the plain loop measured before."""
     table = table if table is not None else TUNED_CONFIGS.get(device_name)
     if not table:  # no table, or an empty one: cuBLAS everywhere
         return linear_ref
