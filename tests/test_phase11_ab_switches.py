@@ -1,0 +1,43 @@
+"""The engine's A/B environment switches reach the build-time kernel selection (read once, at build).
+
+On the CPU the selected op set is the torch reference whatever the switches say, so the test records
+what ModelRunner passes to select_ops; the GPU suite measures what each switch does on the H200."""
+
+from __future__ import annotations
+
+import pytest
+
+import metainfer.engine.model_runner as model_runner
+from metainfer import LLM
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ab_switches"))
+    build_tiny_model(path, "qwen3")
+    return path
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, {"skinny_gemm": True, "fuse_decode_prep": False}),
+    ({"METAINFER_SKINNY_GEMM": "0"}, {"skinny_gemm": False, "fuse_decode_prep": False}),
+    ({"METAINFER_FUSED_DECODE_PREP": "1"}, {"skinny_gemm": True, "fuse_decode_prep": True}),
+])
+def test_switches_reach_select_ops(folder, monkeypatch, env, expected):
+    seen = []
+    real = model_runner.select_ops
+
+    def recording_select_ops(device, **kwargs):
+        seen.append(kwargs)
+        return real(device, **kwargs)
+
+    monkeypatch.setattr(model_runner, "select_ops", recording_select_ops)
+    for name in ("METAINFER_SKINNY_GEMM", "METAINFER_FUSED_DECODE_PREP", "METAINFER_DISABLE_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+    assert len(seen) == 1 and {k: seen[0][k] for k in expected} == expected
+    assert seen[0]["pdl"] is False  # the CPU has no programmatic dependent launch
+    assert llm.llm_engine.runner.ops is not None
