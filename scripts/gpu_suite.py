@@ -445,7 +445,8 @@ def ab(args):
     """Session 7's A/B in one engine: every variant's ops bound to the model and the graphs re-captured,
     then bs1 (default measured first and last: the run's own noise) and batches of 4-32 rows.
     bs1: the GEMV's first weight tile before the PDL wait (GemvConfig.preload, on every shape in the
-    shipped table since run 21) against none and against the down projection's alone; rows: the
+    shipped table since run 21) against none and against the down projection's alone, and two other
+    launch shapes under PDL + preload (not yet run: prepared in session 7); rows: the
     tuned skinny GEMM (the default) against cuBLAS, and this run's swept table if skinny_sweep ran."""
     from dataclasses import replace
 
@@ -460,8 +461,11 @@ def ab(args):
     gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     shipped = TUNED_CONFIGS[gpu]
 
-    def preload(keys):
-        return {key: replace(GemvConfig.from_any(cfg), preload=key in keys).to_dict() for key, cfg in shipped.items()}
+    def preload(keys, **overrides):
+        """The shipped table with preload on `keys` only; `overrides` ("NxK" -> config fields) replace
+        launch fields of some shapes (the table was tuned per shape in isolation, without PDL)."""
+        return {key: replace(GemvConfig.from_any(cfg), preload=key in keys, **overrides.get(key, {})).to_dict()
+                for key, cfg in shipped.items()}
 
     def measure(ops, batches, iters):
         bind_kernel_linears(runner.model, ops)
@@ -473,6 +477,13 @@ def ab(args):
                     ("gemv_no_preload", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set()))),
                     ("gemv_preload_down_only", select_ops(dev, gpu_name=gpu, pdl=pdl,
                                                           gemv_table=preload({"4096x12288"}))),
+                    # other launch shapes under PDL + preload: 8-row programs for the 4-row shapes (fewer,
+                    # larger programs), 8-row o_proj / down (512 programs instead of 256)
+                    ("gemv_8_rows_wide_shapes", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
+                        set(shipped), **{key: {"block_n": 8, "num_warps": 8}
+                                         for key in ("6144x4096", "24576x4096", "151936x4096")}))),
+                    ("gemv_8_rows_o_down", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
+                        set(shipped), **{key: {"block_n": 8} for key in ("4096x4096", "4096x12288")}))),
                     ("default_again", runner.ops)]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]

@@ -116,7 +116,8 @@ TUNED_CONFIGS: dict[str, dict[str, dict]] = {
 }
 
 
-def _parse_key(key) -> tuple[int, int]:
+def parse_shape_key(key) -> tuple[int, int]:
+    """(N, K) from a table key: 'NxK' (any case, spaces allowed) or an (N, K) pair of positive ints."""
     dims = None
     if isinstance(key, str):
         parts = key.lower().split("x")
@@ -126,7 +127,7 @@ def _parse_key(key) -> tuple[int, int]:
             isinstance(v, int) and not isinstance(v, bool) for v in key):
         dims = int(key[0]), int(key[1])
     if dims is None or dims[0] <= 0 or dims[1] <= 0:
-        raise ValueError(f"a GEMV table key must be (N, K) or 'NxK' with positive ints, got {key!r}")
+        raise ValueError(f"a table key's shape must be (N, K) or 'NxK' with positive ints, got {key!r}")
     return dims
 
 
@@ -135,7 +136,7 @@ def parse_gemv_table(table: Mapping) -> dict[tuple[int, int], GemvConfig]:
     validated (bad entries raise ValueError)."""
     if not isinstance(table, Mapping):
         raise ValueError(f"a GEMV table must be a mapping, got {type(table).__name__}")
-    return {_parse_key(key): GemvConfig.from_any(value) for key, value in table.items()}
+    return {parse_shape_key(key): GemvConfig.from_any(value) for key, value in table.items()}
 
 
 def set_gemv_configs(table: Mapping | None) -> dict[tuple[int, int], GemvConfig]:
@@ -546,5 +547,5 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
 __all__ = [
     "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "GemvConfig", "GemvPlan",
     "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
-    "parse_gemv_table", "set_gemv_configs", "tuned_linear",
+    "parse_gemv_table", "parse_shape_key", "set_gemv_configs", "tuned_linear",
 ]

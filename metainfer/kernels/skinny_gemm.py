@@ -37,7 +37,7 @@ from ._triton import (
     tl,
     triton,
 )
-from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel
+from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel, parse_shape_key
 
 MAX_ROWS = 64
 # Programs a launch aims for when its config leaves split_k to the shape (split_k=0): two per SM
@@ -80,20 +80,26 @@ def skinny_table_key(n: int, k: int, block_m: int) -> str:
     return f"{n}x{k}/m{block_m}"
 
 
+def _parse_skinny_key(key) -> tuple[int, int, int]:
+    """(N, K, BLOCK_M) from 'NxK/mB' or an (N, K, B) triple; B is a padded row count: 16, 32 or 64."""
+    if isinstance(key, str) and "/m" in key:
+        shape, _, bucket = key.partition("/m")
+        block_m = int(bucket) if bucket.strip().isdigit() else None
+    elif isinstance(key, tuple | list) and len(key) == 3:
+        shape, block_m = tuple(key[:2]), key[2]
+    else:
+        shape, block_m = None, None
+    if block_m not in (16, 32, 64) or isinstance(block_m, bool) or shape is None:
+        raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' or (N, K, B) with B in 16/32/64, got {key!r}")
+    return (*parse_shape_key(shape), block_m)
+
+
 def parse_skinny_table(table: Mapping) -> dict[tuple[int, int, int], SkinnyConfig]:
-    """A per-(shape, row bucket) table ("NxK/mBLOCK_M" -> config or its dict, as skinny_bench.sweep
-    gives it), validated: bad keys or configs raise ValueError."""
+    """A per-(shape, row bucket) table ("NxK/mBLOCK_M" or (N, K, BLOCK_M) -> config or its dict, as
+    skinny_bench.sweep gives it), validated: bad keys or configs raise ValueError."""
     if not isinstance(table, Mapping):
         raise ValueError(f"a skinny GEMM table must be a mapping, got {type(table).__name__}")
-    out = {}
-    for key, value in table.items():
-        shape, _, bucket = str(key).partition("/m")
-        dims = shape.split("x")
-        if not (len(dims) == 2 and all(d.isdigit() and int(d) > 0 for d in dims) and bucket.isdigit()
-                and int(bucket) in (16, 32, 64)):
-            raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' with B in 16/32/64, got {key!r}")
-        out[(int(dims[0]), int(dims[1]), int(bucket))] = SkinnyConfig.from_any(value)
-    return out
+    return {_parse_skinny_key(key): SkinnyConfig.from_any(value) for key, value in table.items()}
 
 
 # Per-GPU tables chosen by `skinny_bench.sweep()` (the JSON is in docs/results/): the engine sends a
