@@ -17,7 +17,8 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   sampler    the torch sampler against the one-pass Gumbel-max kernel (the default on CUDA)
   gemm_rows  the decode set through cuBLAS at 1-256 rows, the untuned skinny GEMM beside it
   skinny_sweep  skinny GEMM configs per (shape, row bucket); the decode set with the winners
-  ab         session 7's A/B in one engine: GEMV first-tile preload (bs1), skinny GEMM on/off (4-32 rows)
+  ab         session 7's A/B in one engine: GEMV first-tile preload with and without PDL and two GEMV
+             launch shapes (bs1), skinny GEMM on/off (4-32 rows)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 
@@ -446,13 +447,15 @@ def ab(args):
     then bs1 (default measured first and last: the run's own noise) and batches of 4-32 rows.
     bs1: the GEMV's first weight tile before the PDL wait (GemvConfig.preload, on every shape in the
     shipped table since run 21) against none and against the down projection's alone, and two other
-    launch shapes under PDL + preload (not yet run: prepared in session 7); rows: the
+    launch shapes under PDL + preload, and the plain loop against the peeled kernel with every kernel
+    off PDL (the run-24 lead; these four not yet run: prepared in session 7); rows: the
     tuned skinny GEMM (the default) against cuBLAS, and this run's swept table if skinny_sweep ran."""
+    import functools
     from dataclasses import replace
 
     from metainfer.bench.latency import run_latency
-    from metainfer.kernels import select_ops
-    from metainfer.kernels.gemv import TUNED_CONFIGS, GemvConfig
+    from metainfer.kernels import select_ops, with_linear
+    from metainfer.kernels.gemv import TUNED_CONFIGS, GemvConfig, linear_engine, parse_gemv_table
     from metainfer.layers.linear import bind_kernel_linears
 
     folder = model_dir(args)
@@ -460,6 +463,8 @@ def ab(args):
     runner = llm.llm_engine.runner
     gpu, dev, pdl = torch.cuda.get_device_name(), runner.device, runner.ops.pdl
     shipped = TUNED_CONFIGS[gpu]
+    if not pdl:  # tuned_linear drops preload without PDL: the preload variants would all be one kernel
+        return {"skipped": "needs programmatic dependent launch (METAINFER_DISABLE_PDL unset, sm_90+)"}
 
     def preload(keys, **overrides):
         """The shipped table with preload on `keys` only; `overrides` ("NxK" -> config fields) replace
@@ -472,7 +477,7 @@ def ab(args):
         runner._capture_cudagraphs()
         return {f"bs{b}": run_latency(llm, batch_size=b, input_len=32, output_len=128, iters=iters) for b in batches}
 
-    res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes}
+    res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes, "pdl": pdl}
     bs1_variants = [("default", runner.ops),
                     ("gemv_no_preload", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set()))),
                     ("gemv_preload_down_only", select_ops(dev, gpu_name=gpu, pdl=pdl,
@@ -484,6 +489,12 @@ def ab(args):
                                          for key in ("6144x4096", "24576x4096", "151936x4096")}))),
                     ("gemv_8_rows_o_down", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
                         set(shipped), **{key: {"block_n": 8} for key in ("4096x4096", "4096x12288")}))),
+                    # without PDL: the plain loop (what tuned_linear picks) against the peeled kernel (the
+                    # lead of run 24), bypassing tuned_linear; every kernel of these two sets without PDL
+                    ("no_pdl_plain", select_ops(dev, gpu_name=gpu)),
+                    ("no_pdl_preload", with_linear(select_ops(dev, gpu_name=gpu),
+                                                   functools.partial(linear_engine, table=parse_gemv_table(shipped),
+                                                                     pdl=False), parse_gemv_table(shipped))),
                     ("default_again", runner.ops)]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]

@@ -459,6 +459,10 @@ def test_select_ops_gemm_by_gpu_name():
     assert any(cfg.preload for cfg in shipped.values())
     # without PDL the first-tile preload is dropped (nothing to hide it behind)
     assert chosen.keywords == {"table": {s: replace(c, preload=False) for s, c in shipped.items()}, "pdl": False}
+    no_pdl = select_ops("cuda", gpu_name="NVIDIA H200")
+    assert no_pdl.silu_mul_linear.keywords["table"] is no_pdl.linear.keywords["base"].keywords["table"]
+    folded = select_ops("cuda", gpu_name="NVIDIA H200", fuse_norm=True)
+    assert folded.norm_linear.keywords["table"] == chosen.keywords["table"]  # the fused GEMVs drop it too
     with_pdl = select_ops("cuda", gpu_name="NVIDIA H200", pdl=True).linear.keywords["base"]
     assert with_pdl.keywords == {"table": shipped, "pdl": True}
     assert select_ops("cuda").linear is gemv.linear_ref  # no name: cuBLAS, and no CUDA call

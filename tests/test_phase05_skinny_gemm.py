@@ -138,7 +138,7 @@ def test_linear_with_skinny_takes_only_the_tables_entries():
 
     table = parse_skinny_table({"32x64/m16": {"block_n": 16, "block_k": 32, "split_k": 2},
                                 (48, 64, 32): SkinnyConfig(block_n=16, block_k=16)})
-    assert parse_skinny_table({" 32X64 /m16": {}}) == {(32, 64, 16): SkinnyConfig()}  # the GEMV keys' leniency
+    assert parse_skinny_table({" 32X64 /M16": {}}) == {(32, 64, 16): SkinnyConfig()}  # the GEMV keys' leniency
     w32, w48 = torch.randn(32, 64, device=DEVICE), torch.randn(48, 64, device=DEVICE)
     for rows, w, to_base in ((5, w32, False), (16, w32, False), (17, w32, True), (20, w48, False), (8, w48, True)):
         calls.clear()
@@ -150,7 +150,8 @@ def test_linear_with_skinny_takes_only_the_tables_entries():
 
 @pytest.mark.parametrize("table", [{"32x64": {}}, {"32x64/m8": {}}, {"0x64/m16": {}}, {"32x64/m16": {"bogus": 1}},
                                    {"32x64/m16": {"block_n": 3}}, {"32x64/m16": "64x128"}, [("32x64/m16", {})],
-                                   {(32, 64, 8): {}}, {(32, 64, True): {}}, {(32, 64): {}}, {"32x/m16": {}}])
+                                   {(32, 64, 8): {}}, {(32, 64, True): {}}, {(32, 64, 16.0): {}}, {(32, 64): {}},
+                                   {"32x/m16": {}}])
 def test_bad_skinny_tables_raise(table):
     from metainfer.kernels.skinny_gemm import parse_skinny_table
 

@@ -73,7 +73,8 @@ def with_linear(ops: KernelOps, linear: Callable = linear_ref, gemv_table: Mappi
     """`ops` with its GEMM set to `linear` and the fused linears bound to it: the unfused compositions
     of ops' own kernels, or with `gemv_table` (parsed, (N, K) -> GemvConfig) the Triton GEMVs with
     the norm (`fuse_norm`) / the activation (`fuse_activation`) folded in for the shapes that table
-    tunes."""
+    tunes, with the table's configs as given (a `preload` in it is honoured even when ops.pdl is
+    False; `select_ops` goes through `tuned_linear`, which drops it then)."""
     norm_linear = functools.partial(norm_linear_unfused, rms_norm=ops.rms_norm,
                                     add_rms_norm=ops.fused_add_rms_norm, linear=linear)
     silu_mul_linear = functools.partial(silu_mul_linear_unfused, silu_and_mul=ops.silu_and_mul, linear=linear)
@@ -125,7 +126,8 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
     table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS), cuBLAS otherwise;
-    `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict) replaces that table (an empty one:
+    `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict; its `preload` kept only with `pdl`) replaces
+    that table (an empty one:
     cuBLAS for every shape, but the rows the skinny GEMM takes, below). With a table,
     `fuse_activation` folds SiLU-and-mul into the down GEMV and
     `fuse_norm` the RMSNorms into the GEMVs after them (kernels/fused_linear.py). Defaults from the
@@ -136,7 +138,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     rotary and K/V store inside the decode attention launch; off by default, the two kernels
     composed (run 18 on the H200: fused 231.5 against 239.4 tok/s at bs1, the 256-row attention
     6.47 against 5.75 ms). `skinny_gemm` sends 3..64-row GEMMs to the tensor-core skinny GEMM
-    (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` ("NxK/mB" ->
+    (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` ("NxK/mB" or (N, K, B) ->
     config, e.g. a sweep's) or else of the GPU's tuned table; with neither it changes nothing (H200,
     run 21: batch 4 / 8 / 16 decode +5 / +8 / +2%). Selection makes no CUDA call."""
     device = torch.device(device)

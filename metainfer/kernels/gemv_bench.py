@@ -229,7 +229,7 @@ def decode_set_weights(shapes, counts, generator, device, dtype=torch.bfloat16):
     order over them (per layer every shape with a count > 1, then the shapes used once)."""
     weights = {nm: [torch.randn(*shapes[nm], generator=generator, device=device, dtype=dtype)
                     for _ in range(counts.get(nm, 1))] for nm in shapes}
-    layers = max(counts.values())
+    layers = max(counts.values(), default=0)
     order = [(nm, i) for i in range(layers) for nm in shapes if i < counts.get(nm, 1) and counts.get(nm, 1) > 1]
     order += [(nm, 0) for nm in shapes if counts.get(nm, 1) <= 1]
     return weights, order

@@ -81,17 +81,20 @@ def skinny_table_key(n: int, k: int, block_m: int) -> str:
 
 
 def _parse_skinny_key(key) -> tuple[int, int, int]:
-    """(N, K, BLOCK_M) from 'NxK/mB' or an (N, K, B) triple; B is a padded row count: 16, 32 or 64."""
-    if isinstance(key, str) and "/m" in key:
-        shape, _, bucket = key.partition("/m")
-        block_m = int(bucket) if bucket.strip().isdigit() else None
-    elif isinstance(key, tuple | list) and len(key) == 3:
+    """(N, K, BLOCK_M) from 'NxK/mB' (any case, spaces allowed, as the GEMV's keys) or an (N, K, B)
+    triple of ints; B is a padded row count: 16, 32 or 64."""
+    shape = block_m = None
+    if isinstance(key, str):
+        shape, sep, bucket = key.lower().partition("/m")
+        block_m = int(bucket) if sep and bucket.strip().isdigit() else None
+    elif isinstance(key, tuple | list) and len(key) == 3 and isinstance(key[2], int) and not isinstance(key[2], bool):
         shape, block_m = tuple(key[:2]), key[2]
-    else:
-        shape, block_m = None, None
-    if block_m not in (16, 32, 64) or isinstance(block_m, bool) or shape is None:
+    if block_m not in (16, 32, 64):
         raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' or (N, K, B) with B in 16/32/64, got {key!r}")
-    return (*parse_shape_key(shape), block_m)
+    try:
+        return (*parse_shape_key(shape), block_m)
+    except ValueError as exc:
+        raise ValueError(f"bad skinny GEMM table key {key!r}: {exc}") from None
 
 
 def parse_skinny_table(table: Mapping) -> dict[tuple[int, int, int], SkinnyConfig]:
