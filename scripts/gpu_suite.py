@@ -482,11 +482,11 @@ def ab(args):
                     ("gemv_no_preload", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set()))),
                     ("gemv_preload_down_only", select_ops(dev, gpu_name=gpu, pdl=pdl,
                                                           gemv_table=preload({"4096x12288"}))),
-                    # other launch shapes under PDL + preload: 8-row programs for the 4-row shapes (fewer,
-                    # larger programs), 8-row o_proj / down (512 programs instead of 256)
-                    ("gemv_8_rows_wide_shapes", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
-                        set(shipped), **{key: {"block_n": 8, "num_warps": 8}
-                                         for key in ("6144x4096", "24576x4096", "151936x4096")}))),
+                    # other launch shapes under PDL + preload: 8-row, 4-warp programs for gate_up and the LM
+                    # head (run 14's isolated sweep winner there; runs 3-4 preferred 4 rows), 8-row o_proj /
+                    # down (512 programs instead of 256)
+                    ("gemv_8_rows_gate_up_lm_head", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
+                        set(shipped), **{key: {"block_n": 8} for key in ("24576x4096", "151936x4096")}))),
                     ("gemv_8_rows_o_down", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
                         set(shipped), **{key: {"block_n": 8} for key in ("4096x4096", "4096x12288")}))),
                     # without PDL: the plain loop (what tuned_linear picks) against the peeled kernel (the
