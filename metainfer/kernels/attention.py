@@ -8,7 +8,8 @@ Contracts (docs/CONTRACTS.md):
   block_tables, max_seqlen_q: int, scale) -> o[T,Hq,D]`: the q_len new tokens of sequence b are the
   last of its context_lens[b] stored tokens; query i sits at position context_len - q_len + i and
   attends causally. One kernel covers plain prefill, prefix-cache hits and chunked prefill.
-GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype.
+GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype. The cache holds
+q's dtype or fp8 (kernels/kv_cache.py): fp8 K/V are widened to q's dtype as they are loaded.
 
 Both Triton kernels gather K/V token by token through the block table (physical row =
 block_tables[b, t // S] * S + t % S), so every block size works, including 1.
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .kv_cache import cast_to_cache, check_cache_dtype
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -287,10 +289,10 @@ def _decode_split_kernel(
         in_page = tok % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
         # V's load in flight with K's: one memory round trip a tile instead of two
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
@@ -312,17 +314,17 @@ def _decode_split_kernel(
             one = tl.zeros([1], dtype=tl.int32)  # the token as a [1, BLOCK_D] row
             new_mask = (one == 0)[:, None] & d_mask[None, :]
             xk, xkp = _load_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM + one[:, None], d, partner, new_mask)
-            k_new = _norm_rope(xk, xkp, k_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot, HEAD_DIM, HAS_K_NORM,
-                               dtype).to(k_cache_ptr.dtype.element_ty)
+            k_new = cast_to_cache(_norm_rope(xk, xkp, k_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot,
+                                             HEAD_DIM, HAS_K_NORM, dtype), k_cache_ptr)
             v_src = qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + one[:, None]
-            v_new = tl.load(v_src + d[None, :], mask=new_mask, other=0.0).to(v_cache_ptr.dtype.element_ty)
+            v_new = cast_to_cache(tl.load(v_src + d[None, :], mask=new_mask, other=0.0), v_cache_ptr)
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
             l_i = l_i * alpha + p_new
-            if USE_DOT:  # the loop's P @ V takes p in the cache dtype
-                p_new = p_new.to(v_new.dtype).to(tl.float32)
+            if USE_DOT:  # the loop's P @ V takes p in q's dtype
+                p_new = p_new.to(dtype).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
             m_i = m_new
             page = slot // BLOCK_SIZE
@@ -436,8 +438,7 @@ def _default_decode_counters(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def _check_attention_inputs(q, k_cache, v_cache) -> None:
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q {q.dtype} and KV cache {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    check_cache_dtype(q.dtype, k_cache, v_cache, "q")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride")
@@ -520,8 +521,7 @@ def paged_decode_attention_qkv_triton(
     batch = qkv.shape[0]
     cos_sin = _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
                                  num_kv_heads, head_dim)
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
-        raise ValueError(f"qkv {qkv.dtype} and KV cache {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+    check_cache_dtype(qkv.dtype, k_cache, v_cache, "qkv")
     prep = (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, float(eps))
     return _launch_decode(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, k_cache, v_cache,
                           block_tables, context_lens, scale, prep, max_num_splits=max_num_splits,
@@ -628,7 +628,7 @@ def _prefill_tile(
     in_page = tok % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
     if CAUSAL_MASK:
         s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
@@ -637,7 +637,7 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

@@ -3,6 +3,10 @@
 Contract: `store_kv(k[T,Hk,D], v[T,Hk,D], k_cache[N,S,Hk,D], v_cache, slot_mapping i32[T])`
 writes cache[slot // S, slot % S] = k/v; slot -1 marks padding and is skipped. k and v may be
 strided views of the fused qkv output (token stride != Hk*D).
+
+The cache dtype is the model's or fp8 (`float8_e4m3fn`, `kv_cache_dtype="fp8"`): values are cast
+with a unit scale after clamping to the fp8 range (+-448), so an outlier saturates instead of
+becoming NaN. Readers widen fp8 K/V to the query's dtype before any product (`widen_kv`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,47 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache dtype: fp8 clamps to +-448 first (the Triton kernels' `cast_to_cache`)."""
+    if dtype == FP8_KV_DTYPE:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+def check_cache_dtype(compute_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> None:
+    """The caches hold `compute_dtype` or fp8 (both the same)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (compute_dtype, FP8_KV_DTYPE):
+        raise ValueError(f"{name} {compute_dtype} and KV cache {k_cache.dtype}/{v_cache.dtype}: the cache must hold "
+                         f"{name}'s dtype or {FP8_KV_DTYPE} (both caches the same)")
+
+
+@triton.jit
+def _round_to_fp8_grid(x):
+    """fp32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), still fp32, so
+    that the cast after it is exact. Why not let the cast round: Triton 3.6's interpreter drops the
+    carry when rounding crosses a power of two (31.5 -> 16), and CI checks these kernels there."""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal range: keep 3 of fp32's 23 mantissa bits, round to nearest even (a carry bumps the exponent)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # subnormal range (|x| < 2^-6): |x| to a multiple of 2^-9 by the fp32 add of 1.5 * 2^14 (ulp 2^-9),
+    # then x's sign (-0.0 included)
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, tl.where(x == x, normal, x))
+
+
+@triton.jit
+def cast_to_cache(x, cache_ptr):
+    """x in the dtype of cache_ptr's elements; fp8 clamps to +-448 first (as to_cache_dtype)."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype == tl.float8e4nv:
+        x = _round_to_fp8_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x.to(dtype)
 
 
 def store_kv_ref(
@@ -23,8 +68,8 @@ def store_kv_ref(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(k[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(v[valid], v_cache.dtype)
 
 
 @triton.jit
@@ -51,8 +96,8 @@ def _store_kv_kernel(
         dst_v = block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + dims[None, :]
         k = tl.load(k_ptr + src_k, mask=mask)
         v = tl.load(v_ptr + src_v, mask=mask)
-        tl.store(k_cache_ptr + dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst_k, cast_to_cache(k, k_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + dst_v, cast_to_cache(v, v_cache_ptr), mask=mask)
 
 
 def store_kv_triton(

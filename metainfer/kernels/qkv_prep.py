@@ -24,7 +24,7 @@ transformers does in the model's dtype:
 RMSNorm `n = (x_fp32 * rsqrt(mean(x^2)+eps)).to(dtype)`, `y = (n * w).to(dtype)`; rotary with
 `c, s = cos.to(dtype), sin.to(dtype)`, `out1 = (round(x1*c) - round(x2*s)).to(dtype)`,
 `out2 = (round(x2*c) + round(x1*s)).to(dtype)` (all products computed in fp32; in fp32 every
-rounding is a no-op). The cache gets the rounded k (then cast to the cache dtype), as store_kv.
+rounding is a no-op). The cache gets the rounded k (then cast to the cache dtype, fp8 clamped), as store_kv.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import store_kv_ref
+from .kv_cache import cast_to_cache, store_kv_ref
 from .rms_norm import rms_norm_ref
 from .rotary import rotary_neox_ref
 
@@ -191,8 +191,8 @@ def _qk_norm_rope_store_kernel(
             v = tl.load(v_src, mask=mask)
             k_dst = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h
             v_dst = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h
-            tl.store(k_dst + dims[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_dst + dims[None, :], cast_to_cache(k, k_cache_ptr), mask=mask)
+            tl.store(v_dst + dims[None, :], cast_to_cache(v, v_cache_ptr), mask=mask)
 
 
 # Programs the default split aims for: about one per SM of a large GPU (132 on the H200).

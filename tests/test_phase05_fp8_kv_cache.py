@@ -1,0 +1,186 @@
+"""fp8 KV cache (`kv_cache_dtype="fp8"`): float8_e4m3fn K/V with a unit scale, clamped to +-448.
+
+The writers (store_kv, qk_norm_rope_store, the fused decode) must put the same fp8 bits into the
+cache as the torch reference's cast; the readers (decode split / one-pass, prefill / extend) must
+attend over the widened fp8 values as the torch references do, and the references themselves
+must equal a float64 softmax over the dequantised K/V. The engine with an fp8 cache must fit
+twice the blocks of a 16-bit cache in the same bytes and stay close to the 16-bit cache's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels import (
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    paged_prefill_attention_ref,
+    paged_prefill_attention_triton,
+    qk_norm_rope_store_ref,
+    qk_norm_rope_store_triton,
+    store_kv_ref,
+    store_kv_triton,
+)
+from metainfer.kernels._triton import tl
+from metainfer.kernels._triton import triton as triton_jit
+from metainfer.kernels.attention import paged_decode_attention_qkv_ref, paged_decode_attention_qkv_triton
+from metainfer.kernels.kv_cache import FP8_KV_DTYPE, FP8_MAX, cast_to_cache, check_cache_dtype, to_cache_dtype
+from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
+from tests.test_phase05_attention_kernels import (
+    DECODE_CONTEXTS,
+    PREFILL_SEQS,
+    _close,
+    _prefill_inputs,
+    _randn,
+    _store_kv_inputs,
+    make_paged_batch,
+    naive_attention,
+)
+from tests.test_phase05_decode_qkv import _case, _clone
+
+triton = pytest.importorskip("triton")
+
+
+def _to_fp8(batch):
+    """The paged batch with fp8 caches; dense K/V replaced by the fp8 values they now hold."""
+    batch.k_cache, batch.v_cache = to_cache_dtype(batch.k_cache, FP8_KV_DTYPE), to_cache_dtype(batch.v_cache,
+                                                                                               FP8_KV_DTYPE)
+    batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
+    batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
+    return batch
+
+
+def test_to_cache_dtype_saturates_and_rounds_to_nearest():
+    x = torch.tensor([1000.0, -1000.0, 448.0, 0.3, -0.0, 1e-4, float("nan")])
+    out = to_cache_dtype(x, FP8_KV_DTYPE).float()
+    assert out[:3].tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX], "out-of-range values saturate, not NaN"
+    assert out[3].item() == 0.3125, "0.3 rounds to the nearest e4m3 value"
+    assert torch.isnan(out[-1]), "NaN stays NaN"
+    assert to_cache_dtype(x, torch.float16).dtype == torch.float16  # other dtypes: a plain cast
+
+
+@triton_jit.jit
+def _cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(y_ptr + i, cast_to_cache(tl.load(x_ptr + i), y_ptr))
+
+
+@pytest.mark.parametrize("dtype", REF_DTYPES)
+def test_triton_cast_to_fp8_bits_equal_torch(dtype):
+    """Every finite fp8 value, every midpoint between neighbours (ties to even) and its fp32
+    neighbours, random values at two scales, out-of-range values and signed zeros: the kernels'
+    cast must give torch's bits (compiled: the hardware's; interpreted: no reliance on the
+    interpreter's rounding, which drops carries)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
+    grid = grid[~grid.isnan()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([grid, mids, mids.nextafter(up), mids.nextafter(down), torch.randn(2048, generator=gen) * 50,
+                   torch.randn(2048, generator=gen) * 0.01, torch.tensor([500.0, -470.0, 449.0, 1e-9, -0.0, 0.0])])
+    x = torch.cat([x, torch.zeros(-x.numel() % 256)]).to(dtype).to(DEVICE)
+    y = torch.empty(x.numel(), dtype=FP8_KV_DTYPE, device=DEVICE)
+    _cast_kernel[(x.numel() // 256,)](x, y, N=256)
+    expected = to_cache_dtype(x.cpu(), FP8_KV_DTYPE)
+    bad = y.cpu().view(torch.uint8) != expected.view(torch.uint8)
+    assert not bad.any(), f"{int(bad.sum())} casts differ, e.g. {x.cpu()[bad][:4].tolist()}"
+
+
+def test_check_cache_dtype_names_the_mismatch():
+    q16 = torch.float16
+    check_cache_dtype(q16, torch.empty(0, dtype=q16), torch.empty(0, dtype=q16), "q")
+    check_cache_dtype(q16, torch.empty(0, dtype=FP8_KV_DTYPE), torch.empty(0, dtype=FP8_KV_DTYPE), "q")
+    with pytest.raises(ValueError, match="KV cache"):
+        check_cache_dtype(q16, torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.float32), "q")
+    with pytest.raises(ValueError, match="both caches"):
+        check_cache_dtype(q16, torch.empty(0, dtype=FP8_KV_DTYPE), torch.empty(0, dtype=q16), "q")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_kv_fp8_bits_equal_reference(dtype, block_size):
+    k, v, k_cache, v_cache, slots = _store_kv_inputs(dtype, block_size, DEVICE)
+    k = k * 300  # some values beyond 448: they must saturate in both
+    v = v * 300
+    k_cache, v_cache = to_cache_dtype(k_cache, FP8_KV_DTYPE), to_cache_dtype(v_cache, FP8_KV_DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    store_kv_triton(k, v, k_cache, v_cache, slots)
+    assert (k_ref.float().abs() == FP8_MAX).any(), "the case must exercise saturation"
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+def test_decode_ref_fp8_matches_naive_over_dequantised_kv():
+    batch = _to_fp8(make_paged_batch(DECODE_CONTEXTS, 16, 2, 64, torch.float32, device="cpu"))
+    q = _randn(len(DECODE_CONTEXTS), 8, 64, seed=5)
+    out = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    for b, length in enumerate(DECODE_CONTEXTS):
+        if length:
+            expected = naive_attention(q[b : b + 1], batch.dense_k[b], batch.dense_v[b], 0.125, length - 1)[0]
+            torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("launch", [(1, 16), (3, 16), (32, 16)], ids=["one-pass", "split3", "split32"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 2, 128, 16), (8, 1, 64, 32)])
+def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, launch):
+    max_num_splits, block_n = launch
+    contexts = DECODE_CONTEXTS + [300]
+    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype))
+    q = _randn(len(contexts), group * hk, head_dim, dtype=dtype, seed=5, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+    expected = paged_decode_attention_ref(*args)
+    out = paged_decode_attention_triton(*args, max_num_splits=max_num_splits, block_n=block_n, min_split_tokens=16)
+    assert out.dtype == dtype
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 1)])
+def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype):
+    """Plain prefill, prefix-cache hits / chunked prefill (q_len < context) and a one-token extend."""
+    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
+    batch = _to_fp8(batch)
+    args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, head_dim**-0.5)
+    expected = paged_prefill_attention_ref(*args)
+    out = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
+    _close(out, expected, dtype)
+    for b, (q_len, length) in enumerate(PREFILL_SEQS):
+        s, e = int(cu[b]), int(cu[b + 1])
+        naive = naive_attention(q[s:e].cpu(), batch.dense_k[b], batch.dense_v[b], head_dim**-0.5, length - q_len)
+        _close(expected[s:e], naive, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
+    a = _case([5, 17, 40], 4, 2, 64, 64, True, 16, dtype)
+    a["k_cache"], a["v_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE), to_cache_dtype(a["v_cache"], FP8_KV_DTYPE)
+    names = ("qkv", "positions", "cos_sin", "q_norm_w", "k_norm_w", "eps", "k_cache", "v_cache", "slot_mapping",
+             "num_q_heads", "num_kv_heads", "head_dim")
+    ref, tri = _clone(a), _clone(a)
+    qk_norm_rope_store_ref(*(ref[n] for n in names))
+    qk_norm_rope_store_triton(*(tri[n] for n in names))
+    for name in ("k_cache", "v_cache"):
+        same = tri[name].view(torch.uint8) == ref[name].view(torch.uint8)
+        assert same.float().mean().item() >= 0.999, name  # rare 1-ulp flips of the normed k before the cast
+    assert torch.equal(tri["v_cache"].view(torch.uint8), ref["v_cache"].view(torch.uint8)), "v is cast as projected"
+
+
+@pytest.mark.parametrize("launch", [(1, None), (3, None), (32, 16)], ids=["one-pass", "split3", "split32"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_fused_decode_fp8_matches_composed_reference(dtype, launch):
+    """The fused launch stores this step's K/V as fp8 and attends to the stored (rounded) k/v."""
+    max_num_splits, block_n = launch
+    a = _case([1, 17, 33, 70, 0], 4, 2, 64, 64, True, 16, dtype)
+    a["k_cache"], a["v_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE), to_cache_dtype(a["v_cache"], FP8_KV_DTYPE)
+    fused, ref = _clone(a), {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _clone(a).items()}
+    out = paged_decode_attention_qkv_triton(**fused, max_num_splits=max_num_splits, block_n=block_n,
+                                            min_split_tokens=16)
+    expected = paged_decode_attention_qkv_ref(**ref)
+    for name in ("k_cache", "v_cache"):
+        got, want = fused[name].cpu().view(torch.uint8), ref[name].view(torch.uint8)
+        assert (got == want).float().mean().item() >= 0.999, name
+    assert not torch.isnan(out).any()
+    _close(out, expected, dtype)
