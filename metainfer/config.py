@@ -133,6 +133,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "half": torch.float16, "float": torch.float32}
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto` is the model dtype; `fp8` / `fp8_e4m3` is float8_e4m3fn (kernels/kv_cache.py)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def resolve_dtype(dtype: str | torch.dtype, spec_dtype: str, device: torch.device) -> torch.dtype:
     """`auto` is the checkpoint's dtype on CUDA and fp32 on the CPU (CPU bf16 matmuls are slow)."""
     if isinstance(dtype, torch.dtype):
@@ -163,6 +175,9 @@ class EngineConfig:
 
     model: str
     dtype: str | torch.dtype = "auto"
+    # "auto": the model dtype; "fp8" (= "fp8_e4m3"): float8_e4m3fn K/V with a unit scale, half the
+    # bytes of a 16-bit cache (twice the blocks, half the decode attention's reads)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -185,6 +200,7 @@ class EngineConfig:
     gguf_file: str | None = None
     torch_device: torch.device | None = None
     torch_dtype: torch.dtype | None = None
+    torch_kv_cache_dtype: torch.dtype | None = None
 
     def finalize(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -214,6 +230,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
+        self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:

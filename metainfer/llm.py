@@ -16,9 +16,11 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False,
-                 load_format: str = "auto", seed: int = 0, tokenizer: str | None = None, **kwargs):
+                 load_format: str = "auto", seed: int = 0, tokenizer: str | None = None,
+                 kv_cache_dtype: str = "auto", **kwargs):
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, tensor_parallel_size=tensor_parallel_size,
+            model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+            tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,

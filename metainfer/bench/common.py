@@ -98,5 +98,6 @@ def run_on_engine(name: str, args, engine_kwargs, measure) -> dict:
     finally:
         llm.close()
     record.update({"bench": name, "model": args.model, "startup_s": startup, "tp": args.tp,
-                   "enforce_eager": args.enforce_eager, "env": environment()})
+                   "enforce_eager": args.enforce_eager, "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+                   "env": environment()})
     return record

@@ -109,6 +109,7 @@ class ModelRunner:
         self.config = config
         self.spec = config.spec
         self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.kv_dtype = config.torch_kv_cache_dtype
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.model = self._build_model()
@@ -167,7 +168,7 @@ class ModelRunner:
             load_weights(model, iterate_safetensors(cfg.model_dir))
 
     def _bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.spec.num_layers * self.block_size * self.num_kv_heads * self.spec.head_dim * elem
 
     def _decide_num_blocks(self) -> int:
@@ -231,7 +232,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, self.spec.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

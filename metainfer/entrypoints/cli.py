@@ -25,6 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--device", default=None, help="auto, cpu or cuda (default: cpu for the embedded model)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -43,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     model = args.model or default_model_path()
     device = args.device or ("cpu" if args.model is None else "auto")
-    return dict(model=model, device=device, dtype=args.dtype, tensor_parallel_size=args.tp,
+    return dict(model=model, device=device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                tensor_parallel_size=args.tp,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,

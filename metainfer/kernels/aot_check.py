@@ -42,7 +42,7 @@ def _cases(op: str):
     takes `pdl` (launch with programmatic dependent launch)."""
     from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm
 
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn  # fp8: kv_cache_dtype="fp8"
     cases = []
     if op == "rms_norm":
         for dtype, hidden in ((bf16, 4096), (fp32, 1000)):
@@ -71,13 +71,14 @@ def _cases(op: str):
                           lambda pdl, pos=pos, q=q, k=k, cache=cache, d=head_dim:
                           rotary.rotary_neox_triton(pos, q, k, cache, d, pdl=pdl)))
     elif op == "store_kv":
-        for dtype, hk, head_dim, block in ((bf16, 8, 128, 16), (fp32, 1, 64, 1)):
+        for dtype, hk, head_dim, block, cache_dtype in ((bf16, 8, 128, 16, bf16), (fp32, 1, 64, 1, fp32),
+                                                        (bf16, 8, 128, 16, fp8)):
             qkv = torch.zeros(4, (4 * hk + 2 * hk) * head_dim, dtype=dtype)
             k = qkv[:, 4 * hk * head_dim : 5 * hk * head_dim].view(4, hk, head_dim)
             v = qkv[:, 5 * hk * head_dim :].view(4, hk, head_dim)
-            cache = torch.zeros(2, 3, block, hk, head_dim, dtype=dtype)
+            cache = torch.zeros(2, 3, block, hk, head_dim, dtype=cache_dtype)
             slots = torch.zeros(4, dtype=torch.int32)
-            cases.append((f"store_kv {dtype} Hk={hk} D={head_dim} S={block}",
+            cases.append((f"store_kv {dtype} cache {cache_dtype} Hk={hk} D={head_dim} S={block}",
                           lambda pdl, k=k, v=v, c=cache, s=slots:
                           kv_cache.store_kv_triton(k, v, c[0], c[1], s, pdl=pdl)))
     elif op in ("decode", "prefill"):
@@ -87,15 +88,19 @@ def _cases(op: str):
             # batch-1 shape of Qwen3-8B (BLOCK_S 32, merge tiles of 8 splits)
             configs = [(bf16, 32, 8, 128, 16, 1), (bf16, 32, 8, 128, 16, 8), (bf16, 32, 8, 128, 16, 32),
                        (bf16, 32, 32, 128, 16, 8), (bf16, 16, 2, 64, 32, 8), (bf16, 8, 1, 128, 1, 8),
-                       (fp32, 8, 2, 128, 16, 8), (torch.float16, 8, 2, 64, 16, 32)]
+                       (fp32, 8, 2, 128, 16, 8), (torch.float16, 8, 2, 64, 16, 32),
+                       (bf16, 32, 8, 128, 16, 1, fp8), (bf16, 32, 8, 128, 16, 32, fp8)]
         else:
             configs = [(bf16, 32, 8, 128, 16, 16), (bf16, 32, 8, 128, 16, 2048), (bf16, 32, 32, 128, 1, 2048),
-                       (bf16, 16, 2, 64, 32, 2048), (bf16, 8, 2, 256, 16, 2048), (fp32, 8, 2, 128, 16, 2048)]
-        for dtype, hq, hk, head_dim, block, n in configs:
-            cache = torch.zeros(2, 4, block, hk, head_dim, dtype=dtype)
+                       (bf16, 16, 2, 64, 32, 2048), (bf16, 8, 2, 256, 16, 2048), (fp32, 8, 2, 128, 16, 2048),
+                       (bf16, 32, 8, 128, 16, 16, fp8), (bf16, 32, 8, 128, 16, 2048, fp8)]
+        for dtype, hq, hk, head_dim, block, n, *cache_dtype in configs:
+            cache_dtype = cache_dtype[0] if cache_dtype else dtype
+            cache = torch.zeros(2, 4, block, hk, head_dim, dtype=cache_dtype)
             tables = torch.zeros(2, 4096 // block, dtype=torch.int32)
             lens = torch.zeros(2, dtype=torch.int32)
-            tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}"
+            tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}" + (f" cache {cache_dtype}" if cache_dtype != dtype
+                                                                        else "")
             if op == "decode":
                 q = torch.zeros(2, hq, head_dim, dtype=dtype)
                 cases.append((f"decode {tag} splits<={n}",
@@ -147,12 +152,13 @@ def _cases(op: str):
             cases.append((f"silu_mul_gemv bf16 M={m} N={hidden} K={inter}",
                           lambda pdl, gu=gu, w=w: gemv.silu_mul_gemv_triton(gu, w, config=down, pdl=pdl)))
     elif op == "qk_prep":
-        for dtype, tokens, hq, hk, head_dim in ((bf16, 1, 32, 8, 128), (bf16, 64, 32, 8, 128), (fp32, 3, 4, 2, 64)):
+        for dtype, tokens, hq, hk, head_dim, cache_dtype in ((bf16, 1, 32, 8, 128, bf16), (bf16, 64, 32, 8, 128, bf16),
+                                                             (fp32, 3, 4, 2, 64, fp32), (bf16, 64, 32, 8, 128, fp8)):
             qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
-            cache = torch.zeros(2, 4, 16, hk, head_dim, dtype=dtype)
+            cache = torch.zeros(2, 4, 16, hk, head_dim, dtype=cache_dtype)
             pos, slots = torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int32)
             cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
-            cases.append((f"qk_norm_rope_store {dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
+            cases.append((f"qk_norm_rope_store {dtype} cache {cache_dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
                           lambda pdl, a=(qkv, pos, cos_sin, w, w, 1e-6, cache[0], cache[1], slots, hq, hk, head_dim):
                           qkv_prep.qk_norm_rope_store_triton(*a, pdl=pdl)))
     elif op == "sampling":

@@ -1,0 +1,98 @@
+"""The engine with an fp8 KV cache (`kv_cache_dtype="fp8"`) against HF transformers whose attention
+sees its cached K/V rounded to float8_e4m3fn (clamped to +-448, as the cache stores them): the same
+greedy tokens (fp32, CPU), under batching, chunked prefill, prefix-cache hits and preemption. The
+fp8 cache holds 4x the blocks of the fp32 cache in the same bytes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from metainfer import LLM, SamplingParams
+from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
+from tests.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+
+LENGTHS = [1, 7, 16, 33, 64, 100]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention over K/V rounded as the fp8 cache rounds them (an independent oracle: no
+    MetaInfer code)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(t):
+        return t.float().clamp(-448.0, 448.0).to(FP8).to(t.dtype)
+
+    return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from transformers import AttentionInterface
+
+    folder = str(tmp_path_factory.mktemp("qwen3-fp8kv"))
+    model = build_tiny_model(folder, "qwen3")
+    prompts = make_prompts(LENGTHS)
+    unrounded = hf_greedy(model, prompts, NEW_TOKENS)
+    AttentionInterface.register("fp8_kv_sdpa", _fp8_kv_attention)
+    model.set_attn_implementation("fp8_kv_sdpa")
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    # the oracle must tell an fp8 cache from a full-precision one, or the parity below proves nothing
+    assert sum(a != b for a, b in zip(unrounded, expected)) >= 3
+    return folder, prompts, expected, model
+
+
+def _generate(folder, prompts, **engine_kw):
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
+    assert llm.llm_engine.runner.kv_cache.dtype == FP8
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_fp8_cache_matches_hf_over_fp8_kv(reference):
+    folder, prompts, expected, model = reference
+    _, got = _generate(folder, prompts)
+    assert_matches_hf(model, prompts, got, expected)
+
+
+def test_fp8_cache_chunked_prefill_and_preemption(reference):
+    folder, prompts, expected, model = reference
+    llm, got = _generate(folder, prompts, max_num_batched_tokens=24, num_kv_blocks=20)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_matches_hf(model, prompts, got, expected)
+
+
+def test_fp8_cache_prefix_hits(reference):
+    folder, prompts, expected, model = reference
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    first = llm.generate([{"prompt_token_ids": prompts[4]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([{"prompt_token_ids": prompts[4]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.block_manager.prefix_hit_tokens >= 64 // 16 * 16 - 16, "the second run must hit the cache"
+    assert_matches_hf(model, [prompts[4]] * 2, [first, again], [expected[4]] * 2)
+
+
+def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
+    folder = reference[0]
+    budget = dict(device="cpu", dtype="float32", cpu_kv_cache_gib=2**-12, max_num_seqs=64)
+    full = LLM(folder, **budget).llm_engine.runner
+    fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
+    assert full.kv_cache.dtype == torch.float32 and fp8.kv_cache.dtype == FP8
+    assert fp8.num_blocks == 4 * full.num_blocks
+    assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
+
+
+def test_bad_kv_cache_dtype_names_the_field(reference):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(reference[0], device="cpu", dtype="float32", kv_cache_dtype="int4")
+
+
+def test_cli_flag_reaches_the_engine_kwargs():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(p.parse_args(["--model", "m"]))["kv_cache_dtype"] == "auto"
