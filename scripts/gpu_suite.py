@@ -348,8 +348,7 @@ def agreement(args):
     # HF's model (still resident) against gpu_memory_utilization
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
               num_kv_blocks=64)
-    copy_hf_weights(llm, hf16)
-    del hf16
+    copy_hf_weights(llm, hf16)  # hf16 stays for the fp8-cache engine below (16 GB; the fp32 model is gone)
     gc.collect()
     torch.cuda.empty_cache()
     ours = {"decode": teacher_forced_logits(llm, tokens, prompt_len, n),
@@ -359,11 +358,20 @@ def agreement(args):
         result[path] = {"ours_bf16_vs_hf_bf16": compare(logits, ref16),
                         "ours_bf16_vs_hf_fp32": compare(logits, ref32)}
     result["ours_decode_vs_ours_prefill"] = compare(ours["decode"], ours["prefill"])
+    del llm
+    gc.collect()
+    # the same weights with an fp8 KV cache (kv_cache_dtype="fp8"): what the rounded K/V cost
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+              num_kv_blocks=64, kv_cache_dtype="fp8")
+    copy_hf_weights(llm, hf16)
+    fp8 = teacher_forced_logits(llm, tokens, prompt_len, n)
+    result["decode_kv_fp8"] = {"ours_vs_hf_bf16": compare(fp8, ref16), "ours_vs_hf_fp32": compare(fp8, ref32),
+                               "ours_vs_ours_bf16_cache": compare(fp8, ours["decode"])}
     # the table's headline: decode path vs HF bf16
     result["top1_agreement"] = result["decode"]["ours_bf16_vs_hf_bf16"]["top1"]
     result["cosine_mean"] = result["decode"]["ours_bf16_vs_hf_bf16"]["cos_mean"]
     print(json.dumps(result, indent=1))
-    del llm, ours, ref16, ref32
+    del llm, ours, ref16, ref32, fp8, hf16
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -513,13 +521,13 @@ def ab(args):
     return res
 
 
-def _bench_llm(folder: str, **switches: str):
+def _bench_llm(folder: str, engine_kw: dict | None = None, **switches: str):
     """The suite's bf16 dummy-weight engine (max_model_len 4,096), built with A/B environment switches
-    (read once at engine build) set for the construction only."""
+    (read once at engine build) set for the construction only, and extra LLM keywords."""
     saved = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
     try:
-        return LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+        return LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=4096, **(engine_kw or {}))
     finally:
         for name, value in saved.items():
             if value is None:
@@ -540,9 +548,10 @@ def throughput(args):
     gc.collect()
     torch.cuda.empty_cache()
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
-    variants = {"no_skinny_gemm": {"METAINFER_SKINNY_GEMM": "0"}}  # 3-16-row GEMMs on cuBLAS
-    for name, switches in variants.items():
-        llm = _bench_llm(folder, **switches)
+    variants = {"no_skinny_gemm": ({"METAINFER_SKINNY_GEMM": "0"}, {}),  # 3-16-row GEMMs on cuBLAS
+                "kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
+    for name, (switches, engine_kw) in variants.items():
+        llm = _bench_llm(folder, engine_kw, **switches)
         other = run_throughput(llm, progress=False)
         res[name] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
         res[name]["decode_seconds"] = other["timeline"]["decode_seconds"]
@@ -550,6 +559,31 @@ def throughput(args):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    return res
+
+
+@section("kv_fp8")
+def kv_fp8(args):
+    """The latency figures with an fp8 KV cache (kv_cache_dtype="fp8"): batch 1 and 8, TTFT, and the
+    pool's block count against the bf16 cache's (the throughput section runs the fp8 throughput)."""
+    from metainfer.bench.latency import run_latency
+
+    llm = _bench_llm(model_dir(args), {"kv_cache_dtype": "fp8"})
+    res = {"bs1": run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3),
+           "ttft_1024": {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)["ttft_ms"]},
+           "bs8": run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2),
+           "bs64_ctx1024": run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1),
+           "num_kv_blocks": llm.llm_engine.runner.num_blocks}
+    print(json.dumps(res, indent=1, default=str))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _bench_llm(model_dir(args))  # the same long-context batch with the bf16 cache
+    res["bs64_ctx1024_bf16_cache"] = run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1)
+    print("bs64 ctx1024 bf16 cache", json.dumps(res["bs64_ctx1024_bf16_cache"], default=str))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
 
 
@@ -828,7 +862,7 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep",
+    for name in ("kv_fp8", "no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep",
                  "fused_sampler"):
         if name in tp and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
@@ -841,6 +875,18 @@ def table() -> str:
         if isinstance(v, dict) and "ms" in v:
             skinny = f"{v['skinny_ms']:.3f} (err {v['skinny_max_rel_err']:.1e})" if "skinny_ms" in v else "-"
             lines.append(f"| decode set at {key[1:]} rows: cuBLAS / skinny GEMM (ms) | {v['ms']:.3f} / {skinny} | | |")
+    kv8 = r.get("kv_fp8", {})
+    if "bs1" in kv8:
+        lines.append(f"| fp8 KV cache: bs1 / bs8 tok/s, TTFT ms | {kv8['bs1']['decode_tok_s']:.1f} / "
+                     f"{kv8['bs8']['decode_tok_s']:.0f}, {kv8['ttft_1024']['ttft_ms']:.1f} | | |")
+        bf16_cache, fp8_cache = kv8["bs64_ctx1024_bf16_cache"], kv8["bs64_ctx1024"]
+        lines.append(f"| bs64 ctx 1024 decode tok/s: bf16 / fp8 cache | {bf16_cache['decode_tok_s']:.0f} / "
+                     f"{fp8_cache['decode_tok_s']:.0f} | | |")
+    agr8 = r.get("agreement", {}).get("decode_kv_fp8")
+    if agr8:
+        a = agr8["ours_vs_hf_bf16"]
+        lines.append(f"| agreement, fp8 KV cache vs HF bf16: top-1 / cosine | {a['top1']:.3f} / "
+                     f"{a['cos_mean']:.5f} | | |")
     pb = r.get("profile_batch", {})
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
@@ -922,7 +968,7 @@ def main():
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv_prologue",
                                         "test_phase05_sampling_kernel", "test_phase05_decode_qkv",
-                                        "test_phase05_skinny_gemm")))
+                                        "test_phase05_skinny_gemm", "test_phase05_fp8_kv_cache")))
     # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()
