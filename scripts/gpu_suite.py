@@ -260,6 +260,49 @@ def attn_sweep(args):
     return res
 
 
+@section("attn_kv_dtype")
+def attn_kv_dtype(args):
+    """Decode attention alone with a bf16 and an fp8 KV cache at the Qwen3-8B heads (32 q, 8 kv,
+    D=128, block 16): the throughput bench's big steps (256 x context 600, 64 x 1,088) and batch 1 at
+    context 160 (the latency engine's table width: a split launch). fp8 launch variants (warps, stages,
+    block_n); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
+    import metainfer.kernels.attention as attn
+    from metainfer.kernels.gemv_bench import _time_graph
+    from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
+    res = {}
+    variants = [("default", {}), ("warps4_stages1", dict(num_warps=4, num_stages=1)),
+                ("warps4_stages3", dict(num_warps=4, num_stages=3)),
+                ("warps8_stages2", dict(num_warps=8, num_stages=2)), ("block_n32", dict(block_n=32))]
+    for batch, ctx in ((256, 600), (64, 1088), (1, 160)):
+        blocks = -(-ctx // bs)
+        tables = (torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks))
+        tables = torch.cat([tables, torch.full((batch, width - blocks), -1, device=dev, dtype=torch.int32)], 1)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(batch, hq, d, device=dev, dtype=bf16)
+        row = res.setdefault(f"b{batch}_ctx{ctx}", {})
+        for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
+            caches = [to_cache_dtype(torch.randn(2, batch * blocks, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
+                      for _ in range(layers)]
+            kv_bytes = batch * ctx * hk * d * 2 * caches[0].element_size()
+            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :blocks], lens,
+                                                  d ** -0.5)
+            for name, kw in variants if cache_name == "fp8" else variants[:1]:
+                def call(c, kw=kw, q=q, tables=tables, lens=lens):
+                    return attn.paged_decode_attention_triton(q, c[0], c[1], tables, lens, d ** -0.5, **kw)
+                err = (call(caches[0]).float() - ref).abs().max().item()
+                us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
+                row[f"{cache_name}_{name}"] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1),
+                                               "max_err": err}
+                print(f"b{batch} ctx{ctx} {cache_name} {name}: {us:.2f} us, {kv_bytes / us / 1e3:.0f} GB/s, "
+                      f"err {err:.2e}", flush=True)
+            del caches
+        torch.cuda.empty_cache()
+    return res
+
+
 @section("graphs")
 def graphs(args):
     """fp32 small model: graph replay must reproduce eager greedy tokens exactly."""
@@ -451,19 +494,18 @@ def skinny_sweep(args):
 
 @section("ab")
 def ab(args):
-    """Session 7's A/B in one engine: every variant's ops bound to the model and the graphs re-captured,
-    then bs1 (default measured first and last: the run's own noise) and batches of 4-32 rows.
-    bs1: the GEMV's first weight tile before the PDL wait (GemvConfig.preload, on every shape in the
-    shipped table since run 21) against none and against the down projection's alone, and two other
-    launch shapes under PDL + preload, and the plain loop against the peeled kernel with every kernel
-    off PDL (the run-24 lead; these four not yet run: prepared in session 7); rows: the
-    tuned skinny GEMM (the default) against cuBLAS, and this run's swept table if skinny_sweep ran."""
-    import functools
+    """A/B in one engine: every variant's ops bound to the model and the graphs re-captured, then bs1
+    (default and the lead variant each measured twice, interleaved: the run's own noise) and, if
+    skinny_sweep ran, batches of 4-32 rows with its table against the shipped one.
+    bs1 (session 8): run 25's lead, 8-row 4-warp GEMV programs for gate_up and the LM head under PDL +
+    preload (245.2 against 240.5 / 241.1), again, and split into its parts, and with qkv too.
+    (Measured and retired: the preload on none / down only, 8-row o_proj / down (215 tok/s), the
+    no-PDL plain loop vs the peeled kernel: runs 21-25, docs/PERFORMANCE.md.)"""
     from dataclasses import replace
 
     from metainfer.bench.latency import run_latency
-    from metainfer.kernels import select_ops, with_linear
-    from metainfer.kernels.gemv import TUNED_CONFIGS, GemvConfig, linear_engine, parse_gemv_table
+    from metainfer.kernels import select_ops
+    from metainfer.kernels.gemv import TUNED_CONFIGS, GemvConfig
     from metainfer.layers.linear import bind_kernel_linears
 
     folder = model_dir(args)
@@ -486,31 +528,26 @@ def ab(args):
         return {f"bs{b}": run_latency(llm, batch_size=b, input_len=32, output_len=128, iters=iters) for b in batches}
 
     res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes, "pdl": pdl}
+    def eight_rows(*keys):
+        return select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
+            set(shipped), **{key: {"block_n": 8} for key in keys}))
+
+    gate_up, lm_head, qkv = "24576x4096", "151936x4096", "6144x4096"
     bs1_variants = [("default", runner.ops),
-                    ("gemv_no_preload", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set()))),
-                    ("gemv_preload_down_only", select_ops(dev, gpu_name=gpu, pdl=pdl,
-                                                          gemv_table=preload({"4096x12288"}))),
-                    # other launch shapes under PDL + preload: 8-row, 4-warp programs for gate_up and the LM
-                    # head (run 14's isolated sweep winner there; runs 3-4 preferred 4 rows), 8-row o_proj /
-                    # down (512 programs instead of 256)
-                    ("gemv_8_rows_gate_up_lm_head", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
-                        set(shipped), **{key: {"block_n": 8} for key in ("24576x4096", "151936x4096")}))),
-                    ("gemv_8_rows_o_down", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
-                        set(shipped), **{key: {"block_n": 8} for key in ("4096x4096", "4096x12288")}))),
-                    # without PDL: the plain loop (what tuned_linear picks) against the peeled kernel (the
-                    # lead of run 24), bypassing tuned_linear; every kernel of these two sets without PDL
-                    ("no_pdl_plain", select_ops(dev, gpu_name=gpu)),
-                    ("no_pdl_preload", with_linear(select_ops(dev, gpu_name=gpu),
-                                                   functools.partial(linear_engine, table=parse_gemv_table(shipped),
-                                                                     pdl=False), parse_gemv_table(shipped))),
-                    ("default_again", runner.ops)]
+                    ("gemv_8_rows_gate_up_lm_head", eight_rows(gate_up, lm_head)),
+                    ("gemv_8_rows_gate_up", eight_rows(gate_up)),
+                    ("gemv_8_rows_lm_head", eight_rows(lm_head)),
+                    ("gemv_8_rows_qkv_gate_up_lm_head", eight_rows(qkv, gate_up, lm_head)),
+                    ("default_again", runner.ops),
+                    ("gemv_8_rows_gate_up_lm_head_again", eight_rows(gate_up, lm_head))]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]
         print("ab bs1", name, round(res["bs1"][name]["decode_tok_s"], 1), flush=True)
     swept = RESULTS.get("skinny_sweep", {}).get("table")
-    rows_variants = [("default", runner.ops), ("skinny_off", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_gemm=False))]
+    rows_variants = []  # (the shipped skinny GEMM against cuBLAS: runs 21, 22, 25)
     if swept:
-        rows_variants.append(("skinny_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_table=swept)))
+        rows_variants = [("default", runner.ops),
+                         ("skinny_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_table=swept))]
     for name, ops in rows_variants:
         res["rows"][name] = measure(ops, (4, 8, 16, 32), 2)
         print("ab rows", name, {b: round(r["decode_tok_s"], 1) for b, r in res["rows"][name].items()}, flush=True)
@@ -548,8 +585,8 @@ def throughput(args):
     gc.collect()
     torch.cuda.empty_cache()
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
-    variants = {"no_skinny_gemm": ({"METAINFER_SKINNY_GEMM": "0"}, {}),  # 3-16-row GEMMs on cuBLAS
-                "kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
+    # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
+    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
     for name, (switches, engine_kw) in variants.items():
         llm = _bench_llm(folder, engine_kw, **switches)
         other = run_throughput(llm, progress=False)

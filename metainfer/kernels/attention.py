@@ -167,6 +167,32 @@ def paged_prefill_attention_ref(
 
 
 @triton.jit
+def _in_kv_dtype(x, cache_ptr, q):
+    """x in the dtype the products with cached K/V run in: q's, except bf16 q over an fp8 cache,
+    which runs in fp16. Why: sm_90 widens e4m3 pairs to f16x2 in one instruction, while bf16 goes
+    through fp32 (four times the conversions). fp8 values and probabilities are exact or finer in
+    fp16; q loses only below 6e-5 (fp16 subnormals) and overflows past 65,504."""
+    fp16_products: tl.constexpr = (cache_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype == tl.bfloat16)
+    if fp16_products:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(q.dtype)
+    return y
+
+
+@triton.jit
+def _widen_v_tile(v, mask, cache_ptr, q):
+    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8: masked again after the widening,
+    which keeps Triton from moving the widening past the shared-memory staging of P @ V's V operand:
+    it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile instead of
+    ldmatrix, and 150 registers a thread against 128)."""
+    v = _in_kv_dtype(v, cache_ptr, q)
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        v = tl.where(mask, v, 0.0)
+    return v
+
+
+@triton.jit
 def _decode_merge_splits(
     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
     out_stride_b, out_stride_h,
@@ -278,6 +304,7 @@ def _decode_split_kernel(
         loop_end = end
         q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
 
+    q_kv = _in_kv_dtype(q, k_cache_ptr, q)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -289,12 +316,13 @@ def _decode_split_kernel(
         in_page = tok % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
         # V's load in flight with K's: one memory round trip a tile instead of two
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q)
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
         else:
             s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
         s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
@@ -323,8 +351,8 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
             l_i = l_i * alpha + p_new
-            if USE_DOT:  # the loop's P @ V takes p in q's dtype
-                p_new = p_new.to(dtype).to(tl.float32)
+            if USE_DOT:  # the loop's P @ V takes p in the dtype K/V are widened to
+                p_new = _in_kv_dtype(p_new, k_cache_ptr, q).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
             m_i = m_new
             page = slot // BLOCK_SIZE
@@ -468,6 +496,8 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     counters: torch.Tensor | None = None,
     min_split_tokens: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
@@ -476,14 +506,15 @@ def paged_decode_attention_triton(
     the merge's arrival counters, by default a shared per-device buffer; `out` may be given.
     `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
-    where it splits (the split count is taken at block_n 64 either way)."""
+    where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
+    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
     return _launch_decode(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, k_cache, v_cache,
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
-                          min_split_tokens=min_split_tokens, pdl=pdl)
+                          min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
 
 
 def paged_decode_attention_qkv_composed(
@@ -526,11 +557,12 @@ def paged_decode_attention_qkv_triton(
     return _launch_decode(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, k_cache, v_cache,
                           block_tables, context_lens, scale, prep, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
-                          min_split_tokens=min_split_tokens, pdl=pdl)
+                          min_split_tokens=min_split_tokens, num_warps=None, num_stages=None, pdl=pdl)
 
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
-                   scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, pdl):
+                   scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
+                   num_stages, pdl):
     """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -601,7 +633,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
         HAS_K_NORM=prep is not None and k_norm_w is not None,
-        num_warps=4 if block_g <= 32 else 8, num_stages=2, **pdl_args(pdl),
+        num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
         # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
         enable_fp_fusion=prep is None,
     )
@@ -637,7 +669,8 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
+                      v_cache_ptr, q)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -674,6 +707,7 @@ def _prefill_kernel(
     q_mask = r_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + q_tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=q_mask, other=0.0)
 
+    q = _in_kv_dtype(q, k_cache_ptr, q)  # the tiles widen K/V to this q's dtype
     kv_head = head // GROUP
     bt_row = block_tables_ptr + seq * bt_stride_b
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
