@@ -275,7 +275,8 @@ def attn_kv_dtype(args):
     res = {}
     variants = [("default", {}), ("warps4_stages1", dict(num_warps=4, num_stages=1)),
                 ("warps4_stages3", dict(num_warps=4, num_stages=3)),
-                ("warps8_stages2", dict(num_warps=8, num_stages=2)), ("block_n32", dict(block_n=32))]
+                ("warps8_stages2", dict(num_warps=8, num_stages=2)), ("block_n32", dict(block_n=32)),
+                ("block_n128", dict(block_n=128)), ("warps4_stages4", dict(num_warps=4, num_stages=4))]
     for batch, ctx in ((256, 600), (64, 1088), (1, 160)):
         blocks = -(-ctx // bs)
         tables = (torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks))

@@ -105,13 +105,17 @@ TUNED_CONFIGS: dict[str, dict[str, dict]] = {
     # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms. preload: run 21 bs1 245.6 tok/s against 242.2 /
     # 242.6 without (only after the non-GEMV kernels: 241.2); run 22 with 240.9 / 244.1 against 242.7
     # without: within the runs' noise (~2 tok/s). Kept under PDL (bit-equal to the plain loop); without
-    # PDL tuned_linear drops it (nothing to hide; run 24's profile hinted at a loss, unconfirmed)
+    # PDL tuned_linear drops it (run 25: 228.6 tok/s with it against 234.0 without, no PDL).
+    # 8-row programs for qkv, gate_up and the LM head (were 4, the isolated sweep's pick without PDL):
+    # in-engine A/B under PDL + preload, run 26: 246.6 tok/s against default 241.5 / 241.2 (gate_up +
+    # LM head alone 244.5 / 244.9, run 25 245.2; gate_up alone 243.6, LM head alone 241.5). 8-row
+    # o_proj / down lost (215.2, run 25): they stay at 16 rows, 8 warps
     "NVIDIA H200": {
-        "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
+        "6144x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
         "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
-        "24576x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
+        "24576x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
         "4096x12288": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
-        "151936x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4, "preload": True},
+        "151936x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
     },
 }
 
