@@ -253,6 +253,11 @@ def test_tuned_linear_picks_by_device_and_rows():
     chosen = gemv.tuned_linear("NVIDIA H200")
     assert chosen.func is gemv.linear_engine and chosen.keywords["pdl"] is False
     assert {f"{n}x{k}" for n, k in chosen.keywords["table"]} == set(gemv.TUNED_CONFIGS["NVIDIA H200"])
+    # without PDL the no-PDL table (its launches measured faster there), with PDL the PDL table
+    assert chosen.keywords["table"] == gemv.parse_gemv_table(gemv.TUNED_CONFIGS_NO_PDL["NVIDIA H200"])
+    with_pdl = gemv.tuned_linear("NVIDIA H200", pdl=True)
+    assert with_pdl.keywords["table"] == gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
+    assert chosen.keywords["table"] != with_pdl.keywords["table"]
     assert gemv.get_gemv_configs() == previous  # the table travels with the linear, not process-wide
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=g)

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 
 import pytest
 import torch
@@ -457,8 +456,10 @@ def test_select_ops_gemm_by_gpu_name():
     assert chosen.func is gemv.linear_engine
     shipped = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
     assert any(cfg.preload for cfg in shipped.values())
-    # without PDL the first-tile preload is dropped (nothing to hide it behind)
-    assert chosen.keywords == {"table": {s: replace(c, preload=False) for s, c in shipped.items()}, "pdl": False}
+    # without PDL: the no-PDL table (plain loop, no preload: nothing to hide it behind), same shapes
+    no_pdl_table = gemv.parse_gemv_table(gemv.TUNED_CONFIGS_NO_PDL["NVIDIA H200"])
+    assert not any(cfg.preload for cfg in no_pdl_table.values()) and set(no_pdl_table) == set(shipped)
+    assert chosen.keywords == {"table": no_pdl_table, "pdl": False}
     no_pdl = select_ops("cuda", gpu_name="NVIDIA H200")
     assert no_pdl.silu_mul_linear.keywords["table"] is no_pdl.linear.keywords["base"].keywords["table"]
     folded = select_ops("cuda", gpu_name="NVIDIA H200", fuse_norm=True)

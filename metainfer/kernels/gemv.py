@@ -118,6 +118,17 @@ TUNED_CONFIGS: dict[str, dict[str, dict]] = {
         "151936x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
     },
 }
+# Without programmatic dependent launch (METAINFER_DISABLE_PDL=1) the PDL table's launches lose: run 27
+# read 215.0 tok/s for it against 229-234 for this table, the isolated sweep's picks (run 3; runs 14-25).
+TUNED_CONFIGS_NO_PDL: dict[str, dict[str, dict]] = {
+    "NVIDIA H200": {
+        "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+        "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8},
+        "24576x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+        "4096x12288": {"block_n": 16, "block_k": 1024, "num_warps": 8},
+        "151936x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
+    },
+}
 
 
 def parse_shape_key(key) -> tuple[int, int]:
@@ -533,13 +544,13 @@ def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = None):
-    """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table (or to
-    `table`, e.g. a sweep's) and to `pdl`, or cuBLAS (linear_ref) for a GPU without a table. Nothing
-    process-wide changes: two engines on different GPUs each keep their own table. Without `pdl` the
-    table's `preload` is dropped: there is no wait to hide a load behind (and a profile with PDL off
-    read 3.94 ms for the peeled GEMVs against the plain loop's 3.79, runs 24 and 14 on different
-    machines: unconfirmed, docs/PERFORMANCE.md), so that path runs the plain loop measured before."""
-    table = table if table is not None else TUNED_CONFIGS.get(device_name)
+    """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table for `pdl`
+    (TUNED_CONFIGS with PDL, TUNED_CONFIGS_NO_PDL without; or `table`, e.g. a sweep's), or cuBLAS
+    (linear_ref) for a GPU without a table. Nothing process-wide changes: two engines on different
+    GPUs each keep their own table. Without `pdl` any `preload` is dropped: there is no wait to hide a
+    load behind, and the peeled kernel measured slower there (run 25: 228.6 against 234.0 tok/s)."""
+    if table is None:
+        table = (TUNED_CONFIGS if pdl else TUNED_CONFIGS_NO_PDL).get(device_name) or TUNED_CONFIGS.get(device_name)
     if not table:  # no table, or an empty one: cuBLAS everywhere
         return linear_ref
     configs = parse_gemv_table(table)
@@ -549,7 +560,8 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
 
 
 __all__ = [
-    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "GemvConfig", "GemvPlan",
+    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "TUNED_CONFIGS_NO_PDL",
+    "GemvConfig", "GemvPlan",
     "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
     "parse_gemv_table", "parse_shape_key", "set_gemv_configs", "tuned_linear",
 ]
