@@ -4,7 +4,10 @@ Teacher-forced over the same tokens: HF bf16 vs HF fp32, ours bf16 vs HF bf16, o
 HF fp32, ours fp32 vs HF fp32, for both engine paths (decode: prompt prefill then one decode
 step per position; prefill: all tokens in one paged prefill). Runs on the CPU at reduced depth
 with the Qwen3-8B widths.
-Usage: python scripts/agreement_study.py [--layers 4] [--positions 128] [--out FILE]
+--kv-fp8: instead, what an fp8 KV cache costs: HF fp32 with its attention over fp8-rounded K/V
+(bench.agreement.use_fp8_kv_attention) against HF fp32, and ours fp32 with kv_cache_dtype="fp8"
+against both (the decode path).
+Usage: python scripts/agreement_study.py [--layers 4] [--positions 128] [--kv-fp8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from metainfer.bench.agreement import (  # noqa: E402
     hf_logits,
     teacher_forced_logits,
     teacher_forced_prefill_logits,
+    use_fp8_kv_attention,
 )
 
 
@@ -37,6 +41,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--positions", type=int, default=128)
+    p.add_argument("--kv-fp8", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +55,8 @@ def main():
     torch.manual_seed(0)
     config = transformers.AutoConfig.from_pretrained(folder)
     hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if args.kv_fp8:
+        return _kv_fp8_study(args, folder, hf32)
     hf16 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     hf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf32.state_dict().items()})
     prompt_len, n = 32, args.positions
@@ -70,6 +77,26 @@ def main():
         if dtype == "bfloat16":
             del hf16
         gc.collect()
+    print(json.dumps(results, indent=1))
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+def _kv_fp8_study(args, folder, hf32):
+    prompt_len, n = 32, args.positions
+    tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
+    ref32 = hf_logits(hf32, tokens, prompt_len, n)
+    llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy", max_model_len=512, num_kv_blocks=64,
+              kv_cache_dtype="fp8")
+    copy_hf_weights(llm, hf32)
+    ours = teacher_forced_logits(llm, tokens, prompt_len, n)
+    del llm
+    gc.collect()
+    use_fp8_kv_attention(hf32)
+    ref_fp8 = hf_logits(hf32, tokens, prompt_len, n)
+    results = {"config": f"Qwen3-8B widths, {args.layers} layers, 0.02 init, fp32 weights", "positions": n,
+               "hf_fp8_kv_vs_hf": compare(ref_fp8, ref32), "ours_fp8_kv_vs_hf": compare(ours, ref32),
+               "ours_fp8_kv_vs_hf_fp8_kv": compare(ours, ref_fp8)}
     print(json.dumps(results, indent=1))
     if args.out:
         json.dump(results, open(args.out, "w"), indent=1)

@@ -498,10 +498,12 @@ def ab(args):
     """A/B in one engine: every variant's ops bound to the model and the graphs re-captured, then bs1
     (default and the lead variant each measured twice, interleaved: the run's own noise) and, if
     skinny_sweep ran, batches of 4-32 rows with its table against the shipped one.
-    bs1 (session 8): run 25's lead, 8-row 4-warp GEMV programs for gate_up and the LM head under PDL +
-    preload (245.2 against 240.5 / 241.1), again, and split into its parts, and with qkv too.
+    bs1 (session 8, after run 27 shipped 8-row 4-warp programs for qkv / gate_up / LM head): GEMV
+    launch shapes around the shipped table under PDL + preload, in the engine (the table was swept in
+    isolation without PDL, and the engine's optimum moved): 8 warps on the 8-row shapes, 16-row
+    programs per shape, and a K split of 2 on o_proj / down (256 programs for 132 SMs).
     (Measured and retired: the preload on none / down only, 8-row o_proj / down (215 tok/s), the
-    no-PDL plain loop vs the peeled kernel: runs 21-25, docs/PERFORMANCE.md.)"""
+    no-PDL plain loop vs the peeled kernel, the 8-row parts: runs 21-26, docs/PERFORMANCE.md.)"""
     from dataclasses import replace
 
     from metainfer.bench.latency import run_latency
@@ -529,18 +531,19 @@ def ab(args):
         return {f"bs{b}": run_latency(llm, batch_size=b, input_len=32, output_len=128, iters=iters) for b in batches}
 
     res = {"bs1": {}, "rows": {}, "graph_batch_sizes": runner.graph_batch_sizes, "pdl": pdl}
-    def eight_rows(*keys):
-        return select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(
-            set(shipped), **{key: {"block_n": 8} for key in keys}))
+    def shaped(fields, *keys):
+        return select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=preload(set(shipped), **{k: fields for k in keys}))
 
-    gate_up, lm_head, qkv = "24576x4096", "151936x4096", "6144x4096"
+    qkv, o_proj, gate_up, down, lm_head = "6144x4096", "4096x4096", "24576x4096", "4096x12288", "151936x4096"
+    eight_by_8, sixteen_by_8 = {"block_n": 8, "num_warps": 8}, {"block_n": 16, "num_warps": 8}
     bs1_variants = [("default", runner.ops),
-                    ("gemv_8_rows_gate_up_lm_head", eight_rows(gate_up, lm_head)),
-                    ("gemv_8_rows_gate_up", eight_rows(gate_up)),
-                    ("gemv_8_rows_lm_head", eight_rows(lm_head)),
-                    ("gemv_8_rows_qkv_gate_up_lm_head", eight_rows(qkv, gate_up, lm_head)),
-                    ("default_again", runner.ops),
-                    ("gemv_8_rows_gate_up_lm_head_again", eight_rows(gate_up, lm_head))]
+                    ("gemv_qkv_gate_up_lm_head_8_warps", shaped(eight_by_8, qkv, gate_up, lm_head)),
+                    ("gemv_gate_up_lm_head_8_warps", shaped(eight_by_8, gate_up, lm_head)),
+                    ("gemv_qkv_16_rows", shaped(sixteen_by_8, qkv)),
+                    ("gemv_gate_up_16_rows", shaped(sixteen_by_8, gate_up)),
+                    ("gemv_lm_head_16_rows", shaped(sixteen_by_8, lm_head)),
+                    ("gemv_o_down_split_k2", shaped({"split_k": 2}, o_proj, down)),
+                    ("default_again", runner.ops)]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]
         print("ab bs1", name, round(res["bs1"][name]["decode_tok_s"], 1), flush=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
+from metainfer.bench.agreement import use_fp8_kv_attention
 from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
 from tests.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
@@ -20,27 +21,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 FP8 = torch.float8_e4m3fn
 
 
-def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    """HF's SDPA attention over K/V rounded as the fp8 cache rounds them (an independent oracle: no
-    MetaInfer code)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def rounded(t):
-        return t.float().clamp(-448.0, 448.0).to(FP8).to(t.dtype)
-
-    return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from transformers import AttentionInterface
-
     folder = str(tmp_path_factory.mktemp("qwen3-fp8kv"))
     model = build_tiny_model(folder, "qwen3")
     prompts = make_prompts(LENGTHS)
     unrounded = hf_greedy(model, prompts, NEW_TOKENS)
-    AttentionInterface.register("fp8_kv_sdpa", _fp8_kv_attention)
-    model.set_attn_implementation("fp8_kv_sdpa")
+    use_fp8_kv_attention(model)  # HF's SDPA over fp8-rounded K/V: HF and torch only, no engine code
     expected = hf_greedy(model, prompts, NEW_TOKENS)
     # the oracle must tell an fp8 cache from a full-precision one, or the parity below proves nothing
     assert sum(a != b for a, b in zip(unrounded, expected)) >= 3

@@ -21,6 +21,27 @@ from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.loader import load_weights
 from metainfer.sampling_params import SamplingParams
 
+FP8_KV_ATTENTION = "fp8_kv_sdpa"
+
+
+def _fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention over K/V rounded as an fp8 cache holds them (float8_e4m3fn, clamped to
+    +-448): built from HF and torch alone, so it is an oracle for the engine's fp8 cache."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(t):
+        return t.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(t.dtype)
+
+    return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
+
+
+def use_fp8_kv_attention(hf_model) -> None:
+    """Switch an HF model to attention over fp8-rounded K/V (`_fp8_kv_sdpa`)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FP8_KV_ATTENTION, _fp8_kv_sdpa)
+    hf_model.set_attn_implementation(FP8_KV_ATTENTION)
+
 
 def copy_hf_weights(llm, hf_model) -> None:
     """Load the HF model's tensors into the engine through the normal checkpoint path."""
