@@ -543,6 +543,9 @@ def ab(args):
                     ("gemv_gate_up_16_rows", shaped(sixteen_by_8, gate_up)),
                     ("gemv_lm_head_16_rows", shaped(sixteen_by_8, lm_head)),
                     ("gemv_o_down_split_k2", shaped({"split_k": 2}, o_proj, down)),
+                    # the RMSNorms folded into the qkv / gate_up GEMV prologues (runs 12-13: a loss with
+                    # 4-row programs; 8-row programs halve the programs that recompute a row's 1/rms)
+                    ("norm_fold", select_ops(dev, gpu_name=gpu, pdl=pdl, fuse_norm=True)),
                     ("default_again", runner.ops)]
     for name, ops in bs1_variants:
         res["bs1"][name] = measure(ops, (1,), 3)["bs1"]
