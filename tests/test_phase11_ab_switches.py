@@ -41,3 +41,24 @@ def test_switches_reach_select_ops(folder, monkeypatch, env, expected):
     assert len(seen) == 1 and {k: seen[0][k] for k in expected} == expected
     assert seen[0]["pdl"] is False  # the CPU has no programmatic dependent launch
     assert llm.llm_engine.runner.ops is not None
+
+
+@pytest.mark.parametrize("env, pdl", [({}, True), ({"METAINFER_DISABLE_PDL": "1"}, False),
+                                      ({"METAINFER_DISABLE_PDL": "0"}, True)])
+def test_disable_pdl_switch_on_a_device_with_pdl(folder, monkeypatch, env, pdl):
+    """As on an sm_90 GPU (pdl_supported faked True): PDL is on unless METAINFER_DISABLE_PDL=1. The
+    recorded pdl is checked; the CPU build then proceeds with the reference ops (pdl needs CUDA)."""
+    seen = []
+    real = model_runner.select_ops
+
+    def recording_select_ops(device, **kwargs):
+        seen.append(kwargs)
+        return real(device, **{**kwargs, "pdl": False})
+
+    monkeypatch.setattr(model_runner, "select_ops", recording_select_ops)
+    monkeypatch.setattr(model_runner, "pdl_supported", lambda device: True)
+    monkeypatch.delenv("METAINFER_DISABLE_PDL", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
+    assert len(seen) == 1 and seen[0]["pdl"] is pdl
