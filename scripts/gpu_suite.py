@@ -333,7 +333,11 @@ def graphs(args):
                 "graph_fused_decode_prep": dict(env={"METAINFER_FUSED_DECODE_PREP": "1"}),
                 "graph_sync": dict(async_scheduling=False), "graph_preempt": dict(num_kv_blocks=60),
                 "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60),
-                "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False)}
+                "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False),
+                # the fp8 KV cache: its graph runs against its own eager run (fp8 changes the tokens)
+                "eager_kv_fp8": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8"),
+                "graph_kv_fp8": dict(kv_cache_dtype="fp8"),
+                "graph_kv_fp8_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60)}
     for name, kw in variants.items():
         env = kw.pop("env", {})
         os.environ.update(env)
@@ -350,12 +354,17 @@ def graphs(args):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    base = results["eager"]["tokens"]
-    summary = {k: {"equal_to_eager": v["tokens"] == base, "preemptions": v["preemptions"],
-                   "prefix_hit_tokens": v["prefix_hit_tokens"]} for k, v in results.items() if k != "eager"}
+    def eager_of(name):
+        return "eager_kv_fp8" if "kv_fp8" in name else "eager"
+
+    summary = {k: {"equal_to_eager": v["tokens"] == results[eager_of(k)]["tokens"], "preemptions": v["preemptions"],
+                   "prefix_hit_tokens": v["prefix_hit_tokens"]} for k, v in results.items()
+               if k not in ("eager", "eager_kv_fp8")}
     summary["exercised"] = {  # the comparison means something only if these happened
         "prefix_hits": all(v["prefix_hit_tokens"] >= 96 for k, v in results.items() if k != "eager_no_prefix"),
-        "preemptions": all(results[k]["preemptions"] > 0 for k in ("graph_preempt", "eager_async_preempt")),
+        "preemptions": all(results[k]["preemptions"] > 0
+                           for k in ("graph_preempt", "eager_async_preempt", "graph_kv_fp8_preempt")),
+        "fp8_changes_tokens": results["eager_kv_fp8"]["tokens"] != results["eager"]["tokens"],
     }
     print(json.dumps(summary, indent=1))
     return summary
@@ -375,6 +384,7 @@ def agreement(args):
         hf_to_dtype,
         teacher_forced_logits,
         teacher_forced_prefill_logits,
+        use_fp8_kv_attention,
     )
 
     folder = model_dir(args)
@@ -409,13 +419,17 @@ def agreement(args):
               num_kv_blocks=64, kv_cache_dtype="fp8")
     copy_hf_weights(llm, hf16)
     fp8 = teacher_forced_logits(llm, tokens, prompt_len, n)
+    use_fp8_kv_attention(hf16)  # HF bf16 with its attention over fp8-rounded K/V: the fp8 cache's oracle
+    ref16_fp8 = hf_logits(hf16, tokens, prompt_len, n)
     result["decode_kv_fp8"] = {"ours_vs_hf_bf16": compare(fp8, ref16), "ours_vs_hf_fp32": compare(fp8, ref32),
-                               "ours_vs_ours_bf16_cache": compare(fp8, ours["decode"])}
+                               "ours_vs_ours_bf16_cache": compare(fp8, ours["decode"]),
+                               "ours_vs_hf_bf16_fp8_kv": compare(fp8, ref16_fp8),
+                               "hf_bf16_fp8_kv_vs_hf_bf16": compare(ref16_fp8, ref16)}
     # the table's headline: decode path vs HF bf16
     result["top1_agreement"] = result["decode"]["ours_bf16_vs_hf_bf16"]["top1"]
     result["cosine_mean"] = result["decode"]["ours_bf16_vs_hf_bf16"]["cos_mean"]
     print(json.dumps(result, indent=1))
-    del llm, ours, ref16, ref32, fp8, hf16
+    del llm, ours, ref16, ref32, fp8, hf16, ref16_fp8
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -496,12 +510,13 @@ def skinny_sweep(args):
 @section("ab")
 def ab(args):
     """A/B in one engine: every variant's ops bound to the model and the graphs re-captured, then bs1
-    (default and the lead variant each measured twice, interleaved: the run's own noise) and, if
+    (the default measured first and last: the run's own noise) and, if
     skinny_sweep ran, batches of 4-32 rows with its table against the shipped one.
     bs1 (session 8, after run 27 shipped 8-row 4-warp programs for qkv / gate_up / LM head): GEMV
     launch shapes around the shipped table under PDL + preload, in the engine (the table was swept in
     isolation without PDL, and the engine's optimum moved): 8 warps on the 8-row shapes, 16-row
-    programs per shape, and a K split of 2 on o_proj / down (256 programs for 132 SMs).
+    programs per shape, a K split of 2 on o_proj / down (256 programs for 132 SMs), and the RMSNorm
+    folded into the qkv / gate_up GEMVs.
     (Measured and retired: the preload on none / down only, 8-row o_proj / down (215 tok/s), the
     no-PDL plain loop vs the peeled kernel, the 8-row parts: runs 21-26, docs/PERFORMANCE.md.)"""
     from dataclasses import replace
@@ -931,6 +946,10 @@ def table() -> str:
         a = agr8["ours_vs_hf_bf16"]
         lines.append(f"| agreement, fp8 KV cache vs HF bf16: top-1 / cosine | {a['top1']:.3f} / "
                      f"{a['cos_mean']:.5f} | | |")
+        if "ours_vs_hf_bf16_fp8_kv" in agr8:
+            o, h = agr8["ours_vs_hf_bf16_fp8_kv"], agr8["hf_bf16_fp8_kv_vs_hf_bf16"]
+            lines.append(f"| fp8 KV: ours vs HF bf16 over fp8 K/V / that HF vs HF bf16: top-1 | {o['top1']:.3f} / "
+                         f"{h['top1']:.3f} | cosine {o['cos_mean']:.5f} / {h['cos_mean']:.5f} | |")
     pb = r.get("profile_batch", {})
     if "wall_ms_per_step" in pb:
         lines.append(f"| 256-seq decode step: wall / device ms | {pb['wall_ms_per_step']:.2f} / "
