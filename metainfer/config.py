@@ -136,13 +136,25 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`auto` is the model dtype; `fp8` / `fp8_e4m3` is float8_e4m3fn (kernels/kv_cache.py)."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype]
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype,
+                           device: torch.device | None = None) -> torch.dtype:
+    """`auto` is the model dtype; `fp8` / `fp8_e4m3` (or torch.float8_e4m3fn) is float8_e4m3fn
+    (kernels/kv_cache.py), for which a CUDA device needs compute capability 8.9+ (e4m3 conversions)."""
+    bad = ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype not in (model_dtype, torch.float8_e4m3fn):
+            raise bad
+        dtype = kv_cache_dtype
+    elif isinstance(kv_cache_dtype, str) and (kv_cache_dtype == "auto" or kv_cache_dtype in KV_CACHE_DTYPES):
+        dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, model_dtype)
+    else:
+        raise bad
+    if dtype == torch.float8_e4m3fn and device is not None and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
+                             f"(fp8 conversions); this one has {capability[0]}.{capability[1]}")
+    return dtype
 
 
 def resolve_dtype(dtype: str | torch.dtype, spec_dtype: str, device: torch.device) -> torch.dtype:
@@ -230,7 +242,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
-        self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
+        self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device)
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:

@@ -258,6 +258,10 @@ def test_tuned_linear_picks_by_device_and_rows():
     with_pdl = gemv.tuned_linear("NVIDIA H200", pdl=True)
     assert with_pdl.keywords["table"] == gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
     assert chosen.keywords["table"] != with_pdl.keywords["table"]
+    # a given table keeps its launches; without PDL its preload is dropped
+    given = {"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4, "preload": True}}
+    assert gemv.tuned_linear("NVIDIA H200", table=given).keywords["table"][(24, 64)].preload is False
+    assert gemv.tuned_linear("NVIDIA H200", table=given, pdl=True).keywords["table"][(24, 64)].preload is True
     assert gemv.get_gemv_configs() == previous  # the table travels with the linear, not process-wide
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 64, generator=g)

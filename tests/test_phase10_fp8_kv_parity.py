@@ -73,9 +73,25 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
 
 
-def test_bad_kv_cache_dtype_names_the_field(reference):
+@pytest.mark.parametrize("bad", ["int4", "FP8", ["fp8"], None, torch.float16])
+def test_bad_kv_cache_dtype_names_the_field(reference, bad):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(reference[0], device="cpu", dtype="float32", kv_cache_dtype="int4")
+        LLM(reference[0], device="cpu", dtype="float32", kv_cache_dtype=bad)
+
+
+def test_kv_cache_dtype_accepts_torch_dtypes_and_checks_the_gpu(monkeypatch):
+    from metainfer.config import resolve_kv_cache_dtype
+
+    bf16 = torch.bfloat16
+    assert resolve_kv_cache_dtype(FP8, bf16) is FP8 and resolve_kv_cache_dtype(bf16, bf16) is bf16
+    assert resolve_kv_cache_dtype("fp8_e4m3", bf16) is FP8 and resolve_kv_cache_dtype("auto", bf16) is bf16
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match="kv_cache_dtype.*8.9"):
+        resolve_kv_cache_dtype("fp8", bf16, cuda)
+    assert resolve_kv_cache_dtype("auto", bf16, cuda) is bf16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100 / H200
+    assert resolve_kv_cache_dtype("fp8", bf16, cuda) is FP8
 
 
 def test_cli_flag_reaches_the_engine_kwargs():

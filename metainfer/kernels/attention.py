@@ -9,7 +9,8 @@ Contracts (docs/CONTRACTS.md):
   last of its context_lens[b] stored tokens; query i sits at position context_len - q_len + i and
   attends causally. One kernel covers plain prefill, prefix-cache hits and chunked prefill.
 GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype. The cache holds
-q's dtype or fp8 (kernels/kv_cache.py): fp8 K/V are widened to q's dtype as they are loaded.
+q's dtype or fp8 (kernels/kv_cache.py): fp8 K/V are widened exactly as they are loaded, to q's
+dtype, or to fp16 for bf16 q (whose products then run in fp16: `_in_kv_dtype`).
 
 Both Triton kernels gather K/V token by token through the block table (physical row =
 block_tables[b, t // S] * S + t % S), so every block size works, including 1.
@@ -170,8 +171,9 @@ def paged_prefill_attention_ref(
 def _in_kv_dtype(x, cache_ptr, q):
     """x in the dtype the products with cached K/V run in: q's, except bf16 q over an fp8 cache,
     which runs in fp16. Why: sm_90 widens e4m3 pairs to f16x2 in one instruction, while bf16 goes
-    through fp32 (four times the conversions). fp8 values and probabilities are exact or finer in
-    fp16; q loses only below 6e-5 (fp16 subnormals) and overflows past 65,504."""
+    through fp32 (four times the conversions). fp8 values are exact in fp16 and probabilities finer
+    (but those below 6e-8 flush to 0, against bf16's 1e-38: a negligible share of a softmax row);
+    q loses precision below 6e-5 (fp16 subnormals) and overflows past 65,504."""
     fp16_products: tl.constexpr = (cache_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype == tl.bfloat16)
     if fp16_products:
         y = x.to(tl.float16)
@@ -346,7 +348,7 @@ def _decode_split_kernel(
                                              HEAD_DIM, HAS_K_NORM, dtype), k_cache_ptr)
             v_src = qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + one[:, None]
             v_new = cast_to_cache(tl.load(v_src + d[None, :], mask=new_mask, other=0.0), v_cache_ptr)
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
+            s_new = tl.sum(q_kv.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
@@ -552,7 +554,6 @@ def paged_decode_attention_qkv_triton(
     batch = qkv.shape[0]
     cos_sin = _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
                                  num_kv_heads, head_dim)
-    check_cache_dtype(qkv.dtype, k_cache, v_cache, "qkv")
     prep = (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, float(eps))
     return _launch_decode(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, k_cache, v_cache,
                           block_tables, context_lens, scale, prep, max_num_splits=max_num_splits,
@@ -660,7 +661,7 @@ def _prefill_tile(
     in_page = tok % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    k = _in_kv_dtype(tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), k_cache_ptr, q)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
     if CAUSAL_MASK:
         s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))

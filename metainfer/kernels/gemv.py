@@ -547,8 +547,9 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
     """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table for `pdl`
     (TUNED_CONFIGS with PDL, TUNED_CONFIGS_NO_PDL without; or `table`, e.g. a sweep's), or cuBLAS
     (linear_ref) for a GPU without a table. Nothing process-wide changes: two engines on different
-    GPUs each keep their own table. Without `pdl` any `preload` is dropped: there is no wait to hide a
-    load behind, and the peeled kernel measured slower there (run 25: 228.6 against 234.0 tok/s)."""
+    GPUs each keep their own table (a GPU with no no-PDL table uses its PDL table without PDL).
+    Without `pdl` any `preload` is dropped: there is no wait to hide a load behind, and the peeled
+    kernel measured slower there (run 25: 228.6 against 234.0 tok/s)."""
     if table is None:
         table = (TUNED_CONFIGS if pdl else TUNED_CONFIGS_NO_PDL).get(device_name) or TUNED_CONFIGS.get(device_name)
     if not table:  # no table, or an empty one: cuBLAS everywhere

@@ -6,7 +6,8 @@ strided views of the fused qkv output (token stride != Hk*D).
 
 The cache dtype is the model's or fp8 (`float8_e4m3fn`, `kv_cache_dtype="fp8"`): values are cast
 with a unit scale after clamping to the fp8 range (+-448), so an outlier saturates instead of
-becoming NaN. Readers widen fp8 K/V to the query's dtype before any product (`widen_kv`).
+becoming NaN; writers take a cache of k's dtype or fp8 (`check_cache_dtype`). Readers widen fp8 K/V
+exactly before any product (kernels/attention.py: to q's dtype, or fp16 for bf16 q).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _round_to_fp8_grid(x):
 def cast_to_cache(x, cache_ptr):
     """x in the dtype of cache_ptr's elements; fp8 clamps to +-448 first (as to_cache_dtype)."""
     dtype = cache_ptr.dtype.element_ty
-    if dtype == tl.float8e4nv:
+    if dtype == tl.float8e4nv:  # 448.0: FP8_MAX (a jit function reads no Python float)
         x = _round_to_fp8_grid(tl.clamp(x.to(tl.float32), -448.0, 448.0))
     return x.to(dtype)
 
@@ -64,6 +65,7 @@ def store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
+    check_cache_dtype(k.dtype, k_cache, v_cache, "k")
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
@@ -115,6 +117,7 @@ def store_kv_triton(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     if k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
+    check_cache_dtype(k.dtype, k_cache, v_cache, "k")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import cast_to_cache, store_kv_ref
+from .kv_cache import cast_to_cache, check_cache_dtype, store_kv_ref
 from .rms_norm import rms_norm_ref
 from .rotary import rotary_neox_ref
 
@@ -219,6 +219,7 @@ def _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_c
                          f"{head_dim}]")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have a unit last stride")
+    check_cache_dtype(qkv.dtype, k_cache, v_cache, "qkv")
     _check_norm_weight(q_norm_w, head_dim, "q_norm_w")
     _check_norm_weight(k_norm_w, head_dim, "k_norm_w")
     return cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
