@@ -623,8 +623,10 @@ def throughput(args):
 
 @section("kv_fp8")
 def kv_fp8(args):
-    """The latency figures with an fp8 KV cache (kv_cache_dtype="fp8"): batch 1 and 8, TTFT, and the
-    pool's block count against the bf16 cache's (the throughput section runs the fp8 throughput)."""
+    """The latency figures with an fp8 KV cache (kv_cache_dtype="fp8"): batch 1 and 8, TTFT, batch 64
+    at context 1,024 against the bf16 cache, and both pools' blocks and bytes per block (the block
+    count is capped at max_num_seqs x blocks a sequence: both may sit at the cap). The throughput
+    section runs the fp8 throughput."""
     from metainfer.bench.latency import run_latency
 
     llm = _bench_llm(model_dir(args), {"kv_cache_dtype": "fp8"})
@@ -632,13 +634,16 @@ def kv_fp8(args):
            "ttft_1024": {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)["ttft_ms"]},
            "bs8": run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2),
            "bs64_ctx1024": run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1),
-           "num_kv_blocks": llm.llm_engine.runner.num_blocks}
+           "num_kv_blocks": llm.llm_engine.runner.num_blocks,
+           "bytes_per_block": llm.llm_engine.runner._bytes_per_block()}
     print(json.dumps(res, indent=1, default=str))
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     llm = _bench_llm(model_dir(args))  # the same long-context batch with the bf16 cache
     res["bs64_ctx1024_bf16_cache"] = run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1)
+    res["bf16_cache"] = {"num_kv_blocks": llm.llm_engine.runner.num_blocks,
+                         "bytes_per_block": llm.llm_engine.runner._bytes_per_block()}
     print("bs64 ctx1024 bf16 cache", json.dumps(res["bs64_ctx1024_bf16_cache"], default=str))
     del llm
     gc.collect()

@@ -80,3 +80,10 @@ def test_bench_baseline_eager_json(model_dir, tmp_path):
                      "--output-json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["results"][0]["mode"] == "eager" and record["results"][0]["tpot_ms"] > 0
+
+
+def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir):
+    """HF keeps its own cache in the model dtype: the flag must not be silently ignored."""
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",
+                  "--kv-cache-dtype", "fp8"])
