@@ -82,8 +82,14 @@ def test_bench_baseline_eager_json(model_dir, tmp_path):
     assert record["results"][0]["mode"] == "eager" and record["results"][0]["tpot_ms"] > 0
 
 
-def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir):
+def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir, capsys):
     """HF keeps its own cache in the model dtype: the flag must not be silently ignored."""
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",
-                  "--kv-cache-dtype", "fp8"])
+    assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",
+                     "--kv-cache-dtype", "fp8"]) == 2
+    assert "kv_cache_dtype" in capsys.readouterr().err
+
+
+def test_cli_bad_engine_option_is_one_line_naming_the_field(model_dir, capsys):
+    assert cli.main(["generate", "hi", "--model", model_dir, "--device", "cpu", "--kv-cache-dtype", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype" in err and "Traceback" not in err and err.count("\n") == 1

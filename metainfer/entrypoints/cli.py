@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _add_optional_commands(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as err:  # bad options (e.g. --kv-cache-dtype int4): one line naming the field, no traceback
+        print(f"metainfer: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _add_optional_commands(sub) -> None:
