@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+
+class ConfigError(ValueError):
+    """A bad engine option (the message names the field). A ValueError, so callers of `LLM(...)` catch it
+    as one; the CLI prints it as one line instead of a traceback."""
+
 # architecture name (config "architectures") -> model family module in metainfer.models
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "dense",
@@ -108,7 +113,7 @@ def _route_architecture(cfg: dict) -> str:
     if arch and not cfg.get("architectures"):
         return arch
     given = cfg.get("architectures") or cfg.get("model_type")
-    raise ValueError(f"unsupported architecture {given!r}; supported architectures: {supported}")
+    raise ConfigError(f"unsupported architecture {given!r}; supported architectures: {supported}")
 
 
 def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
@@ -140,7 +145,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch
                            device: torch.device | None = None) -> torch.dtype:
     """`auto` is the model dtype; `fp8` / `fp8_e4m3` (or torch.float8_e4m3fn) is float8_e4m3fn
     (kernels/kv_cache.py), for which a CUDA device needs compute capability 8.9+ (e4m3 conversions)."""
-    bad = ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    bad = ConfigError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)} (or the torch dtype "
+                      f"{model_dtype} / torch.float8_e4m3fn); got {kv_cache_dtype!r}")
     if isinstance(kv_cache_dtype, torch.dtype):
         if kv_cache_dtype not in (model_dtype, torch.float8_e4m3fn):
             raise bad
@@ -152,7 +158,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch
     if dtype == torch.float8_e4m3fn and device is not None and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
                              f"(fp8 conversions); this one has {capability[0]}.{capability[1]}")
     return dtype
 
@@ -166,7 +172,7 @@ def resolve_dtype(dtype: str | torch.dtype, spec_dtype: str, device: torch.devic
             return torch.float32
         return _DTYPES.get(spec_dtype.replace("torch.", ""), torch.bfloat16)
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -175,9 +181,9 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+        raise ConfigError(f"device must be auto, cpu or cuda; got {device!r}")
     return dev
 
 
@@ -189,7 +195,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     # "auto": the model dtype; "fp8" (= "fp8_e4m3"): float8_e4m3fn K/V with a unit scale, half the
     # bytes of a 16-bit cache (twice the blocks, half the decode attention's reads)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | torch.dtype = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
@@ -217,36 +223,36 @@ class EngineConfig:
     def finalize(self, spec: ModelSpec) -> None:
         self.spec = spec
         if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
+            raise ConfigError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
         if self.max_model_len is None:
             self.max_model_len = spec.max_position_embeddings
         if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, min(self.max_model_len, 16384))
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.load_format == "gguf" and self.gguf_file is None:
-            raise ValueError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
+            raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:
-            raise ValueError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
+            raise ConfigError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
         self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device)
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the workers "
+            raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1 (the workers "
                              "read their input ids from rank 0's host)")
 
 
@@ -254,13 +260,13 @@ def locate_model(model: str) -> tuple[str, str | None]:
     """Return (folder, gguf file or None) for a model folder or a .gguf path."""
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
-            raise ValueError(f"model file {model!r} does not exist")
+            raise ConfigError(f"model file {model!r} does not exist")
         return os.path.dirname(os.path.abspath(model)), model
     if not os.path.isdir(model):
-        raise ValueError(f"model {model!r} is neither a model folder nor a .gguf file")
+        raise ConfigError(f"model {model!r} is neither a model folder nor a .gguf file")
     ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
     if not os.path.exists(os.path.join(model, "config.json")) and len(ggufs) == 1:
         return model, os.path.join(model, ggufs[0])
     if not os.path.exists(os.path.join(model, "config.json")):
-        raise ValueError(f"model folder {model!r} has no config.json")
+        raise ConfigError(f"model folder {model!r} has no config.json")
     return model, None

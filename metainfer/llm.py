@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from metainfer.config import EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
 from metainfer.outputs import RequestOutput
@@ -17,7 +19,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False,
                  load_format: str = "auto", seed: int = 0, tokenizer: str | None = None,
-                 kv_cache_dtype: str = "auto", **kwargs):
+                 kv_cache_dtype: str | torch.dtype = "auto", **kwargs):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
             tensor_parallel_size=tensor_parallel_size,

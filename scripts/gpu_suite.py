@@ -17,8 +17,10 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   sampler    the torch sampler against the one-pass Gumbel-max kernel (the default on CUDA)
   gemm_rows  the decode set through cuBLAS at 1-256 rows, the untuned skinny GEMM beside it
   skinny_sweep  skinny GEMM configs per (shape, row bucket); the decode set with the winners
-  ab         session 7's A/B in one engine: GEMV first-tile preload with and without PDL and two GEMV
-             launch shapes (bs1), skinny GEMM on/off (4-32 rows)
+  ab         A/B in one engine (bs1): GEMV launch shapes around the shipped table under PDL, the
+             folded norm; with skinny_sweep, its table at 4-32 rows
+  attn_kv_dtype  decode attention alone with a bf16 and an fp8 KV cache, fp8 launch variants
+  kv_fp8     bs1 / bs8 / TTFT / batch 64 at context 1,024 with the fp8 KV cache (against bf16)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
 

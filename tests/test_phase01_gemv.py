@@ -291,3 +291,13 @@ def test_engine_linear_launches_with_its_own_table(monkeypatch):
     assert len(rec.launches) == launches
     gemv.tuned_linear("any", table={"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}}, pdl=True)(x, w)
     assert rec.launches[-1][1]["USE_PDL"] is True and rec.launches[-1][1]["launch_pdl"] is True
+
+
+def test_tuned_linear_without_a_no_pdl_table_uses_the_pdl_table_without_preload(monkeypatch):
+    from metainfer.kernels import gemv
+
+    table = {"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4, "preload": True}}
+    monkeypatch.setitem(gemv.TUNED_CONFIGS, "A GPU with only a PDL table", table)
+    assert "A GPU with only a PDL table" not in gemv.TUNED_CONFIGS_NO_PDL
+    chosen = gemv.tuned_linear("A GPU with only a PDL table").keywords["table"]
+    assert chosen == {(24, 64): GemvConfig(block_n=8, block_k=32, num_warps=4, preload=False)}

@@ -72,11 +72,11 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
-    from metainfer.config import resolve_device, resolve_dtype
+    from metainfer.config import ConfigError, resolve_device, resolve_dtype
 
     kw = engine_kwargs(args)
     if kw["kv_cache_dtype"] != "auto":
-        raise ValueError(f"kv_cache_dtype={kw['kv_cache_dtype']!r}: the HF baseline keeps HF's own KV cache in the "
+        raise ConfigError(f"kv_cache_dtype={kw['kv_cache_dtype']!r}: the HF baseline keeps HF's own KV cache in the "
                          "model dtype; pass auto")
     device = resolve_device(kw["device"])
     dtype = resolve_dtype(kw["dtype"], "bfloat16", device)

@@ -142,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _add_optional_commands(sub)
     args = parser.parse_args(argv)
+    from metainfer.config import ConfigError  # after parsing: --help stays free of the torch import
+
     try:
         return args.func(args)
-    except ValueError as err:  # bad options (e.g. --kv-cache-dtype int4): one line naming the field, no traceback
+    except ConfigError as err:  # a bad option (e.g. --kv-cache-dtype int4): one line naming the field
         print(f"metainfer: error: {err}", file=sys.stderr)
         return 2
 

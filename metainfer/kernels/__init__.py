@@ -126,7 +126,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
     table for batch-1/2 shapes if it has one (kernels/gemv.py: TUNED_CONFIGS with `pdl`,
-    TUNED_CONFIGS_NO_PDL without), cuBLAS otherwise;
+    TUNED_CONFIGS_NO_PDL without, or the PDL table where a GPU has no no-PDL one), cuBLAS otherwise;
     `gemv_table` ("NxK" or (N, K) -> GemvConfig or its dict; its `preload` kept only with `pdl`) replaces
     that table (an empty one:
     cuBLAS for every shape, but the rows the skinny GEMM takes, below). With a table,

@@ -171,9 +171,9 @@ def paged_prefill_attention_ref(
 def _in_kv_dtype(x, cache_ptr, q):
     """x in the dtype the products with cached K/V run in: q's, except bf16 q over an fp8 cache,
     which runs in fp16. Why: sm_90 widens e4m3 pairs to f16x2 in one instruction, while bf16 goes
-    through fp32 (four times the conversions). fp8 values are exact in fp16 and probabilities finer
-    (but those below 6e-8 flush to 0, against bf16's 1e-38: a negligible share of a softmax row);
-    q loses precision below 6e-5 (fp16 subnormals) and overflows past 65,504."""
+    through fp32 (four times the conversions). fp8 values are exact in fp16. Probabilities are finer
+    in fp16 above ~1.5e-5, coarser below 6e-5 (fp16 subnormals) and 0 below ~3e-8 (bf16 reaches
+    1e-38): a negligible share of a softmax row. q loses precision below 6e-5 and overflows past 65,504."""
     fp16_products: tl.constexpr = (cache_ptr.dtype.element_ty == tl.float8e4nv) & (q.dtype == tl.bfloat16)
     if fp16_products:
         y = x.to(tl.float16)
@@ -348,7 +348,11 @@ def _decode_split_kernel(
                                              HEAD_DIM, HAS_K_NORM, dtype), k_cache_ptr)
             v_src = qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + one[:, None]
             v_new = cast_to_cache(tl.load(v_src + d[None, :], mask=new_mask, other=0.0), v_cache_ptr)
-            s_new = tl.sum(q_kv.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
+            if USE_DOT:  # the q the loop's scores used: its tl.dot takes q_kv, its sum (GQA 1) q
+                q_scores = q_kv
+            else:
+                q_scores = q
+            s_new = tl.sum(q_scores.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
