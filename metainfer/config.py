@@ -159,7 +159,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
             raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
-                             f"(fp8 conversions); this one has {capability[0]}.{capability[1]}")
+                              f"(fp8 conversions); this one has {capability[0]}.{capability[1]}")
     return dtype
 
 
@@ -253,7 +253,7 @@ class EngineConfig:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:
             raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1 (the workers "
-                             "read their input ids from rank 0's host)")
+                              "read their input ids from rank 0's host)")
 
 
 def locate_model(model: str) -> tuple[str, str | None]:

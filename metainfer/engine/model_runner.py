@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metainfer.config import EngineConfig
+from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import pdl_supported, select_ops
@@ -182,8 +182,8 @@ class ModelRunner:
             budget = int(cfg.cpu_kv_cache_gib * 2**30)
         blocks = min(budget // self._bytes_per_block(), useful)
         if blocks < 1:
-            raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization")
+            raise ConfigError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
+                              "gpu_memory_utilization")
         return int(blocks)
 
     @torch.inference_mode()

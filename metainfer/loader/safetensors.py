@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from metainfer.config import ConfigError
+
 
 def safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -19,7 +21,7 @@ def safetensors_files(folder: str) -> list[str]:
         return [os.path.join(folder, name) for name in files]
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise ValueError(f"model folder {folder!r} has no *.safetensors files")
+        raise ConfigError(f"model folder {folder!r} has no *.safetensors files")
     return files
 
 

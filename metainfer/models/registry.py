@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from metainfer.config import ModelSpec
+from metainfer.config import ConfigError, ModelSpec
 
 
 def model_class(spec: ModelSpec):
     if spec.family == "dense":
         from metainfer.models.dense import DenseForCausalLM
         return DenseForCausalLM
-    raise ValueError(f"no model family for architecture {spec.architecture!r}")
+    raise ConfigError(f"no model family for architecture {spec.architecture!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from metainfer.config import ModelSpec
+from metainfer.config import ConfigError, ModelSpec
 
 
 class ShapeContractError(ValueError):
@@ -24,19 +24,19 @@ class ShapeContractError(ValueError):
 def validate_tp_config(spec: ModelSpec, tp_size: int) -> None:
     """Raise ValueError, naming the config field, when the model cannot be split `tp_size` ways."""
     if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {tp_size}")
     if spec.num_heads % tp_size:
-        raise ValueError(f"num_attention_heads ({spec.num_heads}) is not divisible by "
-                         f"tensor_parallel_size ({tp_size})")
+        raise ConfigError(f"num_attention_heads ({spec.num_heads}) is not divisible by "
+                          f"tensor_parallel_size ({tp_size})")
     kv = spec.num_kv_heads
     if kv >= tp_size and kv % tp_size:
-        raise ValueError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_size ({tp_size})")
+        raise ConfigError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_size ({tp_size})")
     if kv < tp_size and tp_size % kv:
-        raise ValueError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads ({kv}); "
-                         "KV heads can only be replicated evenly")
+        raise ConfigError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads ({kv}); "
+                          "KV heads can only be replicated evenly")
     if spec.intermediate_size % tp_size:
-        raise ValueError(f"intermediate_size ({spec.intermediate_size}) is not divisible by "
-                         f"tensor_parallel_size ({tp_size})")
+        raise ConfigError(f"intermediate_size ({spec.intermediate_size}) is not divisible by "
+                          f"tensor_parallel_size ({tp_size})")
 
 
 def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:
@@ -54,7 +54,7 @@ def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:
 def expected_param_shapes(spec: ModelSpec, tp_size: int) -> dict[str, tuple[int, ...]]:
     """Parameter name -> per-rank shape, for the dense family (Qwen3 / Qwen2 / Llama)."""
     if spec.family != "dense":
-        raise ValueError(f"no shape contract for model family {spec.family!r}")
+        raise ConfigError(f"no shape contract for model family {spec.family!r}")
     d = per_rank_dims(spec, tp_size)
     h, hd, hq, hk = d["H"], d["D"], d["Hq"], d["Hk"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["Vp"], h)}
