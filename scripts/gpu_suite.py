@@ -19,7 +19,7 @@ Writes $OUT/gpu_results.json (+ the log) and prints a short table last. Sections
   skinny_sweep  skinny GEMM configs per (shape, row bucket); the decode set with the winners
   ab         A/B in one engine (bs1): GEMV launch shapes around the shipped table under PDL, the
              folded norm; with skinny_sweep, its table at 4-32 rows
-  attn_kv_dtype  decode attention alone with a bf16 and an fp8 KV cache, fp8 launch variants
+  attn_kv_dtype  decode attention alone with a bf16 and an fp8 KV cache, launch variants, ragged contexts
   kv_fp8     bs1 / bs8 / TTFT / batch 64 at context 1,024 with the fp8 KV cache (against bf16)
 Usage: python scripts/gpu_suite.py [--sections a,b,...] [--config PATH]
 """
@@ -265,9 +265,11 @@ def attn_sweep(args):
 @section("attn_kv_dtype")
 def attn_kv_dtype(args):
     """Decode attention alone with a bf16 and an fp8 KV cache at the Qwen3-8B heads (32 q, 8 kv,
-    D=128, block 16): the throughput bench's big steps (256 x context 600, 64 x 1,088) and batch 1 at
-    context 160 (the latency engine's table width: a split launch). fp8 launch variants (warps, stages,
-    block_n); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
+    D=128, block 16): the throughput bench's big steps (256 x context 600, 64 x 1,088), 256 rows over
+    ragged contexts (uniform in [100, 1,100], the bench's spread; also with forced splits) and batch
+    1 at context 160 (the latency engine's table width: a split launch). Launch variants (V prefetch,
+    warps, stages, block_n, splits); us a launch over a graph of 8 launches on distinct caches, and
+    the KV read rate."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels.gemv_bench import _time_graph
     from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
@@ -275,31 +277,37 @@ def attn_kv_dtype(args):
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
     res = {}
-    variants = [("default", {}), ("warps4_stages1", dict(num_warps=4, num_stages=1)),
-                ("warps4_stages3", dict(num_warps=4, num_stages=3)),
-                ("warps8_stages2", dict(num_warps=8, num_stages=2)), ("block_n32", dict(block_n=32)),
-                ("block_n128", dict(block_n=128)), ("warps4_stages4", dict(num_warps=4, num_stages=4))]
-    for batch, ctx in ((256, 600), (64, 1088), (1, 160)):
-        blocks = -(-ctx // bs)
-        tables = (torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks))
-        tables = torch.cat([tables, torch.full((batch, width - blocks), -1, device=dev, dtype=torch.int32)], 1)
-        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n128", dict(block_n=128))]
+    variants = {"fp8": common + [("no_prefetch", dict(prefetch_v=False)),
+                                 ("no_prefetch_block_n128", dict(prefetch_v=False, block_n=128)),
+                                 ("warps4_stages1", dict(num_warps=4, num_stages=1))],
+                "bf16": common + [("prefetch", dict(prefetch_v=True))]}
+    ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
+    gen = torch.Generator().manual_seed(0)
+    cases = [(256, [600] * 256, variants), (64, [1088] * 64, variants), (1, [160], variants),
+             (256, torch.randint(100, 1101, (256,), generator=gen).tolist(), {"fp8": ragged, "bf16": ragged})]
+    for batch, ctxs, case_variants in cases:
+        name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
+        per_seq = -(-max(ctxs) // bs)
+        tables = torch.arange(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
+        tables = torch.cat([tables, torch.full((batch, width - per_seq), -1, device=dev, dtype=torch.int32)], 1)
+        lens = torch.tensor(ctxs, device=dev, dtype=torch.int32)
         q = torch.randn(batch, hq, d, device=dev, dtype=bf16)
-        row = res.setdefault(f"b{batch}_ctx{ctx}", {})
+        row = res.setdefault(name, {"mean_ctx": sum(ctxs) / batch})
         for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
-            caches = [to_cache_dtype(torch.randn(2, batch * blocks, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
+            caches = [to_cache_dtype(torch.randn(2, batch * per_seq, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
                       for _ in range(layers)]
-            kv_bytes = batch * ctx * hk * d * 2 * caches[0].element_size()
-            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :blocks], lens,
+            kv_bytes = sum(ctxs) * hk * d * 2 * caches[0].element_size()
+            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :per_seq], lens,
                                                   d ** -0.5)
-            for name, kw in variants if cache_name == "fp8" else variants[:1]:
+            for variant, kw in case_variants[cache_name]:
                 def call(c, kw=kw, q=q, tables=tables, lens=lens):
                     return attn.paged_decode_attention_triton(q, c[0], c[1], tables, lens, d ** -0.5, **kw)
                 err = (call(caches[0]).float() - ref).abs().max().item()
                 us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
-                row[f"{cache_name}_{name}"] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1),
-                                               "max_err": err}
-                print(f"b{batch} ctx{ctx} {cache_name} {name}: {us:.2f} us, {kv_bytes / us / 1e3:.0f} GB/s, "
+                row[f"{cache_name}_{variant}"] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1),
+                                                  "max_err": err}
+                print(f"{name} {cache_name} {variant}: {us:.2f} us, {kv_bytes / us / 1e3:.0f} GB/s, "
                       f"err {err:.2e}", flush=True)
             del caches
         torch.cuda.empty_cache()
@@ -948,6 +956,11 @@ def table() -> str:
         bf16_cache, fp8_cache = kv8["bs64_ctx1024_bf16_cache"], kv8["bs64_ctx1024"]
         lines.append(f"| bs64 ctx 1024 decode tok/s: bf16 / fp8 cache | {bf16_cache['decode_tok_s']:.0f} / "
                      f"{fp8_cache['decode_tok_s']:.0f} | | |")
+    for case, row in r.get("attn_kv_dtype", {}).items():
+        if isinstance(row, dict) and "bf16_default" in row and "fp8_default" in row:
+            best = min((k for k, v in row.items() if isinstance(v, dict)), key=lambda k: row[k]["us"])
+            lines.append(f"| decode attention {case}: bf16 / fp8 cache (us) | {row['bf16_default']['us']:.1f} / "
+                         f"{row['fp8_default']['us']:.1f} | fastest {best} {row[best]['us']:.1f} | |")
     agr8 = r.get("agreement", {}).get("decode_kv_fp8")
     if agr8:
         a = agr8["ours_vs_hf_bf16"]

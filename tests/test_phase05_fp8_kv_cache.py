@@ -140,6 +140,34 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
     _close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
+@pytest.mark.parametrize("prefetch_v", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("launch", [(1, 16), (3, 32)], ids=["one-pass", "split3"])
+def test_decode_v_prefetch_either_way_matches_ref(prefetch_v, fp8, launch):
+    """V loaded a tile ahead (the fp8 default) or with K (the default otherwise) reads the same
+    tokens: ragged contexts, a context of one tile plus one token, block boundaries (block 16)."""
+    num_splits, block_n = launch
+    dtype = KERNEL_DTYPES[0]
+    contexts = DECODE_CONTEXTS + [block_n + 1, 300]
+    batch = make_paged_batch(contexts, 16, 2, 64, dtype)
+    if fp8:
+        batch = _to_fp8(batch)
+    q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
+                                        prefetch_v=prefetch_v)
+    _close(out, paged_decode_attention_ref(*args), dtype)
+
+
+def test_decode_num_splits_override_is_bounded():
+    batch = make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0])
+    q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_decode_attention_triton(*args, num_splits=bad)
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 1)])
 def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import cast_to_cache, check_cache_dtype
+from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -195,6 +195,18 @@ def _widen_v_tile(v, mask, cache_ptr, q):
 
 
 @triton.jit
+def _load_v_tile(v_cache_ptr, bt_row, n0, end, kv_head, vc_stride_b, vc_stride_s, vc_stride_h, d, d_mask,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The V rows of tokens n0 .. n0 + BLOCK_N - 1 (those below `end`; a tile past it loads nothing)
+    as stored, through the block table."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    t_mask = tok < end
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    v_rows = page * vc_stride_b + (tok % BLOCK_SIZE) * vc_stride_s + kv_head * vc_stride_h
+    return tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _decode_merge_splits(
     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
     out_stride_b, out_stride_h,
@@ -244,7 +256,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -261,7 +273,12 @@ def _decode_split_kernel(
     instead of qk_norm_rope_store + decode. Costs: the rotary lane constants stay live across the
     loop (sm_90: 109-111 registers a thread against 72 for the split launch, 118-120 against 107
     one-pass), and the launch compiles without fp contraction (for q's rounding points), so the
-    softmax updates are separate multiplies and adds."""
+    softmax updates are separate multiplies and adds.
+
+    PREFETCH_V (the default over an fp8 cache): V is loaded one tile ahead into registers. Over fp8,
+    V reaches P @ V through registers (`_widen_v_tile`), outside the software pipeline that stages K
+    (sm_90 PTX: cp.async for K, plain ld.global for V), so each step would wait a full memory round
+    trip for it."""
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -311,6 +328,9 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
+    if PREFETCH_V:
+        v_next = _load_v_tile(v_cache_ptr, bt_row, start, loop_end, kv_head, vc_stride_b, vc_stride_s,
+                              vc_stride_h, d, d_mask, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, loop_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < loop_end
@@ -319,9 +339,14 @@ def _decode_split_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-        # V's load in flight with K's: one memory round trip a tile instead of two
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if PREFETCH_V:  # this tile's V came in during the previous step; the next one's starts now
+            v = v_next
+            v_next = _load_v_tile(v_cache_ptr, bt_row, n0 + BLOCK_N, loop_end, kv_head, vc_stride_b, vc_stride_s,
+                                  vc_stride_h, d, d_mask, BLOCK_SIZE, BLOCK_N)
+        else:
+            v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+            # V's load in flight with K's: one memory round trip a tile instead of two
+            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q)
         if USE_DOT:
             s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
@@ -505,6 +530,8 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
+    prefetch_v: bool | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -513,14 +540,17 @@ def paged_decode_attention_triton(
     `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
-    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages)."""
+    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as are `prefetch_v` (V loaded a
+    tile ahead; default: over an fp8 cache) and `num_splits` (replaces the shape rule; at most
+    max_num_splits, and a given workspace must hold it)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
     return _launch_decode(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, k_cache, v_cache,
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
-                          min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+                          min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                          prefetch_v=prefetch_v, num_splits=num_splits)
 
 
 def paged_decode_attention_qkv_composed(
@@ -567,7 +597,7 @@ def paged_decode_attention_qkv_triton(
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
                    scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl):
+                   num_stages, pdl, prefetch_v=None, num_splits=None):
     """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -579,9 +609,12 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     max_num_splits = max_num_splits or DEFAULT_MAX_NUM_SPLITS
-    num_splits = decode_num_splits(
-        batch, num_kv_heads, block_tables.shape[1] * block_size, max_num_splits, block_n or _DECODE_BLOCK_N
-    )
+    if num_splits is None:
+        num_splits = decode_num_splits(
+            batch, num_kv_heads, block_tables.shape[1] * block_size, max_num_splits, block_n or _DECODE_BLOCK_N
+        )
+    elif not 1 <= num_splits <= max_num_splits:
+        raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
     if block_n is None:
         block_n = _DECODE_BLOCK_N if num_splits == 1 else _DECODE_SPLIT_BLOCK_N
     if out is None:
@@ -638,6 +671,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
         HAS_K_NORM=prep is not None and k_norm_w is not None,
+        PREFETCH_V=v_cache.dtype == FP8_KV_DTYPE if prefetch_v is None else bool(prefetch_v),
         num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
         # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
         enable_fp_fusion=prep is None,
