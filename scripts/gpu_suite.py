@@ -266,10 +266,10 @@ def attn_sweep(args):
 def attn_kv_dtype(args):
     """Decode attention alone with a bf16 and an fp8 KV cache at the Qwen3-8B heads (32 q, 8 kv,
     D=128, block 16): the throughput bench's big steps (256 x context 600, 64 x 1,088), 256 rows over
-    ragged contexts (uniform in [100, 1,100], the bench's spread; also with forced splits) and batch
-    1 at context 160 (the latency engine's table width: a split launch). Launch variants (V prefetch,
-    warps, stages, block_n, splits); us a launch over a graph of 8 launches on distinct caches, and
-    the KV read rate."""
+    ragged contexts (uniform in [100, 1,100], the bench's spread; in random order, also with forced
+    splits, and longest first as the scheduler orders them) and batch 1 at context 160 (the latency
+    engine's table width: a split launch). Launch variants (fp8 V widening, warps, stages, block_n,
+    splits); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels.gemv_bench import _time_graph
     from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
@@ -278,16 +278,18 @@ def attn_kv_dtype(args):
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
     res = {}
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n128", dict(block_n=128))]
-    variants = {"fp8": common + [("no_prefetch", dict(prefetch_v=False)),
-                                 ("no_prefetch_block_n128", dict(prefetch_v=False, block_n=128)),
-                                 ("warps4_stages1", dict(num_warps=4, num_stages=1))],
-                "bf16": common + [("prefetch", dict(prefetch_v=True))]}
+    variants = {"fp8": common + [("v_pipelined", dict(widen_v_in_registers=False)),
+                                 ("v_pipelined_block_n128", dict(widen_v_in_registers=False, block_n=128))],
+                "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
     gen = torch.Generator().manual_seed(0)
     cases = [(256, [600] * 256, variants), (64, [1088] * 64, variants), (1, [160], variants),
              (256, torch.randint(100, 1101, (256,), generator=gen).tolist(), {"fp8": ragged, "bf16": ragged})]
+    longest_first = sorted(cases[-1][1], reverse=True)  # the order the scheduler gives a decode batch
+    cases.append((256, longest_first, {"fp8": ragged[:1], "bf16": ragged[:1]}))
     for batch, ctxs, case_variants in cases:
         name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
+        name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""
         per_seq = -(-max(ctxs) // bs)
         tables = torch.arange(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
         tables = torch.cat([tables, torch.full((batch, width - per_seq), -1, device=dev, dtype=torch.int32)], 1)
@@ -618,7 +620,8 @@ def throughput(args):
     torch.cuda.empty_cache()
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
-    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
+    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
+                "admission_order": ({"METAINFER_DECODE_ORDER": "admission"}, {})}  # decode rows not longest first
     for name, (switches, engine_kw) in variants.items():
         llm = _bench_llm(folder, engine_kw, **switches)
         other = run_throughput(llm, progress=False)
@@ -936,8 +939,8 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("kv_fp8", "no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep",
-                 "fused_sampler"):
+    for name in ("kv_fp8", "admission_order", "no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm",
+                 "unfused_decode_prep", "fused_sampler"):
         if name in tp and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")

@@ -141,11 +141,11 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
-@pytest.mark.parametrize("prefetch_v", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "pipelined"])
 @pytest.mark.parametrize("launch", [(1, 16), (3, 32)], ids=["one-pass", "split3"])
-def test_decode_v_prefetch_either_way_matches_ref(prefetch_v, fp8, launch):
-    """V loaded a tile ahead (the fp8 default) or with K (the default otherwise) reads the same
-    tokens: ragged contexts, a context of one tile plus one token, block boundaries (block 16)."""
+def test_decode_v_widening_either_way_matches_ref(in_registers, fp8, launch):
+    """V widened in registers (the default) or left to the K pipeline (the A/B), at a forced split
+    count: ragged contexts, a context of one tile plus one token, block boundaries (block 16)."""
     num_splits, block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = DECODE_CONTEXTS + [block_n + 1, 300]
@@ -155,7 +155,7 @@ def test_decode_v_prefetch_either_way_matches_ref(prefetch_v, fp8, launch):
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
-                                        prefetch_v=prefetch_v)
+                                        widen_v_in_registers=in_registers)
     _close(out, paged_decode_attention_ref(*args), dtype)
 
 

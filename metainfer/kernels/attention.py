@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype
+from .kv_cache import cast_to_cache, check_cache_dtype
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -183,27 +183,17 @@ def _in_kv_dtype(x, cache_ptr, q):
 
 
 @triton.jit
-def _widen_v_tile(v, mask, cache_ptr, q):
-    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8: masked again after the widening,
-    which keeps Triton from moving the widening past the shared-memory staging of P @ V's V operand:
-    it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile instead of
-    ldmatrix, and 150 registers a thread against 128)."""
+def _widen_v_tile(v, mask, cache_ptr, q, IN_REGISTERS: tl.constexpr = True):
+    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8 with IN_REGISTERS: masked again
+    after the widening, which keeps Triton from moving the widening past the shared-memory staging of
+    P @ V's V operand: it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile
+    instead of ldmatrix, and 150 registers a thread against 128), but V stays out of the cp.async
+    pipeline that stages K (plain ld.global). Without IN_REGISTERS (an A/B) that pipeline takes V too."""
     v = _in_kv_dtype(v, cache_ptr, q)
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        v = tl.where(mask, v, 0.0)
+    if IN_REGISTERS:
+        if cache_ptr.dtype.element_ty == tl.float8e4nv:
+            v = tl.where(mask, v, 0.0)
     return v
-
-
-@triton.jit
-def _load_v_tile(v_cache_ptr, bt_row, n0, end, kv_head, vc_stride_b, vc_stride_s, vc_stride_h, d, d_mask,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The V rows of tokens n0 .. n0 + BLOCK_N - 1 (those below `end`; a tile past it loads nothing)
-    as stored, through the block table."""
-    tok = n0 + tl.arange(0, BLOCK_N)
-    t_mask = tok < end
-    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    v_rows = page * vc_stride_b + (tok % BLOCK_SIZE) * vc_stride_s + kv_head * vc_stride_h
-    return tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -256,7 +246,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    PREFETCH_V: tl.constexpr, USE_PDL: tl.constexpr,
+    WIDEN_V_IN_REGISTERS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -275,15 +265,15 @@ def _decode_split_kernel(
     one-pass), and the launch compiles without fp contraction (for q's rounding points), so the
     softmax updates are separate multiplies and adds.
 
-    PREFETCH_V (the default over an fp8 cache): V is loaded one tile ahead into registers. Over fp8,
-    V reaches P @ V through registers (`_widen_v_tile`), outside the software pipeline that stages K
-    (sm_90 PTX: cp.async for K, plain ld.global for V), so each step would wait a full memory round
-    trip for it."""
+    WIDEN_V_IN_REGISTERS (fp8 only; the default): see `_widen_v_tile`."""
     pdl_enter(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    # kv heads vary fastest in launch order: a row's programs start together, and rows start in
+    # batch order (the scheduler puts the longest contexts first, so the launch's tail is short ones)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
+    num_kv_heads = tl.num_programs(0)
+    num_q_heads = num_kv_heads * GROUP
 
     # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
     # Splits 0..live-1 are non-empty; all programs of a (sequence, kv head) agree on `live`.
@@ -328,9 +318,6 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
-    if PREFETCH_V:
-        v_next = _load_v_tile(v_cache_ptr, bt_row, start, loop_end, kv_head, vc_stride_b, vc_stride_s,
-                              vc_stride_h, d, d_mask, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, loop_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < loop_end
@@ -339,15 +326,10 @@ def _decode_split_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
         k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if PREFETCH_V:  # this tile's V came in during the previous step; the next one's starts now
-            v = v_next
-            v_next = _load_v_tile(v_cache_ptr, bt_row, n0 + BLOCK_N, loop_end, kv_head, vc_stride_b, vc_stride_s,
-                                  vc_stride_h, d, d_mask, BLOCK_SIZE, BLOCK_N)
-        else:
-            v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-            # V's load in flight with K's: one memory round trip a tile instead of two
-            v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q)
+        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+        # V's load in flight with K's: one memory round trip a tile instead of two
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q, WIDEN_V_IN_REGISTERS)
         if USE_DOT:
             s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
         else:
@@ -371,7 +353,7 @@ def _decode_split_kernel(
             xk, xkp = _load_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM + one[:, None], d, partner, new_mask)
             k_new = cast_to_cache(_norm_rope(xk, xkp, k_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot,
                                              HEAD_DIM, HAS_K_NORM, dtype), k_cache_ptr)
-            v_src = qkv_row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + one[:, None]
+            v_src = qkv_row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + one[:, None]
             v_new = cast_to_cache(tl.load(v_src + d[None, :], mask=new_mask, other=0.0), v_cache_ptr)
             if USE_DOT:  # the q the loop's scores used: its tl.dot takes q_kv, its sum (GQA 1) q
                 q_scores = q_kv
@@ -408,7 +390,7 @@ def _decode_split_kernel(
             tl.store(part_lse_ptr + rows, m_i + tl.log2(l_i), mask=g_mask)
             # All threads' partial stores are issued before the one counting thread releases them.
             tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            counter = counters_ptr + seq * num_kv_heads + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == live - 1:  # the last live split of this (sequence, kv head)
                 tl.debug_barrier()  # the acquire above precedes every thread's partial loads
@@ -530,7 +512,7 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
-    prefetch_v: bool | None = None,
+    widen_v_in_registers: bool = True,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
@@ -540,9 +522,9 @@ def paged_decode_attention_triton(
     `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
-    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as are `prefetch_v` (V loaded a
-    tile ahead; default: over an fp8 cache) and `num_splits` (replaces the shape rule; at most
-    max_num_splits, and a given workspace must hold it)."""
+    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as are `widen_v_in_registers`
+    (fp8 only, see `_widen_v_tile`) and `num_splits` (replaces the shape rule; at most max_num_splits,
+    and a given workspace must hold it)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -550,7 +532,7 @@ def paged_decode_attention_triton(
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
                           min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                          prefetch_v=prefetch_v, num_splits=num_splits)
+                          widen_v_in_registers=widen_v_in_registers, num_splits=num_splits)
 
 
 def paged_decode_attention_qkv_composed(
@@ -597,7 +579,7 @@ def paged_decode_attention_qkv_triton(
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
                    scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl, prefetch_v=None, num_splits=None):
+                   num_stages, pdl, widen_v_in_registers=True, num_splits=None):
     """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -655,7 +637,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     scale_log2e = float(scale) * LOG2E
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q_src, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, counters,
         positions, cos_sin, q_norm_w if q_norm_w is not None else q_src,
@@ -671,7 +653,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
         HAS_K_NORM=prep is not None and k_norm_w is not None,
-        PREFETCH_V=v_cache.dtype == FP8_KV_DTYPE if prefetch_v is None else bool(prefetch_v),
+        WIDEN_V_IN_REGISTERS=widen_v_in_registers,
         num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
         # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
         enable_fp_fusion=prep is None,
