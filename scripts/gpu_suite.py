@@ -265,10 +265,10 @@ def attn_sweep(args):
 @section("attn_kv_dtype")
 def attn_kv_dtype(args):
     """Decode attention alone with a bf16 and an fp8 KV cache at the Qwen3-8B heads (32 q, 8 kv,
-    D=128, block 16): the throughput bench's big steps (256 x context 600, 64 x 1,088), 256 rows over
-    ragged contexts (uniform in [100, 1,100], the bench's spread; in random order, also with forced
-    splits, and longest first as the scheduler orders them) and batch 1 at context 160 (the latency
-    engine's table width: a split launch). Launch variants (fp8 V widening, warps, stages, block_n,
+    D=128, block 16): the throughput bench's big steps (256 / 128 x context 600, 64 x 1,088), 256
+    rows over ragged contexts (uniform in [100, 1,100], the bench's spread; in random order, also
+    with forced splits, and longest first as the scheduler orders them) and batch 1 at context 160
+    (the latency engine's table width: a split launch). Launch variants (warps, stages, block_n,
     splits); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels.gemv_bench import _time_graph
@@ -277,13 +277,13 @@ def attn_kv_dtype(args):
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
     res = {}
-    common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n128", dict(block_n=128))]
-    variants = {"fp8": common + [("v_pipelined", dict(widen_v_in_registers=False)),
-                                 ("v_pipelined_block_n128", dict(widen_v_in_registers=False, block_n=128))],
-                "bf16": common}
+    common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
+              ("block_n128", dict(block_n=128))]
+    variants = {"fp8": common, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
     gen = torch.Generator().manual_seed(0)
-    cases = [(256, [600] * 256, variants), (64, [1088] * 64, variants), (1, [160], variants),
+    cases = [(256, [600] * 256, variants), (128, [600] * 128, variants), (64, [1088] * 64, variants),
+             (1, [160], variants),
              (256, torch.randint(100, 1101, (256,), generator=gen).tolist(), {"fp8": ragged, "bf16": ragged})]
     longest_first = sorted(cases[-1][1], reverse=True)  # the order the scheduler gives a decode batch
     cases.append((256, longest_first, {"fp8": ragged[:1], "bf16": ragged[:1]}))

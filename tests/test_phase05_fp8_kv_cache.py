@@ -26,7 +26,11 @@ from metainfer.kernels import (
 )
 from metainfer.kernels._triton import tl
 from metainfer.kernels._triton import triton as triton_jit
-from metainfer.kernels.attention import paged_decode_attention_qkv_ref, paged_decode_attention_qkv_triton
+from metainfer.kernels.attention import (
+    decode_block_n,
+    paged_decode_attention_qkv_ref,
+    paged_decode_attention_qkv_triton,
+)
 from metainfer.kernels.kv_cache import FP8_KV_DTYPE, FP8_MAX, cast_to_cache, check_cache_dtype, to_cache_dtype
 from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 from tests.test_phase05_attention_kernels import (
@@ -141,11 +145,10 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
-@pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "pipelined"])
-@pytest.mark.parametrize("launch", [(1, 16), (3, 32)], ids=["one-pass", "split3"])
-def test_decode_v_widening_either_way_matches_ref(in_registers, fp8, launch):
-    """V widened in registers (the default) or left to the K pipeline (the A/B), at a forced split
-    count: ragged contexts, a context of one tile plus one token, block boundaries (block 16)."""
+@pytest.mark.parametrize("launch", [(1, 128), (1, 16), (3, 32)], ids=["one-pass-128", "one-pass-16", "split3"])
+def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
+    """A forced split count and the 128-token tiles of wide fp8 launches: ragged contexts, a context
+    of one tile plus one token, block boundaries (block 16)."""
     num_splits, block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = DECODE_CONTEXTS + [block_n + 1, 300]
@@ -154,9 +157,16 @@ def test_decode_v_widening_either_way_matches_ref(in_registers, fp8, launch):
         batch = _to_fp8(batch)
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
-    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
-                                        widen_v_in_registers=in_registers)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16)
     _close(out, paged_decode_attention_ref(*args), dtype)
+
+
+def test_decode_block_n_rule():
+    """128-token tiles only for one-pass launches over fp8 with many programs (run 30)."""
+    assert decode_block_n(1, 2048, FP8_KV_DTYPE) == 128
+    assert decode_block_n(1, 512, FP8_KV_DTYPE) == 64
+    assert decode_block_n(1, 2048, torch.bfloat16) == 64
+    assert decode_block_n(4, 2048, FP8_KV_DTYPE) == 32
 
 
 def test_decode_num_splits_override_is_bounded():

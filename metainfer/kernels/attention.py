@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import cast_to_cache, check_cache_dtype
+from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -45,6 +45,10 @@ _TARGET_DECODE_PROGRAMS = 512
 _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
+# fp8 cache, one-pass launches of many programs: 128-token tiles (the same bytes a step as bf16's 64).
+# Run 30: 130.4 against 139.4 us at 256 rows x context 600 (2,048 programs), but 67.8 against 63.0 at
+# 64 rows (512 programs, one wave), so only from this many programs.
+_FP8_WIDE_TILE_PROGRAMS = 1024
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path)
@@ -183,16 +187,16 @@ def _in_kv_dtype(x, cache_ptr, q):
 
 
 @triton.jit
-def _widen_v_tile(v, mask, cache_ptr, q, IN_REGISTERS: tl.constexpr = True):
-    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8 with IN_REGISTERS: masked again
-    after the widening, which keeps Triton from moving the widening past the shared-memory staging of
-    P @ V's V operand: it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile
-    instead of ldmatrix, and 150 registers a thread against 128), but V stays out of the cp.async
-    pipeline that stages K (plain ld.global). Without IN_REGISTERS (an A/B) that pipeline takes V too."""
+def _widen_v_tile(v, mask, cache_ptr, q):
+    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8: masked again after the widening,
+    which keeps Triton from moving the widening past the shared-memory staging of P @ V's V operand:
+    it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile instead of
+    ldmatrix, and 150 registers a thread against 128). V then stays out of the cp.async pipeline that
+    stages K (plain ld.global), which still measured faster than letting that pipeline take it (run 30:
+    139.4 against 163.1 us at 256 x 600) or than loading V a tile ahead in registers (run 29: 174.7)."""
     v = _in_kv_dtype(v, cache_ptr, q)
-    if IN_REGISTERS:
-        if cache_ptr.dtype.element_ty == tl.float8e4nv:
-            v = tl.where(mask, v, 0.0)
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        v = tl.where(mask, v, 0.0)
     return v
 
 
@@ -246,7 +250,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    WIDEN_V_IN_REGISTERS: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -263,9 +267,7 @@ def _decode_split_kernel(
     instead of qk_norm_rope_store + decode. Costs: the rotary lane constants stay live across the
     loop (sm_90: 109-111 registers a thread against 72 for the split launch, 118-120 against 107
     one-pass), and the launch compiles without fp contraction (for q's rounding points), so the
-    softmax updates are separate multiplies and adds.
-
-    WIDEN_V_IN_REGISTERS (fp8 only; the default): see `_widen_v_tile`."""
+    softmax updates are separate multiplies and adds."""
     pdl_enter(USE_PDL)
     # kv heads vary fastest in launch order: a row's programs start together, and rows start in
     # batch order (the scheduler puts the longest contexts first, so the launch's tail is short ones)
@@ -329,7 +331,7 @@ def _decode_split_kernel(
         v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
         # V's load in flight with K's: one memory round trip a tile instead of two
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q, WIDEN_V_IN_REGISTERS)
+        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q)
         if USE_DOT:
             s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
         else:
@@ -414,6 +416,16 @@ def decode_num_splits(
     useful = cdiv(max(1, max_context_len), block_n)
     wanted = cdiv(_TARGET_DECODE_PROGRAMS, max(1, batch * num_kv_heads))
     return max(1, min(max_num_splits, wanted, useful))
+
+
+def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype) -> int:
+    """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
+    launches over an fp8 cache with at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk) programs."""
+    if num_splits > 1:
+        return _DECODE_SPLIT_BLOCK_N
+    if cache_dtype == FP8_KV_DTYPE and num_programs >= _FP8_WIDE_TILE_PROGRAMS:
+        return 2 * _DECODE_BLOCK_N
+    return _DECODE_BLOCK_N
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -512,7 +524,6 @@ def paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
-    widen_v_in_registers: bool = True,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
@@ -522,9 +533,9 @@ def paged_decode_attention_triton(
     `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
-    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as are `widen_v_in_registers`
-    (fp8 only, see `_widen_v_tile`) and `num_splits` (replaces the shape rule; at most max_num_splits,
-    and a given workspace must hold it)."""
+    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as is `num_splits` (replaces the
+    shape rule; at most max_num_splits, and a given workspace must hold it). Over an fp8 cache a
+    one-pass launch of at least _FP8_WIDE_TILE_PROGRAMS programs takes 128-token tiles."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -532,7 +543,7 @@ def paged_decode_attention_triton(
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
                           min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                          widen_v_in_registers=widen_v_in_registers, num_splits=num_splits)
+                          num_splits=num_splits)
 
 
 def paged_decode_attention_qkv_composed(
@@ -579,7 +590,7 @@ def paged_decode_attention_qkv_triton(
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
                    scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl, widen_v_in_registers=True, num_splits=None):
+                   num_stages, pdl, num_splits=None):
     """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -598,7 +609,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     elif not 1 <= num_splits <= max_num_splits:
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
     if block_n is None:
-        block_n = _DECODE_BLOCK_N if num_splits == 1 else _DECODE_SPLIT_BLOCK_N
+        block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype)
     if out is None:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=q_src.dtype, device=q_src.device)
     if batch == 0:
@@ -653,7 +664,6 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
         HAS_K_NORM=prep is not None and k_norm_w is not None,
-        WIDEN_V_IN_REGISTERS=widen_v_in_registers,
         num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
         # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
         enable_fp_fusion=prep is None,
