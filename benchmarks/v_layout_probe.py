@@ -114,15 +114,20 @@ def measure(batch: int, ctx: int, cache_dtype: torch.dtype, layers: int = 8) -> 
     def engine(i):
         return paged_decode_attention_triton(q, caches[i][0], caches[i][1], tables, lens, d ** -0.5), None
 
-    def probe(i, block_n, token_major_v):
+    def probe(i, block_n, token_major_v, num_warps=4, num_stages=2):
         v = v_token_major[i] if token_major_v else caches[i][1]
-        return probe_decode(q, caches[i][0], v, tables, lens, d ** -0.5, block_n)
+        return probe_decode(q, caches[i][0], v, tables, lens, d ** -0.5, block_n, num_warps, num_stages)
 
     variants = {"engine": engine}
     for block_n in (64, 128):
         for layout in ("head_major", "token_major"):
             variants[f"probe_{layout}_n{block_n}"] = functools.partial(probe, block_n=block_n,
                                                                        token_major_v=layout == "token_major")
+    # run 32: token-major fp8 staged both K and V by cp.async (0 ld.shared.b8) yet read 3.0 TB/s: more
+    # bytes in flight an SM (stages, warps) is the next question
+    for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)):
+        variants[f"probe_token_major_n{block_n}_w{warps}_s{stages}"] = functools.partial(
+            probe, block_n=block_n, token_major_v=True, num_warps=warps, num_stages=stages)
     row = {}
     for name, fn in variants.items():
         try:
@@ -142,7 +147,7 @@ def main():
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "v_layout_probe.json"))
     args = p.parse_args()
     res = {}
-    for batch, ctx in ((256, 640), (64, 1088)):
+    for batch, ctx in ((256, 640), (64, 1024)):
         for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_KV_DTYPE)):
             res[f"b{batch}_ctx{ctx}_{name}"] = measure(batch, ctx, dtype)
             torch.cuda.empty_cache()

@@ -272,21 +272,24 @@ def attn_kv_dtype(args):
     splits); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels.gemv_bench import _time_graph
-    from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
+    from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype, token_major_v_cache
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
     res = {}
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
               ("block_n128", dict(block_n=128))]
-    variants = {"fp8": common, "bf16": common}
+    # fp8: V token-major (the engine's layout) unless a variant asks for the head-major copy
+    head_major = [("v_head_major", dict(v_head_major=True)),
+                  ("v_head_major_block_n64", dict(v_head_major=True, block_n=64))]
+    variants = {"fp8": common + head_major, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
     gen = torch.Generator().manual_seed(0)
     cases = [(256, [600] * 256, variants), (128, [600] * 128, variants), (64, [1088] * 64, variants),
              (1, [160], variants),
              (256, torch.randint(100, 1101, (256,), generator=gen).tolist(), {"fp8": ragged, "bf16": ragged})]
     longest_first = sorted(cases[-1][1], reverse=True)  # the order the scheduler gives a decode batch
-    cases.append((256, longest_first, {"fp8": ragged[:1], "bf16": ragged[:1]}))
+    cases.append((256, longest_first, {"fp8": ragged[:1] + head_major[:1], "bf16": ragged[:1]}))
     for batch, ctxs, case_variants in cases:
         name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
         name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""
@@ -297,14 +300,19 @@ def attn_kv_dtype(args):
         q = torch.randn(batch, hq, d, device=dev, dtype=bf16)
         row = res.setdefault(name, {"mean_ctx": sum(ctxs) / batch})
         for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
-            caches = [to_cache_dtype(torch.randn(2, batch * per_seq, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
-                      for _ in range(layers)]
-            kv_bytes = sum(ctxs) * hk * d * 2 * caches[0].element_size()
-            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :per_seq], lens,
+            caches = []  # (k, v in the engine's layout, v head-major)
+            for _ in range(layers):
+                kv = to_cache_dtype(torch.randn(2, batch * per_seq, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
+                v = token_major_v_cache(torch.empty_like(kv[1])).copy_(kv[1]) if cache_name == "fp8" else kv[1]
+                caches.append((kv[0], v, kv[1]))
+            kv_bytes = sum(ctxs) * hk * d * 2 * caches[0][0].element_size()
+            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][2], tables[:, :per_seq], lens,
                                                   d ** -0.5)
             for variant, kw in case_variants[cache_name]:
                 def call(c, kw=kw, q=q, tables=tables, lens=lens):
-                    return attn.paged_decode_attention_triton(q, c[0], c[1], tables, lens, d ** -0.5, **kw)
+                    kw = dict(kw)
+                    v = c[2] if kw.pop("v_head_major", False) else c[1]
+                    return attn.paged_decode_attention_triton(q, c[0], v, tables, lens, d ** -0.5, **kw)
                 err = (call(caches[0]).float() - ref).abs().max().item()
                 us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
                 row[f"{cache_name}_{variant}"] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1),
@@ -620,8 +628,8 @@ def throughput(args):
     torch.cuda.empty_cache()
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
-    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
-                "admission_order": ({"METAINFER_DECODE_ORDER": "admission"}, {})}  # decode rows not longest first
+    # (admission_order, METAINFER_DECODE_ORDER=admission: runs 30-31, -1.6 to -1.8% against longest first)
+    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
     for name, (switches, engine_kw) in variants.items():
         llm = _bench_llm(folder, engine_kw, **switches)
         other = run_throughput(llm, progress=False)

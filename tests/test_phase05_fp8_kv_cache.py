@@ -31,7 +31,16 @@ from metainfer.kernels.attention import (
     paged_decode_attention_qkv_ref,
     paged_decode_attention_qkv_triton,
 )
-from metainfer.kernels.kv_cache import FP8_KV_DTYPE, FP8_MAX, cast_to_cache, check_cache_dtype, to_cache_dtype
+from metainfer.kernels.kv_cache import (
+    FP8_KV_DTYPE,
+    FP8_MAX,
+    cast_to_cache,
+    check_cache_dtype,
+    check_v_cache_layout,
+    is_token_major,
+    to_cache_dtype,
+    token_major_v_cache,
+)
 from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 from tests.test_phase05_attention_kernels import (
     DECODE_CONTEXTS,
@@ -48,10 +57,17 @@ from tests.test_phase05_decode_qkv import _case, _clone
 triton = pytest.importorskip("triton")
 
 
-def _to_fp8(batch):
+def _in_layout(v_cache: torch.Tensor, token_major: bool) -> torch.Tensor:
+    """The same V values, head-major (as given) or in the fp8 engine's token-major layout."""
+    if not token_major:
+        return v_cache
+    return token_major_v_cache(torch.empty(v_cache.shape, dtype=v_cache.dtype, device=v_cache.device)).copy_(v_cache)
+
+
+def _to_fp8(batch, token_major=False):
     """The paged batch with fp8 caches; dense K/V replaced by the fp8 values they now hold."""
-    batch.k_cache, batch.v_cache = to_cache_dtype(batch.k_cache, FP8_KV_DTYPE), to_cache_dtype(batch.v_cache,
-                                                                                               FP8_KV_DTYPE)
+    batch.k_cache = to_cache_dtype(batch.k_cache, FP8_KV_DTYPE)
+    batch.v_cache = _in_layout(to_cache_dtype(batch.v_cache, FP8_KV_DTYPE), token_major)
     batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
     batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
     return batch
@@ -104,13 +120,15 @@ def test_check_cache_dtype_names_the_mismatch():
         check_cache_dtype(q16, torch.empty(0, dtype=FP8_KV_DTYPE), torch.empty(0, dtype=q16), "q")
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_store_kv_fp8_bits_equal_reference(dtype, block_size):
+def test_store_kv_fp8_bits_equal_reference(dtype, block_size, token_major):
     k, v, k_cache, v_cache, slots = _store_kv_inputs(dtype, block_size, DEVICE)
     k = k * 300  # some values beyond 448: they must saturate in both
     v = v * 300
-    k_cache, v_cache = to_cache_dtype(k_cache, FP8_KV_DTYPE), to_cache_dtype(v_cache, FP8_KV_DTYPE)
+    k_cache = to_cache_dtype(k_cache, FP8_KV_DTYPE)
+    v_cache = _in_layout(to_cache_dtype(v_cache, FP8_KV_DTYPE), token_major)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv_ref(k, v, k_ref, v_ref, slots)
     store_kv_triton(k, v, k_cache, v_cache, slots)
@@ -129,13 +147,14 @@ def test_decode_ref_fp8_matches_naive_over_dequantised_kv():
             torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("launch", [(1, 16), (3, 16), (32, 16)], ids=["one-pass", "split3", "split32"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 2, 128, 16), (8, 1, 64, 32)])
-def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, launch):
+def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, launch, token_major):
     max_num_splits, block_n = launch
     contexts = DECODE_CONTEXTS + [300]
-    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype))
+    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype), token_major)
     q = _randn(len(contexts), group * hk, head_dim, dtype=dtype, seed=5, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
     expected = paged_decode_attention_ref(*args)
@@ -144,7 +163,7 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
     _close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
+@pytest.mark.parametrize("fp8", ["head-major", "token-major", None], ids=["fp8", "fp8-v-token-major", "model-dtype"])
 @pytest.mark.parametrize("launch", [(1, 128), (1, 16), (3, 32)], ids=["one-pass-128", "one-pass-16", "split3"])
 def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
     """A forced split count and the 128-token tiles of wide fp8 launches: ragged contexts, a context
@@ -154,17 +173,32 @@ def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
     contexts = DECODE_CONTEXTS + [block_n + 1, 300]
     batch = make_paged_batch(contexts, 16, 2, 64, dtype)
     if fp8:
-        batch = _to_fp8(batch)
+        batch = _to_fp8(batch, fp8 == "token-major")
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16)
     _close(out, paged_decode_attention_ref(*args), dtype)
 
 
+def test_v_cache_layouts():
+    memory = torch.zeros(3, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    v = token_major_v_cache(memory)
+    assert v.shape == memory.shape and v.stride() == (2 * 64 * 16, 1, 64 * 16, 16)
+    assert is_token_major(v) and not is_token_major(memory)
+    check_v_cache_layout(v)
+    check_v_cache_layout(memory)
+    with pytest.raises(ValueError, match="v_cache strides"):
+        check_v_cache_layout(memory.transpose(2, 3))
+    v[1, 5, 1, 7] = 2.0  # token 5 of block 1, kv head 1, dim 7: memory [block, head, dim, token]
+    assert memory.view(3, 2, 64, 16)[1, 1, 7, 5].item() == 2.0
+
+
 def test_decode_block_n_rule():
-    """128-token tiles only for one-pass launches over fp8 with many programs (run 30)."""
+    """128-token tiles only for one-pass launches over fp8: token-major V, or many programs (run 30)."""
     assert decode_block_n(1, 2048, FP8_KV_DTYPE) == 128
     assert decode_block_n(1, 512, FP8_KV_DTYPE) == 64
+    assert decode_block_n(1, 512, FP8_KV_DTYPE, v_token_major=True) == 128
+    assert decode_block_n(3, 512, FP8_KV_DTYPE, v_token_major=True) == 32
     assert decode_block_n(1, 2048, torch.bfloat16) == 64
     assert decode_block_n(4, 2048, FP8_KV_DTYPE) == 32
 
@@ -178,12 +212,13 @@ def test_decode_num_splits_override_is_bounded():
             paged_decode_attention_triton(*args, num_splits=bad)
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 1)])
-def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype):
+def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype, token_major):
     """Plain prefill, prefix-cache hits / chunked prefill (q_len < context) and a one-token extend."""
     batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
-    batch = _to_fp8(batch)
+    batch = _to_fp8(batch, token_major)
     args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, head_dim**-0.5)
     expected = paged_prefill_attention_ref(*args)
     out = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
@@ -194,10 +229,12 @@ def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_siz
         _close(expected[s:e], naive, dtype)
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
+def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype, token_major):
     a = _case([5, 17, 40], 4, 2, 64, 64, True, 16, dtype)
-    a["k_cache"], a["v_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE), to_cache_dtype(a["v_cache"], FP8_KV_DTYPE)
+    a["k_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE)
+    a["v_cache"] = _in_layout(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE), token_major)
     names = ("qkv", "positions", "cos_sin", "q_norm_w", "k_norm_w", "eps", "k_cache", "v_cache", "slot_mapping",
              "num_q_heads", "num_kv_heads", "head_dim")
     ref, tri = _clone(a), _clone(a)
@@ -216,15 +253,17 @@ FUSED_FP8_CASES = [  # (contexts, group, hk, head_dim, rot_dim, norm, block_size
 ]
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("launch", [(1, None), (3, None), (32, 16)], ids=["one-pass", "split3", "split32"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("case", FUSED_FP8_CASES, ids=["g4-d64", "g1-d128-unstored", "g8-d128"])
-def test_fused_decode_fp8_matches_composed_reference(case, dtype, launch):
+def test_fused_decode_fp8_matches_composed_reference(case, dtype, launch, token_major):
     """The fused launch stores this step's K/V as fp8 and attends to the stored (rounded) k/v."""
     max_num_splits, block_n = launch
     *shape, unstored = case
     a = _case(*shape, dtype, unstored=unstored)
-    a["k_cache"], a["v_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE), to_cache_dtype(a["v_cache"], FP8_KV_DTYPE)
+    a["k_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE)
+    a["v_cache"] = _in_layout(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE), token_major)
     fused, ref = _clone(a), {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _clone(a).items()}
     out = paged_decode_attention_qkv_triton(**fused, max_num_splits=max_num_splits, block_n=block_n,
                                             min_split_tokens=16)

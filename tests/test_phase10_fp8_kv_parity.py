@@ -13,6 +13,7 @@ import torch
 from metainfer import LLM, SamplingParams
 from metainfer.bench.agreement import use_fp8_kv_attention
 from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
+from metainfer.kernels.kv_cache import is_token_major
 from tests.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
@@ -36,7 +37,10 @@ def reference(tmp_path_factory):
 
 def _generate(folder, prompts, **engine_kw):
     llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
-    assert llm.llm_engine.runner.kv_cache.dtype == FP8
+    runner = llm.llm_engine.runner
+    assert runner.kv_cache.dtype == FP8
+    # V token-major, K head-major (CONTRACTS: KV cache): the parity below runs the engine on that layout
+    assert all(is_token_major(layer.v_cache) and layer.k_cache.is_contiguous() for layer in runner.attention_layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -69,6 +73,7 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     full = LLM(folder, **budget).llm_engine.runner
     fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
     assert full.kv_cache.dtype == torch.float32 and fp8.kv_cache.dtype == FP8
+    assert not any(is_token_major(layer.v_cache) for layer in full.attention_layers)
     assert fp8.num_blocks == 4 * full.num_blocks
     assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
 

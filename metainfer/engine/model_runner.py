@@ -22,6 +22,7 @@ from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import pdl_supported, select_ops
 from metainfer.kernels.attention import decode_workspace_numel_for
+from metainfer.kernels.kv_cache import FP8_KV_DTYPE, token_major_v_cache
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.layers.linear import bind_kernel_linears
 from metainfer.loader import load_weights
@@ -233,8 +234,10 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, self.spec.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        # an fp8 cache keeps V token-major (kernels/kv_cache.py: why), the model dtype head-major
+        v_view = token_major_v_cache if self.kv_dtype == FP8_KV_DTYPE else (lambda memory: memory)
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], v_view(self.kv_cache[1, i])
 
     def _release_kv_cache(self) -> None:
         for layer in self.attention_layers:

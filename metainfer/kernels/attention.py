@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype
+from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype, check_v_cache_layout, is_token_major
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -201,6 +201,56 @@ def _widen_v_tile(v, mask, cache_ptr, q):
 
 
 @triton.jit
+def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+                 kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+                 scale_log2e, d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+    """One online-softmax step of the decode loop over tokens n0 .. n0 + BLOCK_N - 1: (m_i, l_i, acc)
+    updated. MASKED: tokens from `end` on are left out (else the whole tile is below `end`).
+    V_TOKEN_MAJOR: V is read as [D, BLOCK_N] tiles along tokens (kv_cache.token_major_v_cache) and
+    handed to P @ V transposed, as K is to q @ K^T."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    t_mask = tok < end
+    if MASKED:
+        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        vt_mask = d_mask[:, None] & t_mask[None, :]
+    else:
+        page = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+        vt_mask = d_mask[:, None]
+    in_page = tok % BLOCK_SIZE
+    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
+    # V's load in flight with K's: one memory round trip a tile instead of two
+    if V_TOKEN_MAJOR:
+        v = tl.trans(_in_kv_dtype(tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d,
+                                          mask=vt_mask, other=0.0), v_cache_ptr, q))
+    else:
+        v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
+                          v_cache_ptr, q)
+    k = _in_kv_dtype(k, k_cache_ptr, q)
+    if USE_DOT:
+        s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
+    else:
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
+    if MASKED:
+        s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
+    else:
+        s = s * scale_log2e
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_merge_splits(
     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
     out_stride_b, out_stride_h,
@@ -243,14 +293,14 @@ def _decode_split_kernel(
     scale_log2e, num_splits, min_chunk,
     q_stride_b, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     bt_stride_b, out_stride_b, out_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -320,33 +370,24 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
-    for n0 in range(start, loop_end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        t_mask = tok < loop_end
-        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-        in_page = tok % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-        # V's load in flight with K's: one memory round trip a tile instead of two
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k, v = _in_kv_dtype(k, k_cache_ptr, q), _widen_v_tile(v, kv_mask, v_cache_ptr, q)
-        if USE_DOT:
-            s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]
-        s = tl.where(t_mask[None, :], s * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if V_TOKEN_MAJOR:  # full tiles without token masks (V's loads then vectorise along tokens), then the tail
+        full_end = start + (loop_end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _decode_step(
+                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), loop_end, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
+        if full_end < loop_end:
+            m_i, l_i, acc = _decode_step(
+                q, q_kv, m_i, l_i, acc, tl.multiple_of(full_end, BLOCK_N), loop_end, bt_row, k_cache_ptr,
+                v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
+    else:
+        for n0 in range(start, loop_end, BLOCK_N):
+            m_i, l_i, acc = _decode_step(
+                q, q_kv, m_i, l_i, acc, n0, loop_end, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, False)
 
     if FUSED_PREP:
         if owner:  # the newest token: k normed and rotated, v as projected, one more online-softmax step
@@ -375,7 +416,7 @@ def _decode_split_kernel(
             k_dst = k_cache_ptr + page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
             v_dst = v_cache_ptr + page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
             tl.store(k_dst + one[:, None] + d[None, :], k_new, mask=new_mask)
-            tl.store(v_dst + one[:, None] + d[None, :], v_new, mask=new_mask)
+            tl.store(v_dst + one[:, None] + d[None, :] * vc_stride_d, v_new, mask=new_mask)
 
     out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:
@@ -418,12 +459,14 @@ def decode_num_splits(
     return max(1, min(max_num_splits, wanted, useful))
 
 
-def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype) -> int:
+def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype, v_token_major: bool = False) -> int:
     """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
-    launches over an fp8 cache with at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk) programs."""
+    launches over an fp8 cache that is token-major (the engine's: probe, run 33: 48.2 against 51.4 us
+    at 64 rows, 111.9 against 121.8 at 256) or has at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk)
+    programs (head-major: runs 30-31)."""
     if num_splits > 1:
         return _DECODE_SPLIT_BLOCK_N
-    if cache_dtype == FP8_KV_DTYPE and num_programs >= _FP8_WIDE_TILE_PROGRAMS:
+    if cache_dtype == FP8_KV_DTYPE and (v_token_major or num_programs >= _FP8_WIDE_TILE_PROGRAMS):
         return 2 * _DECODE_BLOCK_N
     return _DECODE_BLOCK_N
 
@@ -492,7 +535,8 @@ def _default_decode_counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def _check_attention_inputs(q, k_cache, v_cache) -> None:
     check_cache_dtype(q.dtype, k_cache, v_cache, "q")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    check_v_cache_layout(v_cache)
+    for name, t in (("q", q), ("k_cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride")
 
@@ -534,8 +578,8 @@ def paged_decode_attention_triton(
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
     tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as is `num_splits` (replaces the
-    shape rule; at most max_num_splits, and a given workspace must hold it). Over an fp8 cache a
-    one-pass launch of at least _FP8_WIDE_TILE_PROGRAMS programs takes 128-token tiles."""
+    shape rule; at most max_num_splits, and a given workspace must hold it). One-pass launches over
+    an fp8 cache may take 128-token tiles (`decode_block_n`)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -609,7 +653,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     elif not 1 <= num_splits <= max_num_splits:
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
     if block_n is None:
-        block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype)
+        block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype, is_token_major(v_cache))
     if out is None:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=q_src.dtype, device=q_src.device)
     if batch == 0:
@@ -656,14 +700,14 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         scale_log2e, num_splits, min_chunk,
         q_strides[0], q_strides[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q_src.dtype),
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
-        HAS_K_NORM=prep is not None and k_norm_w is not None,
+        HAS_K_NORM=prep is not None and k_norm_w is not None, V_TOKEN_MAJOR=is_token_major(v_cache),
         num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
         # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
         enable_fp_fusion=prep is None,
@@ -679,12 +723,14 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
 @triton.jit
 def _prefill_tile(
     acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     scale_log2e, d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
 ):
     """Online-softmax update with keys n0..n0+BLOCK_N; CAUSAL_MASK only on diagonal tiles."""
+    if V_TOKEN_MAJOR:  # n0 is a multiple of BLOCK_N (both loops): lets V's loads vectorise along tokens
+        n0 = tl.multiple_of(n0, BLOCK_N)
     tok = n0 + tl.arange(0, BLOCK_N)
     t_mask = tok < ctx
     page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
@@ -700,8 +746,16 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
-                      v_cache_ptr, q)
+    if V_TOKEN_MAJOR:  # [D, BLOCK_N] along tokens (see _decode_step); tiles before the diagonal are full
+        if CAUSAL_MASK:
+            vt_mask = d_mask[:, None] & t_mask[None, :]
+        else:
+            vt_mask = d_mask[:, None]
+        vt = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d, mask=vt_mask, other=0.0)
+        v = tl.trans(_in_kv_dtype(vt, v_cache_ptr, q))
+    else:
+        v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
+                          v_cache_ptr, q)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -712,10 +766,11 @@ def _prefill_kernel(
     scale_log2e,
     q_stride_t, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     bt_stride_b, out_stride_t, out_stride_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program = (BLOCK_M queries of one sequence, one q head)."""
     pdl_enter(USE_PDL)
@@ -752,14 +807,14 @@ def _prefill_kernel(
     for n0 in range(0, diag_start, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
             acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_TOKEN_MAJOR,
         )
     for n0 in range(diag_start, hi, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(
             acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_TOKEN_MAJOR,
         )
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
@@ -836,10 +891,10 @@ def paged_prefill_attention_triton(
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), V_TOKEN_MAJOR=is_token_major(v_cache),
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, **pdl_args(pdl),
     )
     return out

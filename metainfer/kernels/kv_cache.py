@@ -8,6 +8,12 @@ The cache dtype is the model's or fp8 (`float8_e4m3fn`, `kv_cache_dtype="fp8"`):
 with a unit scale after clamping to the fp8 range (+-448), so an outlier saturates instead of
 becoming NaN; writers take a cache of k's dtype or fp8 (`check_cache_dtype`). Readers widen fp8 K/V
 exactly before any product (kernels/attention.py: to q's dtype, or fp16 for bf16 q).
+
+V layouts: every kernel takes v_cache as a [N, S, Hk, D] tensor and addresses it through its
+strides. Head-major (contiguous, d fastest) is the model dtype's; token-major (`token_major_v_cache`:
+each (block, kv head) a contiguous [D, S] tile, tokens fastest) is the fp8 cache's, so that P @ V
+reads V along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing
+ldmatrix; docs/PERFORMANCE.md, runs 25-32). K is head-major in both.
 """
 
 from __future__ import annotations
@@ -25,6 +31,28 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == FP8_KV_DTYPE:
         x = x.float().clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)
+
+
+def token_major_v_cache(memory: torch.Tensor) -> torch.Tensor:
+    """The [N, S, Hk, D] V cache over contiguous memory of that shape, laid out token-major: the
+    memory read as [N, Hk, D, S], permuted to [N, S, Hk, D] (strides (Hk*D*S, 1, D*S, S))."""
+    n, s, hk, d = memory.shape
+    return memory.view(n, hk, d, s).permute(0, 3, 1, 2)
+
+
+def is_token_major(v_cache: torch.Tensor) -> bool:
+    """True for a token-major V cache (token_major_v_cache) of more than one token a block; a block of
+    one token is both layouts at once, and the head-major code reads it."""
+    return v_cache.stride(-1) != 1
+
+
+def check_v_cache_layout(v_cache: torch.Tensor) -> None:
+    """v_cache is head-major (unit last stride) or token-major (token_major_v_cache's strides)."""
+    n, s, hk, d = v_cache.shape
+    if v_cache.stride(-1) == 1 or v_cache.stride()[1:] == (1, d * s, s):
+        return
+    raise ValueError(f"v_cache strides {v_cache.stride()} are neither head-major (unit last stride) nor "
+                     f"token-major ({(hk * d * s, 1, d * s, s)})")
 
 
 def check_cache_dtype(compute_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> None:
@@ -79,7 +107,7 @@ def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -95,7 +123,7 @@ def _store_kv_kernel(
         src_k = token * k_stride_t + heads[:, None] * k_stride_h + dims[None, :]
         src_v = token * v_stride_t + heads[:, None] * v_stride_h + dims[None, :]
         dst_k = block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h + dims[None, :]
-        dst_v = block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + dims[None, :]
+        dst_v = block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h + dims[None, :] * vc_stride_d
         k = tl.load(k_ptr + src_k, mask=mask)
         v = tl.load(v_ptr + src_v, mask=mask)
         tl.store(k_cache_ptr + dst_k, cast_to_cache(k, k_cache_ptr), mask=mask)
@@ -118,9 +146,10 @@ def store_kv_triton(
     if k_cache.shape[2:] != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match k {tuple(k.shape)}")
     check_cache_dtype(k.dtype, k_cache, v_cache, "k")
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride")
+    check_v_cache_layout(v_cache)
     if num_tokens == 0:
         return
     block_h, block_d = next_pow2(num_heads), next_pow2(head_dim)
@@ -128,7 +157,7 @@ def store_kv_triton(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(pdl),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import cast_to_cache, check_cache_dtype, store_kv_ref
+from .kv_cache import cast_to_cache, check_cache_dtype, check_v_cache_layout, store_kv_ref
 from .rms_norm import rms_norm_ref
 from .rotary import rotary_neox_ref
 
@@ -158,7 +158,7 @@ def _norm_rope_heads(
 def _qk_norm_rope_store_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     qkv_stride_t, cos_sin_stride,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     num_q_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, USE_PDL: tl.constexpr,
@@ -192,7 +192,7 @@ def _qk_norm_rope_store_kernel(
             k_dst = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + heads[:, None] * kc_stride_h
             v_dst = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + heads[:, None] * vc_stride_h
             tl.store(k_dst + dims[None, :], cast_to_cache(k, k_cache_ptr), mask=mask)
-            tl.store(v_dst + dims[None, :], cast_to_cache(v, v_cache_ptr), mask=mask)
+            tl.store(v_dst + dims[None, :] * vc_stride_d, cast_to_cache(v, v_cache_ptr), mask=mask)
 
 
 # Programs the default split aims for: about one per SM of a large GPU (132 on the H200).
@@ -217,8 +217,9 @@ def _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_c
     if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} are not [N, S, {num_kv_heads}, "
                          f"{head_dim}]")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have a unit last stride")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("k_cache must have a unit last stride")
+    check_v_cache_layout(v_cache)
     check_cache_dtype(qkv.dtype, k_cache, v_cache, "qkv")
     _check_norm_weight(q_norm_w, head_dim, "q_norm_w")
     _check_norm_weight(k_norm_w, head_dim, "k_norm_w")
@@ -268,7 +269,7 @@ def qk_norm_rope_store_triton(
         k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         num_q_heads, num_kv_heads, float(eps),
         HEAD_DIM=head_dim, HALF=rot_dim // 2, BLOCK_D=block_d, BLOCK_H=block_h,
         BLOCK_SIZE=k_cache.shape[1], HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
