@@ -629,7 +629,8 @@ def throughput(args):
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
     # (admission_order, METAINFER_DECODE_ORDER=admission: runs 30-31, -1.6 to -1.8% against longest first)
-    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"})}  # float8_e4m3fn KV cache: half the attention bytes
+    variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
+                "kv_fp8_v_token_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "1"}, {"kv_cache_dtype": "fp8"})}
     for name, (switches, engine_kw) in variants.items():
         llm = _bench_llm(folder, engine_kw, **switches)
         other = run_throughput(llm, progress=False)
@@ -947,8 +948,8 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("kv_fp8", "admission_order", "no_skinny_gemm", "torch_sampler", "fused_decode_prep", "skinny_gemm",
-                 "unfused_decode_prep", "fused_sampler"):
+    for name in ("kv_fp8", "kv_fp8_v_token_major", "admission_order", "no_skinny_gemm", "torch_sampler",
+                 "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
         if name in tp and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")

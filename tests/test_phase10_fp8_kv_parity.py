@@ -6,6 +6,7 @@ fp8 cache holds 4x the blocks of the fp32 cache in the same bytes."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -35,25 +36,32 @@ def reference(tmp_path_factory):
     return folder, prompts, expected, model
 
 
-def _generate(folder, prompts, **engine_kw):
-    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
+def _generate(folder, prompts, token_major=False, **engine_kw):
+    os.environ["METAINFER_FP8_V_TOKEN_MAJOR"] = "1" if token_major else "0"
+    try:
+        llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
+    finally:
+        del os.environ["METAINFER_FP8_V_TOKEN_MAJOR"]
     runner = llm.llm_engine.runner
     assert runner.kv_cache.dtype == FP8
-    # V token-major, K head-major (CONTRACTS: KV cache): the parity below runs the engine on that layout
-    assert all(is_token_major(layer.v_cache) and layer.k_cache.is_contiguous() for layer in runner.attention_layers)
+    # K head-major; V in the layout asked for (CONTRACTS: KV cache): the parity below runs on that layout
+    assert all(is_token_major(layer.v_cache) == token_major and layer.k_cache.is_contiguous()
+               for layer in runner.attention_layers)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-def test_fp8_cache_matches_hf_over_fp8_kv(reference):
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_matches_hf_over_fp8_kv(reference, token_major):
     folder, prompts, expected, model = reference
-    _, got = _generate(folder, prompts)
+    _, got = _generate(folder, prompts, token_major)
     assert_matches_hf(model, prompts, got, expected)
 
 
-def test_fp8_cache_chunked_prefill_and_preemption(reference):
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_chunked_prefill_and_preemption(reference, token_major):
     folder, prompts, expected, model = reference
-    llm, got = _generate(folder, prompts, max_num_batched_tokens=24, num_kv_blocks=20)
+    llm, got = _generate(folder, prompts, token_major, max_num_batched_tokens=24, num_kv_blocks=20)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches_hf(model, prompts, got, expected)
 

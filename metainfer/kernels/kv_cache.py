@@ -10,10 +10,11 @@ becoming NaN; writers take a cache of k's dtype or fp8 (`check_cache_dtype`). Re
 exactly before any product (kernels/attention.py: to q's dtype, or fp16 for bf16 q).
 
 V layouts: every kernel takes v_cache as a [N, S, Hk, D] tensor and addresses it through its
-strides. Head-major (contiguous, d fastest) is the model dtype's; token-major (`token_major_v_cache`:
-each (block, kv head) a contiguous [D, S] tile, tokens fastest) is the fp8 cache's, so that P @ V
-reads V along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing
-ldmatrix; docs/PERFORMANCE.md, runs 25-32). K is head-major in both.
+strides. Head-major (contiguous, d fastest) is the default; token-major (`token_major_v_cache`: each
+(block, kv head) a contiguous [D, S] tile, tokens fastest) is for an fp8 cache, so that P @ V reads V
+along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing ldmatrix;
+docs/PERFORMANCE.md, runs 25-33). The engine uses it under METAINFER_FP8_V_TOKEN_MAJOR=1 until its
+kernels are measured on the GPU. K is head-major in both.
 """
 
 from __future__ import annotations
