@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metainfer.kernels._triton import tl, triton  # noqa: E402
 from metainfer.kernels.attention import LOG2E, paged_decode_attention_ref, paged_decode_attention_triton  # noqa: E402
-from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype  # noqa: E402
+from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype, token_major_copy  # noqa: E402
 
 
 @triton.jit
@@ -71,6 +71,8 @@ def probe_decode(q, k_cache, v_cache, block_tables, context_lens, scale, block_n
     Contexts must be multiples of block_n (no token masks). Returns (out, compiled kernel)."""
     batch, hq, head_dim = q.shape
     _, block_size, hk, _ = k_cache.shape
+    if block_tables.shape[1] * block_size % block_n:
+        raise ValueError(f"the probe has no token masks: contexts must be multiples of block_n={block_n}")
     group = hq // hk
     out = torch.empty_like(q)
     token_major = v_cache.stride(-1) != 1
@@ -85,13 +87,11 @@ def probe_decode(q, k_cache, v_cache, block_tables, context_lens, scale, block_n
     return out, compiled
 
 
-def token_major(v_cache: torch.Tensor) -> torch.Tensor:
-    """The same values as a [N, S, Hk, D] view over token-major memory ([N, Hk, D, S] contiguous)."""
-    return v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-
-
-def ptx_loads(compiled) -> dict:
-    ptx = compiled.asm.get("ptx", "") if compiled is not None and hasattr(compiled, "asm") else ""
+def ptx_loads(compiled) -> dict | None:
+    """Load instructions in the sm_90 PTX (None for a launch whose compiled kernel is not at hand)."""
+    if compiled is None or not hasattr(compiled, "asm"):
+        return None
+    ptx = compiled.asm.get("ptx", "")
     return {name: ptx.count(name) for name in ("cp.async.cg", "cp.async.ca", "ld.global", "ld.shared.b8",
                                                 "ldmatrix", "ld.global.v4", "ld.global.u8")}
 
@@ -107,7 +107,7 @@ def measure(batch: int, ctx: int, cache_dtype: torch.dtype, layers: int = 8) -> 
     q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
     caches = [to_cache_dtype(torch.randn(2, batch * blocks, bs, hk, d, device=dev, dtype=torch.bfloat16), cache_dtype)
               for _ in range(layers)]
-    v_token_major = [token_major(c[1]) for c in caches]
+    v_token_major = [token_major_copy(c[1]) for c in caches]
     kv_bytes = batch * ctx * hk * d * 2 * caches[0].element_size()
     ref = paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables, lens, d ** -0.5)
 
@@ -155,8 +155,9 @@ def main():
         json.dump(res, f, indent=1)
     for case, row in res.items():
         for name, v in row.items():
+            bad = " WRONG" if v.get("max_err", 0) > 0.01 else ""
             print(f"| {case} | {name} | {v.get('us', '-')} us | {v.get('GBs', '-')} GB/s | "
-                  f"err {v.get('max_err', '-')} |")
+                  f"err {v.get('max_err', v.get('error', '-'))}{bad} |")
 
 
 if __name__ == "__main__":

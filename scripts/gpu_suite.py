@@ -272,24 +272,25 @@ def attn_kv_dtype(args):
     splits); us a launch over a graph of 8 launches on distinct caches, and the KV read rate."""
     import metainfer.kernels.attention as attn
     from metainfer.kernels.gemv_bench import _time_graph
-    from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype, token_major_v_cache
+    from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype, token_major_copy
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     hq, hk, d, bs, layers, width = 32, 8, 128, 16, 8, 4096 // 16
     res = {}
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
               ("block_n128", dict(block_n=128))]
-    # fp8: V token-major (the engine's layout) unless a variant asks for the head-major copy
-    head_major = [("v_head_major", dict(v_head_major=True)),
-                  ("v_head_major_block_n64", dict(v_head_major=True, block_n=64))]
-    variants = {"fp8": common + head_major, "bf16": common}
+    # fp8: V head-major (the engine's default) unless a variant asks for the token-major copy
+    token_major = [("v_token_major", dict(v_token_major=True)),
+                   ("v_token_major_block_n64", dict(v_token_major=True, block_n=64))]
+    variants = {"fp8": common + token_major, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
     gen = torch.Generator().manual_seed(0)
     cases = [(256, [600] * 256, variants), (128, [600] * 128, variants), (64, [1088] * 64, variants),
              (1, [160], variants),
-             (256, torch.randint(100, 1101, (256,), generator=gen).tolist(), {"fp8": ragged, "bf16": ragged})]
+             (256, torch.randint(100, 1101, (256,), generator=gen).tolist(),
+              {"fp8": ragged + token_major[:1], "bf16": ragged})]
     longest_first = sorted(cases[-1][1], reverse=True)  # the order the scheduler gives a decode batch
-    cases.append((256, longest_first, {"fp8": ragged[:1] + head_major[:1], "bf16": ragged[:1]}))
+    cases.append((256, longest_first, {"fp8": ragged[:1] + token_major[:1], "bf16": ragged[:1]}))
     for batch, ctxs, case_variants in cases:
         name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
         name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""
@@ -300,21 +301,25 @@ def attn_kv_dtype(args):
         q = torch.randn(batch, hq, d, device=dev, dtype=bf16)
         row = res.setdefault(name, {"mean_ctx": sum(ctxs) / batch})
         for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
-            caches = []  # (k, v in the engine's layout, v head-major)
+            caches = []  # (k, v head-major, v token-major for fp8)
             for _ in range(layers):
                 kv = to_cache_dtype(torch.randn(2, batch * per_seq, bs, hk, d, device=dev, dtype=bf16), cache_dtype)
-                v = token_major_v_cache(torch.empty_like(kv[1])).copy_(kv[1]) if cache_name == "fp8" else kv[1]
-                caches.append((kv[0], v, kv[1]))
+                caches.append((kv[0], kv[1], token_major_copy(kv[1]) if cache_name == "fp8" else None))
             kv_bytes = sum(ctxs) * hk * d * 2 * caches[0][0].element_size()
-            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][2], tables[:, :per_seq], lens,
+            ref = attn.paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :per_seq], lens,
                                                   d ** -0.5)
             for variant, kw in case_variants[cache_name]:
                 def call(c, kw=kw, q=q, tables=tables, lens=lens):
                     kw = dict(kw)
-                    v = c[2] if kw.pop("v_head_major", False) else c[1]
+                    v = c[2] if kw.pop("v_token_major", False) else c[1]
                     return attn.paged_decode_attention_triton(q, c[0], v, tables, lens, d ** -0.5, **kw)
-                err = (call(caches[0]).float() - ref).abs().max().item()
-                us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
+                try:  # one failing variant must not lose the section's other rows
+                    err = (call(caches[0]).float() - ref).abs().max().item()
+                    us = _time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / layers
+                except Exception as exc:
+                    row[f"{cache_name}_{variant}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    print(f"{name} {cache_name} {variant}: FAILED {exc}", flush=True)
+                    continue
                 row[f"{cache_name}_{variant}"] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1),
                                                   "max_err": err}
                 print(f"{name} {cache_name} {variant}: {us:.2f} us, {kv_bytes / us / 1e3:.0f} GB/s, "
@@ -358,6 +363,12 @@ def graphs(args):
                 "eager_kv_fp8": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8"),
                 "graph_kv_fp8": dict(kv_cache_dtype="fp8"),
                 "graph_kv_fp8_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60)}
+    token_major = {"METAINFER_FP8_V_TOKEN_MAJOR": "1"}  # against its own eager run (other summation order)
+    variants.update({"eager_kv_fp8_v_token_major": dict(enforce_eager=True, async_scheduling=False,
+                                                        kv_cache_dtype="fp8", env=token_major),
+                     "graph_kv_fp8_v_token_major": dict(kv_cache_dtype="fp8", env=token_major),
+                     "graph_kv_fp8_v_token_major_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60,
+                                                                env=token_major)})
     for name, kw in variants.items():
         env = kw.pop("env", {})
         os.environ.update(env)
@@ -375,15 +386,18 @@ def graphs(args):
         gc.collect()
         torch.cuda.empty_cache()
     def eager_of(name):
-        return "eager_kv_fp8" if "kv_fp8" in name else "eager"
+        if "kv_fp8" not in name:
+            return "eager"
+        return "eager_kv_fp8_v_token_major" if "v_token_major" in name else "eager_kv_fp8"
 
     summary = {k: {"equal_to_eager": v["tokens"] == results[eager_of(k)]["tokens"], "preemptions": v["preemptions"],
                    "prefix_hit_tokens": v["prefix_hit_tokens"]} for k, v in results.items()
-               if k not in ("eager", "eager_kv_fp8")}
+               if k not in ("eager", "eager_kv_fp8", "eager_kv_fp8_v_token_major")}
     summary["exercised"] = {  # the comparison means something only if these happened
         "prefix_hits": all(v["prefix_hit_tokens"] >= 96 for k, v in results.items() if k != "eager_no_prefix"),
         "preemptions": all(results[k]["preemptions"] > 0
-                           for k in ("graph_preempt", "eager_async_preempt", "graph_kv_fp8_preempt")),
+                           for k in ("graph_preempt", "eager_async_preempt", "graph_kv_fp8_preempt",
+                                     "graph_kv_fp8_v_token_major_preempt")),
         "fp8_changes_tokens": results["eager_kv_fp8"]["tokens"] != results["eager"]["tokens"],
     }
     print(json.dumps(summary, indent=1))
@@ -632,10 +646,15 @@ def throughput(args):
     variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
                 "kv_fp8_v_token_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "1"}, {"kv_cache_dtype": "fp8"})}
     for name, (switches, engine_kw) in variants.items():
-        llm = _bench_llm(folder, engine_kw, **switches)
-        other = run_throughput(llm, progress=False)
-        res[name] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-        res[name]["decode_seconds"] = other["timeline"]["decode_seconds"]
+        llm = None
+        try:  # one failing variant must not lose the figures measured before it
+            llm = _bench_llm(folder, engine_kw, **switches)
+            other = run_throughput(llm, progress=False)
+            res[name] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+            res[name]["decode_seconds"] = other["timeline"]["decode_seconds"]
+        except Exception as exc:
+            traceback.print_exc()
+            res[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print(name, json.dumps(res[name]), flush=True)
         del llm
         gc.collect()
@@ -950,7 +969,7 @@ def table() -> str:
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
     for name in ("kv_fp8", "kv_fp8_v_token_major", "admission_order", "no_skinny_gemm", "torch_sampler",
                  "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
-        if name in tp and "output_tok_s" in tp:
+        if "output_tok_s" in tp.get(name, {}) and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")
     for name, v in r.get("sampler", {}).items():
@@ -970,7 +989,7 @@ def table() -> str:
                      f"{fp8_cache['decode_tok_s']:.0f} | | |")
     for case, row in r.get("attn_kv_dtype", {}).items():
         if isinstance(row, dict) and "bf16_default" in row and "fp8_default" in row:
-            best = min((k for k, v in row.items() if isinstance(v, dict)), key=lambda k: row[k]["us"])
+            best = min((k for k, v in row.items() if isinstance(v, dict) and "us" in v), key=lambda k: row[k]["us"])
             lines.append(f"| decode attention {case}: bf16 / fp8 cache (us) | {row['bf16_default']['us']:.1f} / "
                          f"{row['fp8_default']['us']:.1f} | fastest {best} {row[best]['us']:.1f} | |")
     agr8 = r.get("agreement", {}).get("decode_kv_fp8")

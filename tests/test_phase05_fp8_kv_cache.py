@@ -39,6 +39,7 @@ from metainfer.kernels.kv_cache import (
     check_v_cache_layout,
     is_token_major,
     to_cache_dtype,
+    token_major_copy,
     token_major_v_cache,
 )
 from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
@@ -59,9 +60,7 @@ triton = pytest.importorskip("triton")
 
 def _in_layout(v_cache: torch.Tensor, token_major: bool) -> torch.Tensor:
     """The same V values, head-major (as given) or in the fp8 engine's token-major layout."""
-    if not token_major:
-        return v_cache
-    return token_major_v_cache(torch.empty(v_cache.shape, dtype=v_cache.dtype, device=v_cache.device)).copy_(v_cache)
+    return token_major_copy(v_cache) if token_major else v_cache
 
 
 def _to_fp8(batch, token_major=False):

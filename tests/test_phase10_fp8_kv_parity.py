@@ -6,7 +6,6 @@ fp8 cache holds 4x the blocks of the fp32 cache in the same bytes."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 import torch
@@ -37,11 +36,9 @@ def reference(tmp_path_factory):
 
 
 def _generate(folder, prompts, token_major=False, **engine_kw):
-    os.environ["METAINFER_FP8_V_TOKEN_MAJOR"] = "1" if token_major else "0"
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("METAINFER_FP8_V_TOKEN_MAJOR", "1" if token_major else "0")
         llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
-    finally:
-        del os.environ["METAINFER_FP8_V_TOKEN_MAJOR"]
     runner = llm.llm_engine.runner
     assert runner.kv_cache.dtype == FP8
     # K head-major; V in the layout asked for (CONTRACTS: KV cache): the parity below runs on that layout
@@ -112,3 +109,20 @@ def test_cli_flag_reaches_the_engine_kwargs():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
     assert engine_kwargs(p.parse_args(["--model", "m"]))["kv_cache_dtype"] == "auto"
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_triton_kernels_in_the_engine(reference, token_major, monkeypatch):
+    """The engine with the Triton kernels (the interpreter) over an fp8 cache in either V layout: the
+    GPU path's composition (qk prep + store, decode with its tile rule, prefill), which the tests
+    above run through the torch references only."""
+    import metainfer.engine.model_runner as model_runner
+
+    folder, prompts, expected, model = reference
+    real_select = model_runner.select_ops
+    monkeypatch.setattr(model_runner, "select_ops", lambda device, **kw: real_select(device, use_triton=True, **kw))
+    picks = (0, 3)  # a 1-token and a 33-token prompt: prefill, a partial block, decode over block boundaries
+    few = [prompts[i] for i in picks]
+    llm, got = _generate(folder, few, token_major, enforce_eager=True)
+    assert llm.llm_engine.runner.ops.paged_decode_attention is not real_select("cpu").paged_decode_attention
+    assert_matches_hf(model, few, got, [expected[i] for i in picks])

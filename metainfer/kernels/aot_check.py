@@ -37,6 +37,35 @@ ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill"
            "skinny_gemm")
 
 
+def _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
+    """The decode (plain and fused q/k prep) or prefill launches of one config."""
+    cases = []
+    if op == "decode":
+        q = torch.zeros(2, hq, head_dim, dtype=dtype)
+        cases.append((f"decode {tag} splits<={n}",
+                      lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
+                      attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
+                                                              pdl=pdl)))
+        # the fused q/k prep variant (Qwen3: both norms; a model without them)
+        qkv = torch.zeros(2, (hq + 2 * hk) * head_dim, dtype=dtype)
+        pos, slots = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
+        cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
+        for norm_w in (w, None):
+            cases.append((f"decode_qkv {tag} splits<={n} norm={norm_w is not None}",
+                          lambda pdl, qkv=qkv, c=cache, t=tables, lens=lens, n=n, a=(pos, cos_sin, norm_w,
+                                                                                     norm_w, 1e-6),
+                          h=(hq, hk, head_dim), slots=slots:
+                          attention.paged_decode_attention_qkv_triton(
+                              qkv, *a, c[0], c[1], slots, t, lens, 0.1, *h, max_num_splits=n, pdl=pdl)))
+    else:
+        q = torch.zeros(5, hq, head_dim, dtype=dtype)
+        cu = torch.zeros(3, dtype=torch.int32)
+        cases.append((f"prefill {tag} max_seqlen_q={n}",
+                      lambda pdl, q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
+                      attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
+    return cases
+
+
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
@@ -96,34 +125,17 @@ def _cases(op: str):
                        (bf16, 32, 8, 128, 16, 16, fp8), (bf16, 32, 8, 128, 16, 2048, fp8)]
         for dtype, hq, hk, head_dim, block, n, *cache_dtype in configs:
             cache_dtype = cache_dtype[0] if cache_dtype else dtype
-            cache = torch.zeros(2, 4, block, hk, head_dim, dtype=cache_dtype)
+            kv = torch.zeros(2, 4, block, hk, head_dim, dtype=cache_dtype)
             tables = torch.zeros(2, 4096 // block, dtype=torch.int32)
             lens = torch.zeros(2, dtype=torch.int32)
             tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}" + (f" cache {cache_dtype}" if cache_dtype != dtype
                                                                         else "")
-            if op == "decode":
-                q = torch.zeros(2, hq, head_dim, dtype=dtype)
-                cases.append((f"decode {tag} splits<={n}",
-                              lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
-                              attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
-                                                                      pdl=pdl)))
-                # the fused q/k prep variant (Qwen3: both norms; a model without them)
-                qkv = torch.zeros(2, (hq + 2 * hk) * head_dim, dtype=dtype)
-                pos, slots = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
-                cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
-                for norm_w in (w, None):
-                    cases.append((f"decode_qkv {tag} splits<={n} norm={norm_w is not None}",
-                                  lambda pdl, qkv=qkv, c=cache, t=tables, lens=lens, n=n, a=(pos, cos_sin, norm_w,
-                                                                                             norm_w, 1e-6),
-                                  h=(hq, hk, head_dim), slots=slots:
-                                  attention.paged_decode_attention_qkv_triton(
-                                      qkv, *a, c[0], c[1], slots, t, lens, 0.1, *h, max_num_splits=n, pdl=pdl)))
-            else:
-                q = torch.zeros(5, hq, head_dim, dtype=dtype)
-                cu = torch.zeros(3, dtype=torch.int32)
-                cases.append((f"prefill {tag} max_seqlen_q={n}",
-                              lambda pdl, q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
-                              attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
+            # an fp8 cache also with V token-major (METAINFER_FP8_V_TOKEN_MAJOR=1)
+            layouts = [("", kv)] + ([(" v-token-major", (kv[0], kv_cache.token_major_v_cache(kv[1].clone())))]
+                                    if cache_dtype == fp8 else [])
+            for layout, cache in layouts:
+                cases += _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag + layout, cache, tables, lens,
+                                          fp32)
     elif op == "gemv":
         # the H200 table's configs (first weight tile preloaded) at the Qwen3-8B decode shapes, M = 1 and
         # 2 (the first case is also compiled with PDL: the preload's only effective combination); a ragged
@@ -230,11 +242,13 @@ def _resource_usage(compiled) -> str:
         f.write(cubin)
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    regs, local = re.search(r"REG:(\d+)", text), re.search(r"LOCAL:(\d+)", text)
+    regs = re.search(r"REG:(\d+)", text)
     if not regs:
         return ""
-    spill = f" SPILL local={local.group(1)}B" if local and int(local.group(1)) else ""
-    return f"regs={regs.group(1)}{spill}"
+    # spilled registers show as local memory or, in newer cuobjdumps, as per-thread stack
+    spills = [f"{name.lower()}={m.group(1)}B" for name in ("LOCAL", "STACK")
+              if (m := re.search(rf"{name}:(\d+)", text)) and int(m.group(1))]
+    return f"regs={regs.group(1)}" + (f" SPILL {' '.join(spills)}" if spills else "")
 
 
 @triton.jit

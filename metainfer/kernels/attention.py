@@ -49,6 +49,7 @@ _DECODE_MIN_SPLIT_TOKENS = 32
 # Run 30: 130.4 against 139.4 us at 256 rows x context 600 (2,048 programs), but 67.8 against 63.0 at
 # 64 rows (512 programs, one wave), so only from this many programs.
 _FP8_WIDE_TILE_PROGRAMS = 1024
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 
 # ----------------------------------------------------------------------------------------------
 # torch references (the CPU path)
@@ -201,6 +202,34 @@ def _widen_v_tile(v, mask, cache_ptr, q):
 
 
 @triton.jit
+def _tile_pages(bt_row, tok, t_mask, end, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CLAMP: tl.constexpr):
+    """The cache block of every token of a tile, from the block table. MASKED tiles: tokens from `end`
+    on read page 0 (masked load), or with CLAMP the last valid token's page (an unmasked load, so the
+    page keeps Triton's per-block constancy and token-major V's loads stay vectorised)."""
+    if MASKED:
+        if CLAMP:
+            page = tl.load(bt_row + tl.minimum(tok // BLOCK_SIZE, (end - 1) // BLOCK_SIZE))
+        else:
+            page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0)
+    else:
+        page = tl.load(bt_row + tok // BLOCK_SIZE)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED: tl.constexpr):
+    """A token-major V tile (kv_cache.token_major_v_cache) as [BLOCK_N, BLOCK_D] in the products' dtype:
+    loaded as [BLOCK_D, BLOCK_N] along tokens without a token mask (pages from _tile_pages with CLAMP,
+    so every address is in a valid block) and handed on transposed, as K is to q @ K^T. In a MASKED
+    tile the tokens from the end read other rows of their block (stale, possibly NaN): zeroed."""
+    vt = _in_kv_dtype(tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d, mask=d_mask[:, None],
+                              other=0.0), v_cache_ptr, q)
+    if MASKED:
+        vt = tl.where(t_mask[None, :], vt, 0.0)
+    return tl.trans(vt)
+
+
+@triton.jit
 def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
                  kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                  scale_log2e, d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
@@ -211,22 +240,18 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     handed to P @ V transposed, as K is to q @ K^T."""
     tok = n0 + tl.arange(0, BLOCK_N)
     t_mask = tok < end
+    page = _tile_pages(bt_row, tok, t_mask, end, BLOCK_SIZE, MASKED, V_TOKEN_MAJOR)
     if MASKED:
-        page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        vt_mask = d_mask[:, None] & t_mask[None, :]
     else:
-        page = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
-        vt_mask = d_mask[:, None]
     in_page = tok % BLOCK_SIZE
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
     k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
     # V's load in flight with K's: one memory round trip a tile instead of two
     if V_TOKEN_MAJOR:
-        v = tl.trans(_in_kv_dtype(tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d,
-                                          mask=vt_mask, other=0.0), v_cache_ptr, q))
+        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED)
     else:
         v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
                           v_cache_ptr, q)
@@ -461,9 +486,10 @@ def decode_num_splits(
 
 def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype, v_token_major: bool = False) -> int:
     """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
-    launches over an fp8 cache that is token-major (the engine's: probe, run 33: 48.2 against 51.4 us
-    at 64 rows, 111.9 against 121.8 at 256) or has at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk)
-    programs (head-major: runs 30-31)."""
+    launches over an fp8 cache that is token-major (METAINFER_FP8_V_TOKEN_MAJOR=1; from the probe, run
+    33: 48.2 against 51.4 us at 64 rows, 111.9 against 121.8 at 256, not yet measured in the engine,
+    where the masked tail raises the registers to 193 against 159 at 64 tokens, sm_90 aot_check) or
+    has at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk) programs (head-major: runs 30-31)."""
     if num_splits > 1:
         return _DECODE_SPLIT_BLOCK_N
     if cache_dtype == FP8_KV_DTYPE and (v_token_major or num_programs >= _FP8_WIDE_TILE_PROGRAMS):
@@ -510,10 +536,11 @@ def alloc_decode_counters(
 
 
 # Counters used when the caller passes none: one zeroed buffer per device, shared by all
-# sequential launches (each leaves it zeroed). A split launch has B*Hk < _TARGET_DECODE_PROGRAMS
-# (else it would be one pass), so the first allocation already fits every later launch; growth
-# is a fallback, and outgrown buffers are kept alive because a captured CUDA graph may point at
-# them. The model runner's eager warm-up forward before each capture allocates the buffer.
+# sequential launches (each leaves it zeroed). A split launch of the shape rule has B*Hk <
+# _TARGET_DECODE_PROGRAMS (else it would be one pass), so the first allocation fits every later
+# one; a forced `num_splits` at a larger batch grows it (a fallback), and outgrown buffers are kept
+# alive because a captured CUDA graph may point at them. The model runner's eager warm-up forward
+# before each capture allocates the buffer.
 _SHARED_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN_COUNTERS: list[torch.Tensor] = []
 
@@ -619,7 +646,7 @@ def paged_decode_attention_qkv_triton(
     same K/V bits, q is rounded as qk_norm_rope_store rounds it, and the output matches the
     composition up to fp32 summation order. qkv's q and k parts are left as projected (the
     composition updates them in place: read neither after the call). Keywords as
-    paged_decode_attention_triton."""
+    paged_decode_attention_triton, without its tuning knobs (num_warps, num_stages, num_splits)."""
     require_triton()
     _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]
@@ -643,6 +670,8 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
     group = num_q_heads // num_kv_heads
+    if batch > _MAX_GRID_Y:  # the batch is the grid's y dimension (kv heads run fastest, on x)
+        raise ValueError(f"decode batch {batch} exceeds {_MAX_GRID_Y} rows a launch")
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     max_num_splits = max_num_splits or DEFAULT_MAX_NUM_SPLITS
@@ -733,7 +762,7 @@ def _prefill_tile(
         n0 = tl.multiple_of(n0, BLOCK_N)
     tok = n0 + tl.arange(0, BLOCK_N)
     t_mask = tok < ctx
-    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    page = _tile_pages(bt_row, tok, t_mask, ctx, BLOCK_SIZE, True, V_TOKEN_MAJOR)
     in_page = tok % BLOCK_SIZE
     kv_mask = t_mask[:, None] & d_mask[None, :]
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
@@ -746,13 +775,8 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    if V_TOKEN_MAJOR:  # [D, BLOCK_N] along tokens (see _decode_step); tiles before the diagonal are full
-        if CAUSAL_MASK:
-            vt_mask = d_mask[:, None] & t_mask[None, :]
-        else:
-            vt_mask = d_mask[:, None]
-        vt = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d, mask=vt_mask, other=0.0)
-        v = tl.trans(_in_kv_dtype(vt, v_cache_ptr, q))
+    if V_TOKEN_MAJOR:  # tiles before the diagonal are full: only the diagonal ones zero tokens past the end
+        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, CAUSAL_MASK)
     else:
         v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
                           v_cache_ptr, q)

@@ -41,6 +41,11 @@ def token_major_v_cache(memory: torch.Tensor) -> torch.Tensor:
     return memory.view(n, hk, d, s).permute(0, 3, 1, 2)
 
 
+def token_major_copy(v_cache: torch.Tensor) -> torch.Tensor:
+    """The values of a [N, S, Hk, D] V cache (any layout) in a new token-major one (tests, benchmarks)."""
+    return token_major_v_cache(torch.empty(v_cache.shape, dtype=v_cache.dtype, device=v_cache.device)).copy_(v_cache)
+
+
 def is_token_major(v_cache: torch.Tensor) -> bool:
     """True for a token-major V cache (token_major_v_cache) of more than one token a block; a block of
     one token is both layouts at once, and the head-major code reads it."""
@@ -49,6 +54,8 @@ def is_token_major(v_cache: torch.Tensor) -> bool:
 
 def check_v_cache_layout(v_cache: torch.Tensor) -> None:
     """v_cache is head-major (unit last stride) or token-major (token_major_v_cache's strides)."""
+    if v_cache.dim() != 4:
+        raise ValueError(f"v_cache must be [N, S, Hk, D], got shape {tuple(v_cache.shape)}")
     n, s, hk, d = v_cache.shape
     if v_cache.stride(-1) == 1 or v_cache.stride()[1:] == (1, d * s, s):
         return
