@@ -192,6 +192,17 @@ def test_v_cache_layouts():
     assert memory.view(3, 2, 64, 16)[1, 1, 7, 5].item() == 2.0
 
 
+def test_launchers_reject_a_v_cache_in_neither_layout():
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]))
+    bad_v = batch.v_cache.transpose(2, 3).contiguous().transpose(2, 3)  # [N, S, Hk, D] with Hk fastest
+    q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
+    with pytest.raises(ValueError, match="v_cache strides"):
+        paged_decode_attention_triton(q, batch.k_cache, bad_v, batch.block_tables, batch.context_lens, 0.125)
+    k = torch.zeros(3, 2, 64, dtype=KERNEL_DTYPES[0], device=DEVICE)
+    with pytest.raises(ValueError, match="v_cache strides"):
+        store_kv_triton(k, k, batch.k_cache, bad_v, torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
 def test_decode_block_n_rule():
     """128-token tiles only for one-pass launches over fp8: token-major V, or many programs (run 30)."""
     assert decode_block_n(1, 2048, FP8_KV_DTYPE) == 128
