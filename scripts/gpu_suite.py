@@ -281,6 +281,8 @@ def attn_kv_dtype(args):
               ("block_n128", dict(block_n=128))]
     # fp8: V head-major (the engine's default) unless a variant asks for the token-major copy
     token_major = [("v_token_major", dict(v_token_major=True)),
+                   ("v_token_major_tail32", dict(v_token_major=True, tail_block_n=32)),
+                   ("v_token_major_stages3", dict(v_token_major=True, num_stages=3)),
                    ("v_token_major_block_n64", dict(v_token_major=True, block_n=64))]
     variants = {"fp8": common + token_major, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
@@ -288,9 +290,9 @@ def attn_kv_dtype(args):
     cases = [(256, [600] * 256, variants), (128, [600] * 128, variants), (64, [1088] * 64, variants),
              (1, [160], variants),
              (256, torch.randint(100, 1101, (256,), generator=gen).tolist(),
-              {"fp8": ragged + token_major[:1], "bf16": ragged})]
+              {"fp8": ragged + token_major[:2], "bf16": ragged})]
     longest_first = sorted(cases[-1][1], reverse=True)  # the order the scheduler gives a decode batch
-    cases.append((256, longest_first, {"fp8": ragged[:1] + token_major[:1], "bf16": ragged[:1]}))
+    cases.append((256, longest_first, {"fp8": ragged[:1] + token_major[:2], "bf16": ragged[:1]}))
     for batch, ctxs, case_variants in cases:
         name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
         name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""

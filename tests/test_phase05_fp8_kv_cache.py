@@ -163,20 +163,32 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
 
 
 @pytest.mark.parametrize("fp8", ["head-major", "token-major", None], ids=["fp8", "fp8-v-token-major", "model-dtype"])
-@pytest.mark.parametrize("launch", [(1, 128), (1, 16), (3, 32)], ids=["one-pass-128", "one-pass-16", "split3"])
+@pytest.mark.parametrize("launch", [(1, 128, None), (1, 128, 16), (1, 16, None), (3, 32, None)],
+                         ids=["one-pass-128", "one-pass-128-tail16", "one-pass-16", "split3"])
 def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
     """A forced split count and the 128-token tiles of wide fp8 launches: ragged contexts, a context
-    of one tile plus one token, block boundaries (block 16)."""
-    num_splits, block_n = launch
+    of one tile plus one token, block boundaries (block 16); over token-major V, tails of one to
+    eight masked tiles (tail_block_n 16; the default, 64, takes one or two)."""
+    num_splits, block_n, tail_block_n = launch
     dtype = KERNEL_DTYPES[0]
-    contexts = DECODE_CONTEXTS + [block_n + 1, 300]
+    contexts = DECODE_CONTEXTS + [block_n + 1, 255, 300]
     batch = make_paged_batch(contexts, 16, 2, 64, dtype)
     if fp8:
         batch = _to_fp8(batch, fp8 == "token-major")
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
-    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
+                                        tail_block_n=tail_block_n)
     _close(out, paged_decode_attention_ref(*args), dtype)
+
+
+def test_decode_tail_block_n_is_checked():
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]), True)
+    q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    for bad in (8, 48, 128):  # below 16, not a power of two, above block_n
+        with pytest.raises(ValueError, match="tail_block_n"):
+            paged_decode_attention_triton(*args, block_n=64, tail_block_n=bad)
 
 
 def test_v_cache_layouts():

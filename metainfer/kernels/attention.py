@@ -249,13 +249,11 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
     k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    # V's load in flight with K's: one memory round trip a tile instead of two
-    if V_TOKEN_MAJOR:
-        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED)
-    else:
-        v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
-                          v_cache_ptr, q)
+    if not V_TOKEN_MAJOR:  # V's load in flight with K's: one memory round trip a tile instead of two
+        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     k = _in_kv_dtype(k, k_cache_ptr, q)
+    if not V_TOKEN_MAJOR:
+        v = _widen_v_tile(v, kv_mask, v_cache_ptr, q)
     if USE_DOT:
         s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
     else:
@@ -268,6 +266,8 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if V_TOKEN_MAJOR:
+        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED)
     if USE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
@@ -321,7 +321,7 @@ def _decode_split_kernel(
     vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
     bt_stride_b, out_stride_b, out_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
@@ -402,11 +402,13 @@ def _decode_split_kernel(
                 q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), loop_end, bt_row, k_cache_ptr, v_cache_ptr,
                 kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                 scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
-        if full_end < loop_end:
+        # the tail in smaller masked tiles: one full-size masked tile outside the loop is not staged
+        # through shared memory and held 184 registers a thread against 118 without it (sm_90)
+        for n0 in range(full_end, loop_end, TAIL_BLOCK_N):
             m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, tl.multiple_of(full_end, BLOCK_N), loop_end, bt_row, k_cache_ptr,
+                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), loop_end, bt_row, k_cache_ptr,
                 v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
+                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
     else:
         for n0 in range(start, loop_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
@@ -596,6 +598,7 @@ def paged_decode_attention_triton(
     num_stages: int | None = None,
     pdl: bool = False,
     num_splits: int | None = None,
+    tail_block_n: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -606,7 +609,9 @@ def paged_decode_attention_triton(
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
     tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as is `num_splits` (replaces the
     shape rule; at most max_num_splits, and a given workspace must hold it). One-pass launches over
-    an fp8 cache may take 128-token tiles (`decode_block_n`)."""
+    an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
+    tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
+    at least 16; a power of two <= block_n)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -614,7 +619,7 @@ def paged_decode_attention_triton(
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
                           min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                          num_splits=num_splits)
+                          num_splits=num_splits, tail_block_n=tail_block_n)
 
 
 def paged_decode_attention_qkv_composed(
@@ -661,7 +666,7 @@ def paged_decode_attention_qkv_triton(
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
                    scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl, num_splits=None):
+                   num_stages, pdl, num_splits=None, tail_block_n=None):
     """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -683,6 +688,10 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
     if block_n is None:
         block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype, is_token_major(v_cache))
+    if tail_block_n is None:
+        tail_block_n = max(16, block_n // 2)
+    elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
+        raise ValueError(f"tail_block_n must be a power of two in [16, block_n={block_n}], got {tail_block_n}")
     if out is None:
         out = torch.empty(batch, num_q_heads, head_dim, dtype=q_src.dtype, device=q_src.device)
     if batch == 0:
@@ -732,7 +741,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q_src.dtype),
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
         FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
