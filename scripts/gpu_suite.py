@@ -279,7 +279,7 @@ def attn_kv_dtype(args):
     res = {}
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
               ("block_n128", dict(block_n=128))]
-    # fp8: V head-major (the engine's default) unless a variant asks for the token-major copy
+    # fp8: V head-major unless a variant asks for the token-major copy (the engine's fp8 layout since run 35)
     token_major = [("v_token_major", dict(v_token_major=True)),
                    ("v_token_major_tail32", dict(v_token_major=True, tail_block_n=32)),
                    ("v_token_major_stages3", dict(v_token_major=True, num_stages=3)),
@@ -365,12 +365,13 @@ def graphs(args):
                 "eager_kv_fp8": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8"),
                 "graph_kv_fp8": dict(kv_cache_dtype="fp8"),
                 "graph_kv_fp8_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60)}
-    token_major = {"METAINFER_FP8_V_TOKEN_MAJOR": "1"}  # against its own eager run (other summation order)
-    variants.update({"eager_kv_fp8_v_token_major": dict(enforce_eager=True, async_scheduling=False,
-                                                        kv_cache_dtype="fp8", env=token_major),
-                     "graph_kv_fp8_v_token_major": dict(kv_cache_dtype="fp8", env=token_major),
-                     "graph_kv_fp8_v_token_major_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60,
-                                                                env=token_major)})
+    # fp8 with V head-major (the A/B layout), against its own eager run (other summation order)
+    head_major = {"METAINFER_FP8_V_TOKEN_MAJOR": "0"}
+    variants.update({"eager_kv_fp8_v_head_major": dict(enforce_eager=True, async_scheduling=False,
+                                                       kv_cache_dtype="fp8", env=head_major),
+                     "graph_kv_fp8_v_head_major": dict(kv_cache_dtype="fp8", env=head_major),
+                     "graph_kv_fp8_v_head_major_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60,
+                                                               env=head_major)})
     for name, kw in variants.items():
         env = kw.pop("env", {})
         os.environ.update(env)
@@ -390,16 +391,16 @@ def graphs(args):
     def eager_of(name):
         if "kv_fp8" not in name:
             return "eager"
-        return "eager_kv_fp8_v_token_major" if "v_token_major" in name else "eager_kv_fp8"
+        return "eager_kv_fp8_v_head_major" if "v_head_major" in name else "eager_kv_fp8"
 
     summary = {k: {"equal_to_eager": v["tokens"] == results[eager_of(k)]["tokens"], "preemptions": v["preemptions"],
                    "prefix_hit_tokens": v["prefix_hit_tokens"]} for k, v in results.items()
-               if k not in ("eager", "eager_kv_fp8", "eager_kv_fp8_v_token_major")}
+               if k not in ("eager", "eager_kv_fp8", "eager_kv_fp8_v_head_major")}
     summary["exercised"] = {  # the comparison means something only if these happened
         "prefix_hits": all(v["prefix_hit_tokens"] >= 96 for k, v in results.items() if k != "eager_no_prefix"),
         "preemptions": all(results[k]["preemptions"] > 0
                            for k in ("graph_preempt", "eager_async_preempt", "graph_kv_fp8_preempt",
-                                     "graph_kv_fp8_v_token_major_preempt")),
+                                     "graph_kv_fp8_v_head_major_preempt")),
         "fp8_changes_tokens": results["eager_kv_fp8"]["tokens"] != results["eager"]["tokens"],
     }
     print(json.dumps(summary, indent=1))
@@ -645,8 +646,9 @@ def throughput(args):
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
     # (admission_order, METAINFER_DECODE_ORDER=admission: runs 30-31, -1.6 to -1.8% against longest first)
+    # (kv_fp8_v_token_major, runs 34-35: the layout kv_fp8 now has by default)
     variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
-                "kv_fp8_v_token_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "1"}, {"kv_cache_dtype": "fp8"})}
+                "kv_fp8_v_head_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "0"}, {"kv_cache_dtype": "fp8"})}
     for name, (switches, engine_kw) in variants.items():
         llm = None
         try:  # one failing variant must not lose the figures measured before it
@@ -969,7 +971,7 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("kv_fp8", "kv_fp8_v_token_major", "admission_order", "no_skinny_gemm", "torch_sampler",
+    for name in ("kv_fp8", "kv_fp8_v_token_major", "kv_fp8_v_head_major", "admission_order", "no_skinny_gemm", "torch_sampler",
                  "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
         if "output_tok_s" in tp.get(name, {}) and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "

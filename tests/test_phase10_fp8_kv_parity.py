@@ -76,9 +76,12 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     folder = reference[0]
     budget = dict(device="cpu", dtype="float32", cpu_kv_cache_gib=2**-12, max_num_seqs=64)
     full = LLM(folder, **budget).llm_engine.runner
-    fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("METAINFER_FP8_V_TOKEN_MAJOR", raising=False)  # the defaults: fp8 V token-major, else head-major
+        fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
     assert full.kv_cache.dtype == torch.float32 and fp8.kv_cache.dtype == FP8
     assert not any(is_token_major(layer.v_cache) for layer in full.attention_layers)
+    assert all(is_token_major(layer.v_cache) for layer in fp8.attention_layers)
     assert fp8.num_blocks == 4 * full.num_blocks
     assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
 

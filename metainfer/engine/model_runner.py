@@ -234,9 +234,9 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, self.spec.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        # METAINFER_FP8_V_TOKEN_MAJOR=1: an fp8 cache keeps V token-major (kernels/kv_cache.py: why; an A/B
-        # switch read once here, off until the engine's token-major kernels are measured on the GPU)
-        token_major = self.kv_dtype == FP8_KV_DTYPE and os.environ.get("METAINFER_FP8_V_TOKEN_MAJOR", "0") == "1"
+        # an fp8 cache keeps V token-major (kernels/kv_cache.py: why; run 35: decode attention 118 against
+        # 135 us at 256 ragged rows); METAINFER_FP8_V_TOKEN_MAJOR=0 keeps it head-major (the A/B, read once here)
+        token_major = self.kv_dtype == FP8_KV_DTYPE and os.environ.get("METAINFER_FP8_V_TOKEN_MAJOR", "1") != "0"
         v_view = token_major_v_cache if token_major else (lambda memory: memory)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], v_view(self.kv_cache[1, i])

@@ -130,7 +130,7 @@ def _cases(op: str):
             lens = torch.zeros(2, dtype=torch.int32)
             tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}" + (f" cache {cache_dtype}" if cache_dtype != dtype
                                                                         else "")
-            # an fp8 cache also with V token-major (METAINFER_FP8_V_TOKEN_MAJOR=1)
+            # an fp8 cache with V head-major and token-major (the engine's fp8 layout)
             layouts = [("", kv)] + ([(" v-token-major", (kv[0], kv_cache.token_major_v_cache(kv[1].clone())))]
                                     if cache_dtype == fp8 else [])
             for layout, cache in layouts:

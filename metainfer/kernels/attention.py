@@ -488,10 +488,9 @@ def decode_num_splits(
 
 def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype, v_token_major: bool = False) -> int:
     """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
-    launches over an fp8 cache that is token-major (METAINFER_FP8_V_TOKEN_MAJOR=1; from the probe, run
-    33: 48.2 against 51.4 us at 64 rows, 111.9 against 121.8 at 256, not yet measured in the engine,
-    where the masked tail raises the registers to 193 against 159 at 64 tokens, sm_90 aot_check) or
-    has at least _FP8_WIDE_TILE_PROGRAMS (batch x Hk) programs (head-major: runs 30-31)."""
+    launches over an fp8 cache that is token-major (the engine's fp8 layout; run 35: 121.4 against 124.9
+    us at 256 rows x 600, 53.2 against 56.2 at 64 x 1,088) or has at least _FP8_WIDE_TILE_PROGRAMS
+    (batch x Hk) programs (head-major: runs 30-31)."""
     if num_splits > 1:
         return _DECODE_SPLIT_BLOCK_N
     if cache_dtype == FP8_KV_DTYPE and (v_token_major or num_programs >= _FP8_WIDE_TILE_PROGRAMS):

@@ -13,8 +13,8 @@ V layouts: every kernel takes v_cache as a [N, S, Hk, D] tensor and addresses it
 strides. Head-major (contiguous, d fastest) is the default; token-major (`token_major_v_cache`: each
 (block, kv head) a contiguous [D, S] tile, tokens fastest) is for an fp8 cache, so that P @ V reads V
 along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing ldmatrix;
-docs/PERFORMANCE.md, runs 25-33). The engine uses it under METAINFER_FP8_V_TOKEN_MAJOR=1 until its
-kernels are measured on the GPU. K is head-major in both.
+docs/PERFORMANCE.md, runs 25-35). The engine stores an fp8 cache's V token-major
+(METAINFER_FP8_V_TOKEN_MAJOR=0: head-major, the A/B). K is head-major in both.
 """
 
 from __future__ import annotations
