@@ -971,8 +971,8 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("kv_fp8", "kv_fp8_v_token_major", "kv_fp8_v_head_major", "admission_order", "no_skinny_gemm", "torch_sampler",
-                 "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
+    for name in ("kv_fp8", "kv_fp8_v_token_major", "kv_fp8_v_head_major", "admission_order", "no_skinny_gemm",
+                 "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
         if "output_tok_s" in tp.get(name, {}) and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
                          f"{tp[name]['output_tok_s']:.0f} | | |")
