@@ -225,6 +225,23 @@ def test_decode_block_n_rule():
     assert decode_block_n(4, 2048, FP8_KV_DTYPE) == 32
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_decode_launcher_takes_the_tile_from_the_v_layout(monkeypatch, token_major):
+    """The launcher hands decode_block_n the V layout it was given: 16 one-pass programs over an fp8
+    cache take 128-token tiles only when V is token-major."""
+    import metainfer.kernels.attention as attention
+
+    chosen = []
+    monkeypatch.setattr(attention, "decode_block_n", lambda *a, **kw: chosen.append(decode_block_n(*a, **kw))
+                        or chosen[-1])
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 8, 64, KERNEL_DTYPES[0]), token_major)
+    q = _randn(2, 32, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    out = paged_decode_attention_triton(*args, max_num_splits=1)
+    assert chosen == [128 if token_major else 64]
+    _close(out, paged_decode_attention_ref(*args), KERNEL_DTYPES[0])
+
+
 def test_decode_num_splits_override_is_bounded():
     batch = make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0])
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
