@@ -994,8 +994,11 @@ def table() -> str:
     for case, row in r.get("attn_kv_dtype", {}).items():
         if isinstance(row, dict) and "bf16_default" in row and "fp8_default" in row:
             best = min((k for k, v in row.items() if isinstance(v, dict) and "us" in v), key=lambda k: row[k]["us"])
-            lines.append(f"| decode attention {case}: bf16 / fp8 cache (us) | {row['bf16_default']['us']:.1f} / "
-                         f"{row['fp8_default']['us']:.1f} | fastest {best} {row[best]['us']:.1f} | |")
+            # fp8_default is V head-major (the A/B); the engine's fp8 layout is fp8_v_token_major (run 35 on)
+            token_major = f" / {row['fp8_v_token_major']['us']:.1f}" if "us" in row.get("fp8_v_token_major", {}) else ""
+            lines.append(f"| decode attention {case}: bf16 / fp8 V head-major{' / token-major' if token_major else ''}"
+                         f" (us) | {row['bf16_default']['us']:.1f} / {row['fp8_default']['us']:.1f}{token_major} | "
+                         f"fastest {best} {row[best]['us']:.1f} | |")
     agr8 = r.get("agreement", {}).get("decode_kv_fp8")
     if agr8:
         a = agr8["ours_vs_hf_bf16"]

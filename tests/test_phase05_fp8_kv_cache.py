@@ -242,6 +242,43 @@ def test_decode_launcher_takes_the_tile_from_the_v_layout(monkeypatch, token_maj
     _close(out, paged_decode_attention_ref(*args), KERNEL_DTYPES[0])
 
 
+def _stale_slots(batch) -> torch.Tensor:
+    """[N, S] True where no sequence of the batch has a token (unused blocks, slots past an end)."""
+    stale = torch.ones(batch.k_cache.shape[:2], dtype=torch.bool)
+    block_size = batch.k_cache.shape[1]
+    for b, length in enumerate(batch.context_lens.tolist()):
+        for pos in range(length):
+            stale[int(batch.block_tables[b, pos // block_size]), pos % block_size] = False
+    return stale
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+@pytest.mark.parametrize("launch", [(1, 128), (3, 32)], ids=["one-pass-128", "split3"])
+def test_decode_ignores_nan_in_stale_slots(token_major, launch):
+    """A freed block keeps what its last owner wrote, NaN included (fp8 0x7f): slots past a row's end
+    must add nothing, in the reference (the CPU engine's path) and in the kernel. The interpreter
+    widens 0x7f to 480, not NaN, so on the CPU the kernel half checks finite garbage only; on the GPU
+    it checks NaN (the token-major tails read those slots unmasked and zero them)."""
+    num_splits, block_n = launch
+    dtype = KERNEL_DTYPES[0]
+    contexts = [1, 17, 70, 129, 300]
+    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype), token_major)
+    stale = _stale_slots(batch).to(batch.k_cache.device)[:, :, None, None]
+    q = _randn(len(contexts), 8, 64, dtype=dtype, seed=3, device=DEVICE)
+    clean = [c.clone() for c in (batch.k_cache, batch.v_cache)]  # clone keeps V's layout
+    for cache in clean:
+        cache.view(torch.uint8).masked_fill_(stale, 0)
+    expected = paged_decode_attention_ref(q, *clean, batch.block_tables, batch.context_lens, 0.125)
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.view(torch.uint8).masked_fill_(stale, 0x7F)  # e4m3fn NaN
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    assert batch.v_cache.float().isnan().any()
+    torch.testing.assert_close(paged_decode_attention_ref(*args), expected, rtol=0, atol=0)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16)
+    assert not out.float().isnan().any()
+    _close(out, expected, dtype)
+
+
 def test_decode_num_splits_override_is_bounded():
     batch = make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0])
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)

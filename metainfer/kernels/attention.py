@@ -119,6 +119,8 @@ def paged_decode_attention_ref(
     past_end = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
     probs = scores.masked_fill(past_end[:, None, None, :], float("-inf")).softmax(dim=-1)
     probs = probs.nan_to_num(nan=0.0)  # a row with no keys: all -inf, softmax NaN -> zeros
+    # V past a row's end is another row's data or stale (a freed block's, maybe NaN): zero, not 0 * NaN
+    v = v.masked_fill(past_end[:, :, None, None], 0.0)
     out.copy_(torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_heads, head_dim))
     return out
 
@@ -650,7 +652,7 @@ def paged_decode_attention_qkv_triton(
     same K/V bits, q is rounded as qk_norm_rope_store rounds it, and the output matches the
     composition up to fp32 summation order. qkv's q and k parts are left as projected (the
     composition updates them in place: read neither after the call). Keywords as
-    paged_decode_attention_triton, without its tuning knobs (num_warps, num_stages, num_splits)."""
+    paged_decode_attention_triton, without its tuning knobs (num_warps, num_stages, num_splits, tail_block_n)."""
     require_triton()
     _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
     batch = qkv.shape[0]

@@ -10,7 +10,7 @@ becoming NaN; writers take a cache of k's dtype or fp8 (`check_cache_dtype`). Re
 exactly before any product (kernels/attention.py: to q's dtype, or fp16 for bf16 q).
 
 V layouts: every kernel takes v_cache as a [N, S, Hk, D] tensor and addresses it through its
-strides. Head-major (contiguous, d fastest) is the default; token-major (`token_major_v_cache`: each
+strides. Head-major (contiguous, d fastest) is what a plain tensor is; token-major (`token_major_v_cache`: each
 (block, kv head) a contiguous [D, S] tile, tokens fastest) is for an fp8 cache, so that P @ V reads V
 along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing ldmatrix;
 docs/PERFORMANCE.md, runs 25-35). The engine stores an fp8 cache's V token-major
