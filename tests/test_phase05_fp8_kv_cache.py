@@ -182,6 +182,22 @@ def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
     _close(out, paged_decode_attention_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("launch", [(1, 128), (3, 64)], ids=["one-pass-128", "split3-64"])
+@pytest.mark.parametrize("group,block_size", [(1, 16), (4, 32)], ids=["gqa1-block16", "gqa4-block32"])
+def test_decode_token_major_tails_of_16_token_tiles(group, block_size, launch):
+    """Token-major V with 16-token tail tiles: the GQA-1 (no tl.dot) path, 32-token blocks (a tail
+    tile inside one block), split launches (each split's own tail)."""
+    num_splits, block_n = launch
+    dtype = KERNEL_DTYPES[0]
+    contexts = [1, 17, 70, 255, 300]
+    batch = _to_fp8(make_paged_batch(contexts, block_size, 2, 64, dtype), True)
+    q = _randn(len(contexts), 2 * group, 64, dtype=dtype, seed=9, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
+                                        tail_block_n=16)
+    _close(out, paged_decode_attention_ref(*args), dtype)
+
+
 def test_decode_tail_block_n_is_checked():
     batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]), True)
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
