@@ -32,7 +32,8 @@ def test_table_renders_from_a_committed_run(suite, path):
     with open(path) as f:
         suite.RESULTS.update(json.load(f))
     table = suite.table()
-    assert table.count("\n| ") >= 3, table  # the header and at least one figure
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 2, table  # the header and at least one figure (run 37 has only the GPU tests' row)
 
 
 def test_the_sections_the_docs_run_are_defined(suite):
