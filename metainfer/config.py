@@ -17,6 +17,20 @@ class ConfigError(ValueError):
     """A bad engine option (the message names the field). A ValueError, so callers of `LLM(...)` catch it
     as one; the CLI prints it as one line instead of a traceback."""
 
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """An A/B environment switch's value (read once, at engine build): unset gives `default`; a value
+    outside `choices` is a ConfigError naming the variable (a typo must not silently measure the default)."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A "0" / "1" environment switch (env_choice): True for "1"."""
+    return env_choice(name, "1" if default else "0", ("0", "1")) == "1"
+
 # architecture name (config "architectures") -> model family module in metainfer.models
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "dense",

@@ -280,9 +280,13 @@ def attn_kv_dtype(args):
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
               ("block_n128", dict(block_n=128))]
     # fp8: V head-major unless a variant asks for the token-major copy (the engine's fp8 layout since run 35)
+    # token-major: the fp8 tensor-core kernel by default (session 11), `widen` the kernel that widens K/V
+    # to fp16 (runs 34-37's default); (tail32: runs 35-36, within 1.5%)
     token_major = [("v_token_major", dict(v_token_major=True)),
-                   ("v_token_major_tail32", dict(v_token_major=True, tail_block_n=32)),
+                   ("v_token_major_widen", dict(v_token_major=True, fp8_mma=False)),
+                   ("v_token_major_p2", dict(v_token_major=True, p_terms=2)),
                    ("v_token_major_stages3", dict(v_token_major=True, num_stages=3)),
+                   ("v_token_major_warps8", dict(v_token_major=True, num_warps=8)),
                    ("v_token_major_block_n64", dict(v_token_major=True, block_n=64))]
     variants = {"fp8": common + token_major, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
@@ -372,11 +376,17 @@ def graphs(args):
                      "graph_kv_fp8_v_head_major": dict(kv_cache_dtype="fp8", env=head_major),
                      "graph_kv_fp8_v_head_major_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60,
                                                                env=head_major)})
+    # an fp16 model over the fp8 cache: its decode runs the fp8 tensor-core kernel (fp32 q takes the widening
+    # one), against its own eager run
+    variants.update({"eager_kv_fp8_fp16": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8",
+                                               dtype="float16"),
+                     "graph_kv_fp8_fp16": dict(kv_cache_dtype="fp8", dtype="float16"),
+                     "graph_kv_fp8_fp16_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60, dtype="float16")})
     for name, kw in variants.items():
         env = kw.pop("env", {})
         os.environ.update(env)
         try:
-            llm = LLM(folder, dtype="float32", max_model_len=1024, max_num_seqs=16, **kw)
+            llm = LLM(folder, **{"dtype": "float32", **kw}, max_model_len=1024, max_num_seqs=16)
         finally:
             for key in env:
                 del os.environ[key]
@@ -391,16 +401,18 @@ def graphs(args):
     def eager_of(name):
         if "kv_fp8" not in name:
             return "eager"
+        if "fp16" in name:
+            return "eager_kv_fp8_fp16"
         return "eager_kv_fp8_v_head_major" if "v_head_major" in name else "eager_kv_fp8"
 
     summary = {k: {"equal_to_eager": v["tokens"] == results[eager_of(k)]["tokens"], "preemptions": v["preemptions"],
                    "prefix_hit_tokens": v["prefix_hit_tokens"]} for k, v in results.items()
-               if k not in ("eager", "eager_kv_fp8", "eager_kv_fp8_v_head_major")}
+               if k not in ("eager", "eager_kv_fp8", "eager_kv_fp8_v_head_major", "eager_kv_fp8_fp16")}
     summary["exercised"] = {  # the comparison means something only if these happened
         "prefix_hits": all(v["prefix_hit_tokens"] >= 96 for k, v in results.items() if k != "eager_no_prefix"),
         "preemptions": all(results[k]["preemptions"] > 0
                            for k in ("graph_preempt", "eager_async_preempt", "graph_kv_fp8_preempt",
-                                     "graph_kv_fp8_v_head_major_preempt")),
+                                     "graph_kv_fp8_v_head_major_preempt", "graph_kv_fp8_fp16_preempt")),
         "fp8_changes_tokens": results["eager_kv_fp8"]["tokens"] != results["eager"]["tokens"],
     }
     print(json.dumps(summary, indent=1))
@@ -646,9 +658,10 @@ def throughput(args):
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
     # (admission_order, METAINFER_DECODE_ORDER=admission: runs 30-31, -1.6 to -1.8% against longest first)
-    # (kv_fp8_v_token_major, runs 34-35: the layout kv_fp8 now has by default)
+    # (kv_fp8_v_token_major, runs 34-35: the layout kv_fp8 now has by default; kv_fp8_v_head_major: runs 34-36)
     variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
-                "kv_fp8_v_head_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "0"}, {"kv_cache_dtype": "fp8"})}
+                # decode over the fp8 cache widening K/V to fp16 (runs 35-37's default) against fp8 products
+                "kv_fp8_widen": ({"METAINFER_FP8_MMA_DECODE": "0"}, {"kv_cache_dtype": "fp8"})}
     for name, (switches, engine_kw) in variants.items():
         llm = None
         try:  # one failing variant must not lose the figures measured before it
@@ -891,7 +904,7 @@ def _kernel_buckets(prof, per: int) -> dict[str, float]:
     return buckets
 
 
-def _pytest_on_gpu(files: list[str], timeout: int) -> dict:
+def _pytest_on_gpu(files: list[str], timeout: int, test_filter: str = "") -> dict:
     """Run test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too).
     The counts come from pytest's JUnit XML; the whole output is kept in $OUT/gpu_tests_output.txt."""
     import subprocess
@@ -900,7 +913,8 @@ def _pytest_on_gpu(files: list[str], timeout: int) -> dict:
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                METAINFER_SHARED_GPU_TIMEOUT="60")
     junit = os.path.join("/tmp", "metainfer-gpu-tests.xml")
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+           *(["-k", test_filter] if test_filter else [])]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=timeout)
     os.makedirs(OUT, exist_ok=True)
@@ -932,7 +946,7 @@ def gpu_tests(args):
     """The kernel tests compiled on the GPU: races the interpreter cannot show (the split-KV merge
     by the last split to finish), bf16, the compiled GEMV and fused q/k kernels."""
     files = args.gpu_test_files.split(",")
-    return _pytest_on_gpu(files, timeout=420)
+    return _pytest_on_gpu(files, timeout=420, test_filter=args.gpu_test_filter)
 
 
 def table() -> str:
@@ -971,7 +985,8 @@ def table() -> str:
                          f"best {b['us']:.2f} (block_n {b['block_n']}, min split {b['min_split']}) | |")
     tp = r.get("throughput", {})
     # the variants of runs 17 (fused_sampler) and 18 (unfused_decode_prep) too, for --print-table
-    for name in ("kv_fp8", "kv_fp8_v_token_major", "kv_fp8_v_head_major", "admission_order", "no_skinny_gemm",
+    for name in ("kv_fp8", "kv_fp8_widen", "kv_fp8_v_token_major", "kv_fp8_v_head_major", "admission_order",
+                 "no_skinny_gemm",
                  "torch_sampler", "fused_decode_prep", "skinny_gemm", "unfused_decode_prep", "fused_sampler"):
         if "output_tok_s" in tp.get(name, {}) and "output_tok_s" in tp:
             lines.append(f"| throughput output tok/s: default / variant {name} | {tp['output_tok_s']:.0f} / "
@@ -999,6 +1014,9 @@ def table() -> str:
             lines.append(f"| decode attention {case}: bf16 / fp8 V head-major{' / token-major' if token_major else ''}"
                          f" (us) | {row['bf16_default']['us']:.1f} / {row['fp8_default']['us']:.1f}{token_major} | "
                          f"fastest {best} {row[best]['us']:.1f} | |")
+            if "us" in row.get("fp8_v_token_major_widen", {}):  # session 11: fp8 products against widening
+                lines.append(f"| decode attention {case}, token-major fp8: fp8 products / widened (us) | "
+                             f"{row['fp8_v_token_major']['us']:.1f} / {row['fp8_v_token_major_widen']['us']:.1f} | | |")
     agr8 = r.get("agreement", {}).get("decode_kv_fp8")
     if agr8:
         a = agr8["ours_vs_hf_bf16"]
@@ -1085,6 +1103,7 @@ def main():
     p.add_argument("--config", default=os.path.join(here, "benchmarks", "configs", "qwen3-8b.json"))
     p.add_argument("--tokenizer-dir", default=os.path.join(here, ".gpu_assets", "tokenizer"))
     p.add_argument("--baseline-modes", default="eager,compile")
+    p.add_argument("--gpu-test-filter", default="", help="pytest -k expression for the gpu_tests section")
     p.add_argument("--gpu-test-files", default=",".join(
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv_prologue",

@@ -365,3 +365,106 @@ def test_fused_decode_fp8_matches_composed_reference(case, dtype, launch, token_
         assert (got == want).float().mean().item() >= 0.999, name
     assert not torch.isnan(out).any()
     _close(out, expected, dtype)
+
+
+# ---- decode on fp8 tensor-core products (attention._decode_fp8_mma_kernel): token-major V, 16-bit q ----
+MMA_DTYPES = [dtype for dtype in KERNEL_DTYPES if dtype != torch.float32]  # fp16 (+ bf16 on the GPU)
+
+
+@pytest.mark.parametrize("launch", [(1, None, None), (3, None, None), (1, 128, 16), (2, 16, 16)],
+                         ids=["one-pass-128", "split3-64", "one-pass-128-tail16", "split2-tiles16"])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+@pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 2, 128, 16), (5, 1, 64, 32),
+                                                          (8, 1, 64, 16)])
+def test_fp8_mma_decode_matches_ref(group, hk, head_dim, block_size, dtype, launch):
+    """Groups of 1 / 4 / 8 and 5 (not a power of two: 8-column heads, two p terms), D 64 / 128, blocks
+    16 / 32; one-pass 128-token tiles with the default (64) and 16-token tails, split launches (64-token
+    tiles; 16-token tiles, which sm_90 runs as mma.sync); an empty row, one token, block crossings."""
+    num_splits, block_n, tail_block_n = launch
+    contexts = DECODE_CONTEXTS + [129, 300]
+    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype), True)
+    q = _randn(len(contexts), group * hk, head_dim, dtype=dtype, seed=11, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, tail_block_n=tail_block_n,
+                                        min_split_tokens=16)
+    _close(out, paged_decode_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("q_scale", [1e-3, 1.0, 300.0], ids=["tiny-q", "unit-q", "large-q"])
+@pytest.mark.parametrize("p_terms", [2, 3])
+def test_fp8_mma_decode_q_scaling_and_p_terms(q_scale, p_terms):
+    """q far from fp8's range (each head column is scaled by a power of two before its split), a head
+    whose q is all zero, and p carried as two (~bf16) or three (~fp16) fp8 terms."""
+    dtype = MMA_DTYPES[0]
+    contexts = [1, 70, 300]
+    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype), True)
+    q = _randn(len(contexts), 8, 64, dtype=torch.float32, seed=4) * q_scale
+    q[1, 5] = 0.0
+    q = q.to(dtype=dtype, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125 / max(q_scale, 1.0))
+    out = paged_decode_attention_triton(*args, p_terms=p_terms)
+    _close(out, paged_decode_attention_ref(*args), dtype if p_terms == 3 else torch.bfloat16)
+
+
+def test_fp8_mma_decode_p_terms_are_checked():
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, MMA_DTYPES[0]), True)
+    q = _randn(2, 8, 64, dtype=MMA_DTYPES[0], seed=1, device=DEVICE)
+    for bad in (1, 4):
+        with pytest.raises(ValueError, match="p_terms"):
+            paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                                          0.125, p_terms=bad)
+
+
+@pytest.mark.parametrize("case, kernel", [
+    (dict(), "_decode_fp8_mma_kernel"),
+    (dict(fp8_mma=False), "_decode_split_kernel"),
+    (dict(q_dtype=torch.float32), "_decode_split_kernel"),
+    (dict(token_major=False), "_decode_split_kernel"),
+    (dict(group=16), "_decode_split_kernel"),
+    (dict(cache="model"), "_decode_split_kernel"),
+], ids=["fp16-token-major", "fp8_mma-off", "fp32-q", "v-head-major", "group16", "model-dtype-cache"])
+def test_fp8_mma_decode_routing(monkeypatch, case, kernel):
+    """Which kernel a decode launch takes: the fp8 tensor-core one only over an fp8 cache with
+    token-major V, 16-bit q and a group of at most 8 (two term columns a head), unless fp8_mma=False;
+    either way the output matches the reference."""
+    import metainfer.kernels.attention as attention
+
+    launched = []
+    for name in ("_decode_fp8_mma_kernel", "_decode_split_kernel"):
+        real = getattr(attention, name)
+        spy = type("Spy", (), {"__getitem__": lambda self, grid, real=real, name=name:
+                               launched.append(name) or real[grid]})()
+        monkeypatch.setattr(attention, name, spy)
+    dtype = case.get("q_dtype", MMA_DTYPES[0])
+    group = case.get("group", 4)
+    batch = make_paged_batch([5, 40], 16, 1, 64, dtype)
+    if case.get("cache") != "model":
+        batch = _to_fp8(batch, case.get("token_major", True))
+    q = _randn(2, group, 64, dtype=dtype, seed=1, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    kw = {"fp8_mma": case["fp8_mma"]} if "fp8_mma" in case else {}
+    out = paged_decode_attention_triton(*args, **kw)
+    assert launched == [kernel]
+    _close(out, paged_decode_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("launch", [(1, 128), (3, 64)], ids=["one-pass-128", "split3-64"])
+def test_fp8_mma_decode_ignores_nan_in_stale_slots(launch):
+    """As test_decode_ignores_nan_in_stale_slots, through the fp8 tensor-core kernel (fp16 q): its K and
+    V reach the products as bytes, so a stale NaN must be masked in the scores and zeroed in V."""
+    num_splits, block_n = launch
+    dtype = MMA_DTYPES[0]
+    contexts = [1, 17, 70, 129, 300]
+    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype), True)
+    stale = _stale_slots(batch).to(batch.k_cache.device)[:, :, None, None]
+    q = _randn(len(contexts), 8, 64, dtype=dtype, seed=3, device=DEVICE)
+    clean = [c.clone() for c in (batch.k_cache, batch.v_cache)]
+    for cache in clean:
+        cache.view(torch.uint8).masked_fill_(stale, 0)
+    expected = paged_decode_attention_ref(q, *clean, batch.block_tables, batch.context_lens, 0.125)
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.view(torch.uint8).masked_fill_(stale, 0x7F)  # e4m3fn NaN
+    out = paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens,
+                                        0.125, num_splits=num_splits, block_n=block_n, min_split_tokens=16)
+    assert not out.float().isnan().any()
+    _close(out, expected, dtype)

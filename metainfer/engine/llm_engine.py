@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metainfer.config import EngineConfig, ModelSpec, locate_model
+from metainfer.config import EngineConfig, ModelSpec, env_switch, locate_model
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.model_runner import ModelRunner
 from metainfer.engine.sampler import HostSample, Sampler
@@ -100,7 +100,8 @@ class LLMEngine:
         """The one-pass Gumbel-max sampler on CUDA (run 17 on the H200: a 256-row temperature draw 0.29
         against 0.73 ms, throughput +2.1%), else None (the torch path, the reference). METAINFER_FUSED_SAMPLER=0
         turns it off: an A/B switch read once here."""
-        if config.torch_device.type != "cuda" or os.environ.get("METAINFER_FUSED_SAMPLER", "1") == "0":
+        fused = env_switch("METAINFER_FUSED_SAMPLER", True)  # read (and checked) on every device
+        if config.torch_device.type != "cuda" or not fused:
             return None
         from metainfer.kernels.sampling import GumbelSampler
 
@@ -306,5 +307,4 @@ def _read_spec(config: EngineConfig) -> ModelSpec:
     if config.gguf_file is not None:
         from metainfer.loader.gguf import gguf_config
         return ModelSpec.from_dict(gguf_config(config.gguf_file))
-    import os
     return ModelSpec.from_file(os.path.join(config.model_dir, "config.json"))

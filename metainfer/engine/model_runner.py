@@ -11,13 +11,12 @@ previous step's sampled ids on the device.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from metainfer.config import ConfigError, EngineConfig
+from metainfer.config import ConfigError, EngineConfig, env_switch
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import PENDING, Sequence
 from metainfer.kernels import pdl_supported, select_ops
@@ -129,14 +128,18 @@ class ModelRunner:
     def _build_model(self):
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         # PDL on Hopper and later; METAINFER_DISABLE_PDL=1 turns it off (an A/B switch, read once here)
-        pdl = pdl_supported(self.device) and os.environ.get("METAINFER_DISABLE_PDL", "0") != "1"
+        disable_pdl = env_switch("METAINFER_DISABLE_PDL", False)  # read (and checked) on every device
+        pdl = pdl_supported(self.device) and not disable_pdl
         # METAINFER_FUSED_DECODE_PREP=1: q/k prep inside the decode attention launch (an A/B switch;
         # off by default: slower on the H200, run 18)
-        fuse_prep = os.environ.get("METAINFER_FUSED_DECODE_PREP", "0") == "1"
+        fuse_prep = env_switch("METAINFER_FUSED_DECODE_PREP", False)
         # METAINFER_SKINNY_GEMM=0: no tensor-core skinny GEMM for the 3-16-row GEMMs its tuned table lists (the A/B)
-        skinny = os.environ.get("METAINFER_SKINNY_GEMM", "1") != "0"
+        skinny = env_switch("METAINFER_SKINNY_GEMM", True)
+        # METAINFER_FP8_MMA_DECODE=0: decode over a token-major fp8 cache widens K/V to fp16 before its products
+        # (the A/B of the fp8 tensor-core kernel, kernels/attention.py: _decode_fp8_mma_kernel)
+        fp8_mma = env_switch("METAINFER_FP8_MMA_DECODE", True)
         self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl, fuse_decode_prep=fuse_prep,
-                                    skinny_gemm=skinny)
+                                    skinny_gemm=skinny, fp8_mma_decode=fp8_mma)
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)
@@ -236,7 +239,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # an fp8 cache keeps V token-major (kernels/kv_cache.py: why; run 35: decode attention 118 against
         # 135 us at 256 ragged rows); METAINFER_FP8_V_TOKEN_MAJOR=0 keeps it head-major (the A/B, read once here)
-        token_major = self.kv_dtype == FP8_KV_DTYPE and os.environ.get("METAINFER_FP8_V_TOKEN_MAJOR", "1") != "0"
+        token_major = self.kv_dtype == FP8_KV_DTYPE and env_switch("METAINFER_FP8_V_TOKEN_MAJOR", True)
         v_view = token_major_v_cache if token_major else (lambda memory: memory)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], v_view(self.kv_cache[1, i])

@@ -10,10 +10,10 @@ its rows longest context first.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 
+from metainfer.config import env_choice
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.sequence import Sequence, SequenceStatus
 
@@ -46,7 +46,7 @@ class Scheduler:
         # the decode attention starts its programs in row order, so the longest ones stay out of the
         # launch's last wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md run 29).
         # METAINFER_DECODE_ORDER=admission keeps the running order (an A/B switch, read once here).
-        admission = os.environ.get("METAINFER_DECODE_ORDER", "longest") == "admission"
+        admission = env_choice("METAINFER_DECODE_ORDER", "longest", ("longest", "admission")) == "admission"
         self._decode_rows = list if admission else _longest_first
 
     def add(self, seq: Sequence) -> None:
