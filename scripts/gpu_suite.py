@@ -280,13 +280,10 @@ def attn_kv_dtype(args):
     common = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
               ("block_n128", dict(block_n=128))]
     # fp8: V head-major unless a variant asks for the token-major copy (the engine's fp8 layout since run 35)
-    # token-major: the fp8 tensor-core kernel by default (session 11), `widen` the kernel that widens K/V
-    # to fp16 (runs 34-37's default); (tail32: runs 35-36, within 1.5%)
+    # (the fp8 tensor-core decode kernel's variants: run 38, slower, removed)
     token_major = [("v_token_major", dict(v_token_major=True)),
-                   ("v_token_major_widen", dict(v_token_major=True, fp8_mma=False)),
-                   ("v_token_major_p2", dict(v_token_major=True, p_terms=2)),
+                   ("v_token_major_tail32", dict(v_token_major=True, tail_block_n=32)),
                    ("v_token_major_stages3", dict(v_token_major=True, num_stages=3)),
-                   ("v_token_major_warps8", dict(v_token_major=True, num_warps=8)),
                    ("v_token_major_block_n64", dict(v_token_major=True, block_n=64))]
     variants = {"fp8": common + token_major, "bf16": common}
     ragged = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
@@ -376,8 +373,7 @@ def graphs(args):
                      "graph_kv_fp8_v_head_major": dict(kv_cache_dtype="fp8", env=head_major),
                      "graph_kv_fp8_v_head_major_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60,
                                                                env=head_major)})
-    # an fp16 model over the fp8 cache: its decode runs the fp8 tensor-core kernel (fp32 q takes the widening
-    # one), against its own eager run
+    # an fp16 model over the fp8 cache (16-bit q and fp8 products in fp16), against its own eager run
     variants.update({"eager_kv_fp8_fp16": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8",
                                                dtype="float16"),
                      "graph_kv_fp8_fp16": dict(kv_cache_dtype="fp8", dtype="float16"),
@@ -658,10 +654,9 @@ def throughput(args):
     # (the torch-sampler and fused-decode-prep variants: runs 17-20)
     # (no_skinny_gemm, 3-16-row GEMMs on cuBLAS: runs 20, 22, 25, within noise of the default)
     # (admission_order, METAINFER_DECODE_ORDER=admission: runs 30-31, -1.6 to -1.8% against longest first)
-    # (kv_fp8_v_token_major, runs 34-35: the layout kv_fp8 now has by default; kv_fp8_v_head_major: runs 34-36)
+    # (kv_fp8_v_token_major, runs 34-35: the layout kv_fp8 now has by default; kv_fp8_widen: run 38)
     variants = {"kv_fp8": ({}, {"kv_cache_dtype": "fp8"}),  # float8_e4m3fn KV cache: half the attention bytes
-                # decode over the fp8 cache widening K/V to fp16 (runs 35-37's default) against fp8 products
-                "kv_fp8_widen": ({"METAINFER_FP8_MMA_DECODE": "0"}, {"kv_cache_dtype": "fp8"})}
+                "kv_fp8_v_head_major": ({"METAINFER_FP8_V_TOKEN_MAJOR": "0"}, {"kv_cache_dtype": "fp8"})}
     for name, (switches, engine_kw) in variants.items():
         llm = None
         try:  # one failing variant must not lose the figures measured before it

@@ -21,10 +21,9 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({}, {"skinny_gemm": True, "fuse_decode_prep": False, "fp8_mma_decode": True}),
-    ({"METAINFER_SKINNY_GEMM": "0"}, {"skinny_gemm": False, "fuse_decode_prep": False, "fp8_mma_decode": True}),
-    ({"METAINFER_FUSED_DECODE_PREP": "1"}, {"skinny_gemm": True, "fuse_decode_prep": True, "fp8_mma_decode": True}),
-    ({"METAINFER_FP8_MMA_DECODE": "0"}, {"skinny_gemm": True, "fuse_decode_prep": False, "fp8_mma_decode": False}),
+    ({}, {"skinny_gemm": True, "fuse_decode_prep": False}),
+    ({"METAINFER_SKINNY_GEMM": "0"}, {"skinny_gemm": False, "fuse_decode_prep": False}),
+    ({"METAINFER_FUSED_DECODE_PREP": "1"}, {"skinny_gemm": True, "fuse_decode_prep": True}),
 ])
 def test_switches_reach_select_ops(folder, monkeypatch, env, expected):
     seen = []
@@ -35,8 +34,7 @@ def test_switches_reach_select_ops(folder, monkeypatch, env, expected):
         return real(device, **kwargs)
 
     monkeypatch.setattr(model_runner, "select_ops", recording_select_ops)
-    for name in ("METAINFER_SKINNY_GEMM", "METAINFER_FUSED_DECODE_PREP", "METAINFER_DISABLE_PDL",
-                 "METAINFER_FP8_MMA_DECODE"):
+    for name in ("METAINFER_SKINNY_GEMM", "METAINFER_FUSED_DECODE_PREP", "METAINFER_DISABLE_PDL"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -68,7 +66,7 @@ def test_disable_pdl_switch_on_a_device_with_pdl(folder, monkeypatch, env, pdl):
 
 
 @pytest.mark.parametrize("name, value", [("METAINFER_SKINNY_GEMM", "2"), ("METAINFER_DISABLE_PDL", "true"),
-                                         ("METAINFER_FP8_MMA_DECODE", "off"), ("METAINFER_FP8_V_TOKEN_MAJOR", ""),
+                                         ("METAINFER_FUSED_DECODE_PREP", "off"), ("METAINFER_FP8_V_TOKEN_MAJOR", ""),
                                          ("METAINFER_DECODE_ORDER", "shortest"),
                                          ("METAINFER_FUSED_SAMPLER", "no")])
 def test_unknown_switch_values_are_rejected(folder, monkeypatch, name, value):
@@ -78,11 +76,3 @@ def test_unknown_switch_values_are_rejected(folder, monkeypatch, name, value):
     with pytest.raises(ConfigError, match=name):
         LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, kv_cache_dtype="fp8")
 
-
-def test_fp8_mma_switch_binds_the_decode_launcher():
-    """select_ops(fp8_mma_decode=False) binds fp8_mma=False into the Triton decode launcher (the A/B)."""
-    from metainfer.kernels import TRITON_OPS, select_ops
-
-    assert select_ops("cpu", use_triton=True).paged_decode_attention is TRITON_OPS.paged_decode_attention
-    off = select_ops("cpu", use_triton=True, fp8_mma_decode=False).paged_decode_attention
-    assert off.func is TRITON_OPS.paged_decode_attention and off.keywords == {"fp8_mma": False}

@@ -135,11 +135,8 @@ class ModelRunner:
         fuse_prep = env_switch("METAINFER_FUSED_DECODE_PREP", False)
         # METAINFER_SKINNY_GEMM=0: no tensor-core skinny GEMM for the 3-16-row GEMMs its tuned table lists (the A/B)
         skinny = env_switch("METAINFER_SKINNY_GEMM", True)
-        # METAINFER_FP8_MMA_DECODE=0: decode over a token-major fp8 cache widens K/V to fp16 before its products
-        # (the A/B of the fp8 tensor-core kernel, kernels/attention.py: _decode_fp8_mma_kernel)
-        fp8_mma = env_switch("METAINFER_FP8_MMA_DECODE", True)
         self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl, fuse_decode_prep=fuse_prep,
-                                    skinny_gemm=skinny, fp8_mma_decode=fp8_mma)
+                                    skinny_gemm=skinny)
         cls = model_class(self.spec)
         with torch.device(self.device):
             model = cls(self.spec, ops, dtype=self.dtype, max_position=self.config.max_model_len)

@@ -121,7 +121,7 @@ _PDL_OPS = tuple(f.name for f in fields(KernelOps)
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
                fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = True,
-               skinny_table: Mapping | None = None, fp8_mma_decode: bool = True) -> KernelOps:
+               skinny_table: Mapping | None = None) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
@@ -141,9 +141,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     6.47 against 5.75 ms). `skinny_gemm` sends 3..64-row GEMMs to the tensor-core skinny GEMM
     (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` ("NxK/mB" or (N, K, B) ->
     config, e.g. a sweep's) or else of the GPU's tuned table; with neither it changes nothing (H200,
-    run 21: batch 4 / 8 / 16 decode +5 / +8 / +2%). `fp8_mma_decode=False` keeps decode over a token-major
-    fp8 cache on the kernel that widens K/V (kernels/attention.py: the fp8 tensor-core kernel's A/B).
-    Selection makes no CUDA call."""
+    run 21: batch 4 / 8 / 16 decode +5 / +8 / +2%). Selection makes no CUDA call."""
     device = torch.device(device)
     if use_triton is None:
         use_triton = device.type == "cuda"
@@ -157,8 +155,6 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     ops = TRITON_OPS
     if pdl:
         ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
-    if not fp8_mma_decode:
-        ops = replace(ops, paged_decode_attention=functools.partial(ops.paged_decode_attention, fp8_mma=False))
     if not fuse_decode_prep:
         ops = replace(ops, paged_decode_attention_qkv=functools.partial(
             paged_decode_attention_qkv_composed, prep=ops.qk_norm_rope_store, decode=ops.paged_decode_attention))

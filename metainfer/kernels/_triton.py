@@ -8,7 +8,6 @@ Triton launcher is actually used.
 
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Mapping
 from dataclasses import fields
@@ -35,10 +34,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     # Only what kernel *signatures* evaluate at definition time is needed here.
     tl = types.SimpleNamespace(constexpr=object)
 
-
-# Triton runs kernels in its CPU interpreter (read once, as Triton reads it before the first launch):
-# kernels that cast to fp8 round on the grid first there (kv_cache._round_to_fp8_grid says why).
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):

@@ -210,8 +210,7 @@ def _kernel_objects():
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
-        kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._decode_fp8_mma_kernel,
-        attention._prefill_kernel,
+        kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
         sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel,
     ]

@@ -27,15 +27,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ._triton import INTERPRETING, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import (
-    FP8_KV_DTYPE,
-    _round_to_fp8_grid,
-    cast_to_cache,
-    check_cache_dtype,
-    check_v_cache_layout,
-    is_token_major,
-)
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype, check_v_cache_layout, is_token_major
 from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
 
 LOG2E = 1.4426950408889634
@@ -481,189 +474,6 @@ def _decode_split_kernel(
                 )
 
 
-# ----------------------------------------------------------------------------------------------
-# Triton: decode over an fp8 cache with token-major V, on fp8 tensor-core products
-# ----------------------------------------------------------------------------------------------
-#
-# Why a second decode kernel: _decode_split_kernel widens every fp8 K and V element to fp16 before
-# its products (q rows on the M side, padded to 16), so over an fp8 cache it is bound by that work
-# per tile, not by the bytes (run 35: 2.5-2.7 TB/s against bf16's 4.1). Here the tokens sit on the
-# M side (s^T = K q^T, o^T = V^T p^T) with the q heads as N = 16 columns, which sm_90 runs as
-# wgmma m64n16k32 e4m3 straight from shared memory: K and V are never widened. q and p are then
-# fp8 too, so each is carried as a sum of fp8 terms that is (nearly) exact:
-# * q: per column scaled by a power of two to |q| < 128, then q = hi + mid (+ lo for fp16 q): a
-#   product per term into one accumulator. Two e4m3 terms hold a bf16 value's 8 significant bits
-#   exactly (three an fp16 value's 11), down to 2^-9 of the scaled range (subnormals), far below
-#   the rounding of q's largest element. fp32 q goes to _decode_split_kernel.
-# * p (in [0, 1], taken x 256): hi + mid + lo (3 terms: ~12 bits, fp16's precision, which the
-#   widening kernel's products have) or hi + mid (2 terms: bf16's), each term in its own column.
-#   The 16 columns hold every q head of the kv head once per term (column c: head c % G2, term
-#   c // G2, with G2 the group rounded up to a power of two), so the scores of a head are computed
-#   once per term column (identical values), each column rounds p to its own term, and one product
-#   with V per tile sums them; the term columns are added once, at the end.
-# Needs G2 <= 8 (two terms); the launcher sends wider groups, fused q/k prep and head-major V to
-# _decode_split_kernel. Tiles under 64 tokens (split launches' tails) compile to mma.sync, which
-# widens on the way (correct, not faster).
-_FP8_MMA_COLUMNS = 16
-_FP8_MMA_MAX_P_TERMS = 3
-
-
-@triton.jit
-def _fp8_term(x, ROUND_ON_GRID: tl.constexpr):
-    """fp32 x (|x| <= 448) rounded to the nearest fp8 value, as fp32. ROUND_ON_GRID: integer rounding
-    (kv_cache._round_to_fp8_grid: exact in the interpreter); else the hardware cast and back."""
-    if ROUND_ON_GRID:
-        y = _round_to_fp8_grid(x)
-    else:
-        y = x.to(tl.float8e4nv).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _fp8_mma_step(q_hi, q_mid, q_lo, col_scale, term, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-                  kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-                  d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, Q_TERMS: tl.constexpr,
-                  P_TERMS: tl.constexpr, MASKED: tl.constexpr, ROUND_ON_GRID: tl.constexpr):
-    """One online-softmax step over tokens n0 .. n0 + BLOCK_N - 1 in the transposed frame: scores
-    s^T [BLOCK_N, C], (m_i, l_i) per column [C], acc = o^T [BLOCK_D, C] (x 256, term columns apart)."""
-    tok = n0 + tl.arange(0, BLOCK_N)
-    t_mask = tok < end
-    page = _tile_pages(bt_row, tok, t_mask, end, BLOCK_SIZE, MASKED, True)
-    in_page = tok % BLOCK_SIZE
-    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)  # [N, D] fp8
-    s = tl.dot(k, q_hi)
-    s = tl.dot(k, q_mid, s)
-    if Q_TERMS == 3:
-        s = tl.dot(k, q_lo, s)
-    s = s * col_scale[None, :]
-    if MASKED:  # tokens from `end` on read the last valid page (stale, maybe NaN): -inf
-        s = tl.where(t_mask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    # V^T [D, N] along tokens (token-major), the A operand as loaded
-    v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    vt = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d, mask=d_mask[:, None], other=0.0)
-    if MASKED:  # stale V past the end (maybe NaN): zero bytes, so 0 * NaN never reaches the sum
-        vt = tl.where(t_mask[None, :], vt.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
-    x = p * 256.0  # p <= 1: x <= 256 < 448
-    hi = _fp8_term(x, ROUND_ON_GRID)
-    rest = x - hi
-    mid = _fp8_term(rest, ROUND_ON_GRID)
-    if P_TERMS == 3:
-        lo = _fp8_term(rest - mid, ROUND_ON_GRID)
-        x_term = tl.where(term == 0, hi, tl.where(term == 1, mid, tl.where(term == 2, lo, 0.0)))
-    else:
-        x_term = tl.where(term == 0, hi, tl.where(term == 1, mid, 0.0))
-    acc = tl.dot(vt, x_term.to(tl.float8e4nv), acc * alpha[None, :])
-    return m_new, l_i, acc
-
-
-@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
-def _decode_fp8_mma_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    scale_log2e, num_splits, min_chunk,
-    q_stride_b, q_stride_h,
-    kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-    bt_stride_b, out_stride_b, out_stride_h,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_C: tl.constexpr, Q_TERMS: tl.constexpr,
-    P_TERMS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
-    ONE_PASS: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    ROUND_ON_GRID: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """One program = (kv head, sequence, split), as _decode_split_kernel (same grid, splits, merge and
-    outputs); the products run on fp8 tensor cores in the transposed frame (see above)."""
-    pdl_enter(USE_PDL)
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(0)
-    num_q_heads = num_kv_heads * GROUP
-
-    ctx = tl.load(context_lens_ptr + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
-    live = tl.cdiv(ctx, tl.maximum(chunk, 1))
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx)
-    if not ONE_PASS:
-        if split >= tl.maximum(live, 1):
-            return
-
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    c = tl.arange(0, BLOCK_C)
-    g_of_c = c % GROUP_P2
-    term = c // GROUP_P2
-    c_mask = (g_of_c < GROUP) & (term < P_TERMS)
-    # q^T [D, C]: column c holds q head g_of_c, scaled by a power of two to max |q| in [64, 128)
-    qt = tl.load(q_ptr + seq * q_stride_b + (kv_head * GROUP + g_of_c)[None, :] * q_stride_h + d[:, None],
-                 mask=d_mask[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
-    amax_bits = tl.max(tl.abs(qt), axis=0).to(tl.int32, bitcast=True)
-    exponent = tl.minimum(tl.maximum(((amax_bits >> 23) & 0xFF) - 127, -100), 100)  # floor(log2 max |q|)
-    col_pow2 = ((127 + 6 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(6 - exponent), exact
-    qt = qt * col_pow2[None, :]
-    q_hi = _round_to_fp8_grid(qt)
-    q_mid = _round_to_fp8_grid(qt - q_hi)
-    q_lo = _round_to_fp8_grid(qt - q_hi - q_mid)
-    q_hi, q_mid, q_lo = q_hi.to(tl.float8e4nv), q_mid.to(tl.float8e4nv), q_lo.to(tl.float8e4nv)
-    col_scale = scale_log2e / col_pow2
-
-    m_i = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_C], tl.float32)
-    acc = tl.zeros([BLOCK_D, BLOCK_C], tl.float32)
-    bt_row = block_tables_ptr + seq * bt_stride_b
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _fp8_mma_step(
-            q_hi, q_mid, q_lo, col_scale, term, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), end, bt_row, k_cache_ptr,
-            v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-            vc_stride_d, d, d_mask, BLOCK_SIZE, BLOCK_N, Q_TERMS, P_TERMS, False, ROUND_ON_GRID)
-    for n0 in range(full_end, end, TAIL_BLOCK_N):
-        m_i, l_i, acc = _fp8_mma_step(
-            q_hi, q_mid, q_lo, col_scale, term, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), end, bt_row,
-            k_cache_ptr, v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s,
-            vc_stride_h, vc_stride_d, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, Q_TERMS, P_TERMS, True, ROUND_ON_GRID)
-
-    # the term columns of each head summed: o^T [D, G2]; (m, l) are equal across a head's columns
-    acc = tl.sum(tl.reshape(acc, [BLOCK_D, BLOCK_C // GROUP_P2, GROUP_P2]), axis=1) * (1.0 / 256.0)
-    first = tl.reshape(term == 0, [BLOCK_C // GROUP_P2, GROUP_P2])
-    l_g = tl.sum(tl.where(first, tl.reshape(l_i, [BLOCK_C // GROUP_P2, GROUP_P2]), 0.0), axis=0)
-    m_g = tl.max(tl.where(first, tl.reshape(m_i, [BLOCK_C // GROUP_P2, GROUP_P2]), float("-inf")), axis=0)
-    g = tl.arange(0, GROUP_P2)
-    g_mask = g < GROUP
-    heads = kv_head * GROUP + g
-    od_mask = d_mask[:, None] & g_mask[None, :]
-    out_offs = seq * out_stride_b + heads[None, :] * out_stride_h + d[:, None]
-    if ONE_PASS:
-        out = acc / tl.where(l_g > 0, l_g, 1.0)[None, :]  # empty context: zeros
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=od_mask)
-    else:
-        if live <= 1:
-            out = acc / tl.where(l_g > 0, l_g, 1.0)[None, :]
-            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=od_mask)
-        else:
-            rows = (seq * num_q_heads + heads) * num_splits + split
-            tl.store(part_out_ptr + rows[None, :] * HEAD_DIM + d[:, None], acc / l_g[None, :], mask=od_mask)
-            tl.store(part_lse_ptr + rows, m_g + tl.log2(l_g), mask=g_mask)
-            tl.debug_barrier()  # the merge's memory ordering: see _decode_split_kernel
-            counter = counters_ptr + seq * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == live - 1:
-                tl.debug_barrier()
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _decode_merge_splits(
-                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
-                    out_stride_b, out_stride_h,
-                    GROUP, BLOCK_GM, HEAD_DIM, BLOCK_D, BLOCK_S, MERGE_SPLITS,
-                )
-
-
 def decode_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -790,8 +600,6 @@ def paged_decode_attention_triton(
     pdl: bool = False,
     num_splits: int | None = None,
     tail_block_n: int | None = None,
-    fp8_mma: bool = True,
-    p_terms: int = _FP8_MMA_MAX_P_TERMS,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -804,10 +612,7 @@ def paged_decode_attention_triton(
     shape rule; at most max_num_splits, and a given workspace must hold it). One-pass launches over
     an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
-    at least 16; a power of two <= block_n). Over an fp8 cache with token-major V and a group of at
-    most 8 q heads a kv head, `fp8_mma` (default) runs _decode_fp8_mma_kernel (fp8 tensor-core
-    products, p carried as `p_terms` fp8 terms: 3 ~ fp16, 2 ~ bf16; 128-token tiles one-pass, 64 in
-    split launches); fp8_mma=False keeps _decode_split_kernel (the A/B)."""
+    at least 16; a power of two <= block_n)."""
     require_triton()
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
@@ -815,7 +620,7 @@ def paged_decode_attention_triton(
                           block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
                           min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                          num_splits=num_splits, tail_block_n=tail_block_n, fp8_mma=fp8_mma, p_terms=p_terms)
+                          num_splits=num_splits, tail_block_n=tail_block_n)
 
 
 def paged_decode_attention_qkv_composed(
@@ -862,9 +667,8 @@ def paged_decode_attention_qkv_triton(
 
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
                    scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl, num_splits=None, tail_block_n=None, fp8_mma=False, p_terms=_FP8_MMA_MAX_P_TERMS):
-    """One _decode_split_kernel launch, or _decode_fp8_mma_kernel's where it applies (fp8_mma, see
-    paged_decode_attention_triton); `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
+                   num_stages, pdl, num_splits=None, tail_block_n=None):
+    """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
     eps) makes it the fused variant reading the raw qkv row at q_src."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -883,15 +687,8 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         )
     elif not 1 <= num_splits <= max_num_splits:
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
-    use_fp8_mma = (fp8_mma and prep is None and k_cache.dtype == FP8_KV_DTYPE and is_token_major(v_cache)
-                   and q_src.dtype in (torch.bfloat16, torch.float16) and next_pow2(group) * 2 <= _FP8_MMA_COLUMNS)
-    if use_fp8_mma and p_terms not in (2, 3):
-        raise ValueError(f"p_terms must be 2 or 3, got {p_terms}")
     if block_n is None:
-        if use_fp8_mma:  # wgmma takes tiles of >= 64 tokens
-            block_n = 2 * _DECODE_BLOCK_N if num_splits == 1 else _DECODE_BLOCK_N
-        else:
-            block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype, is_token_major(v_cache))
+        block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype, is_token_major(v_cache))
     if tail_block_n is None:
         tail_block_n = max(16, block_n // 2)
     elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
@@ -934,23 +731,6 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     scale_log2e = float(scale) * LOG2E
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
-    if use_fp8_mma:
-        group_p2 = next_pow2(group)
-        _decode_fp8_mma_kernel[(num_kv_heads, batch, num_splits)](
-            q_src, k_cache, v_cache, block_tables, context_lens,
-            out, part_out, part_lse, counters,
-            scale_log2e, num_splits, min_chunk,
-            q_strides[0], q_strides[1],
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, GROUP_P2=group_p2, BLOCK_C=_FP8_MMA_COLUMNS, Q_TERMS=2 if q_src.dtype == torch.bfloat16 else 3,
-            P_TERMS=min(p_terms, _FP8_MMA_COLUMNS // group_p2), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
-            ONE_PASS=one_pass, BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-            ROUND_ON_GRID=INTERPRETING, num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_args(pdl),
-        )
-        return out
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q_src, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, counters,
