@@ -189,12 +189,12 @@ class _ForwardAsReplay:
 def test_graph_inputs_read_in_place_give_hf_greedy(reference):
     """The CUDA-graph decode path's input handling, run eagerly on the CPU: the step packed at the
     bucket's fixed offsets (tables at full width), PENDING ids gathered by the graph body, hidden
-    states read back from the static buffer. Greedy output must still equal HF."""
+    states read back from the output the graph body left. Greedy output must still equal HF."""
     folder, prompts, expected, model = reference
     llm = _engine(folder, num_kv_blocks=14)  # preemption too: rows change buckets and tables
     runner = llm.llm_engine.runner
     runner.graph_batch_sizes = [1, 2, 4, 8]
-    runner.static_hidden = torch.zeros(8, runner.spec.hidden_size)
+    runner.graph_hidden = {}
     runner.graphs = {bs: _ForwardAsReplay(runner, bs) for bs in runner.graph_batch_sizes}
     runner.max_graph_batch = 8
     runner._bucket_of = [next(b for b in runner.graph_batch_sizes if b >= n) for n in range(9)]

@@ -334,12 +334,12 @@ class ModelRunner:
             cu_seqlens_q=v["cu"],
             max_seqlen_q=max(s.num_scheduled_tokens for s in batch.seqs),
         )
-        return self._input_ids(v), v["positions"].long(), meta, v["rows"].long()
+        return *self._step_inputs(v), meta, v["rows"].long()
 
-    def _input_ids(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The step's token ids: a PENDING row (src >= 0) reads the previous step's sampled id."""
-        src = views["src"]
-        return torch.where(src >= 0, self.sampled_ids[src.clamp(min=0)], views["ids"].long())
+    def _step_inputs(self, views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's int64 token ids and positions: a PENDING row (src >= 0) reads the previous step's
+        sampled id (one launch on CUDA: kernels/step_inputs.py)."""
+        return self.ops.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -355,7 +355,7 @@ class ModelRunner:
             layout = self._pack(batch, bucket, host, graph=True)
             self.staging.upload(layout.size)  # the captured graph reads its inputs there
             self.graphs[bucket].replay()
-            return self.model.compute_logits(self.static_hidden[:num_seqs])
+            return self.model.compute_logits(self.graph_hidden[bucket][:num_seqs])
         input_ids, positions, meta, logit_rows = self.prepare(batch)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
@@ -374,7 +374,7 @@ class ModelRunner:
         self.graph_batch_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
         if max_bs not in self.graph_batch_sizes:
             self.graph_batch_sizes.append(max_bs)
-        self.static_hidden = torch.zeros(max_bs, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        self.graph_hidden: dict[int, torch.Tensor] = {}  # each graph's output, where its replays leave it
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.graph_batch_sizes):
@@ -405,7 +405,9 @@ class ModelRunner:
         return StepLayout(bs, bs, self.max_blocks_per_seq, bs)
 
     def _graph_forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
-        self.static_hidden[:bs] = self.model(self._input_ids(views), views["positions"].long())
+        """The decode forward of a `bs`-row bucket. Its output tensor is kept as the graph's output: a
+        replay rewrites it in place (the graphs share one pool, so it holds the latest replay's rows only)."""
+        self.graph_hidden[bs] = self.model(*self._step_inputs(views))
 
     @staticmethod
     def sampling_seqs(batch: ScheduledBatch) -> list[Sequence]:

@@ -42,6 +42,7 @@ from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_nor
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
 from .skinny_gemm import TUNED_CONFIGS as SKINNY_TUNED_CONFIGS
 from .skinny_gemm import linear_with_skinny, parse_skinny_table
+from .step_inputs import step_inputs_ref, step_inputs_triton
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class KernelOps:
     # qk_norm_rope_store + paged_decode_attention for a decode step (kernels/attention.py): the two
     # composed (the default; the references), or with select_ops(fuse_decode_prep=True) one fused launch
     paged_decode_attention_qkv: Callable
+    # a step's int64 token ids and positions from its packed int32 staging fields (kernels/step_inputs.py)
+    step_inputs: Callable
     linear: Callable = linear_ref
     backend: str = "torch"
     pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
@@ -96,6 +99,7 @@ REF_OPS = with_linear(KernelOps(
     paged_prefill_attention=paged_prefill_attention_ref,
     qk_norm_rope_store=qk_norm_rope_store_ref,
     paged_decode_attention_qkv=paged_decode_attention_qkv_ref,
+    step_inputs=step_inputs_ref,
     backend="torch",
 ))
 
@@ -109,6 +113,7 @@ TRITON_OPS = with_linear(KernelOps(
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
     paged_decode_attention_qkv=paged_decode_attention_qkv_triton,
+    step_inputs=step_inputs_triton,
     backend="triton",
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 

@@ -9,7 +9,8 @@ Triton's own argument binder (same specialisation as a real launch).
 
 Usage (in a process WITHOUT TRITON_INTERPRET, ideally with a fresh TRITON_CACHE_DIR):
     python -m metainfer.kernels.aot_check [--arch 90] [op ...]
-ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep sampling (default: all).
+ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep sampling skinny_gemm step_inputs
+(default: all).
 The first case of each op is compiled a second time with programmatic dependent launch (pdl=True).
 Exit status: 0 all compiled, 1 a kernel failed, 2 Triton cannot compile here at all (skip).
 """
@@ -34,7 +35,7 @@ _MAX_SHARED_BYTES = 232448
 _HF_ROUNDING_KERNELS = ("_rotary_neox_kernel", "_qk_norm_rope_store_kernel")
 
 ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill", "gemv", "qk_prep", "sampling",
-           "skinny_gemm")
+           "skinny_gemm", "step_inputs")
 
 
 def _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
@@ -69,7 +70,7 @@ def _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag, cache, tabl
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm, step_inputs
 
     bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn  # fp8: kv_cache_dtype="fp8"
     cases = []
@@ -173,6 +174,11 @@ def _cases(op: str):
             cases.append((f"qk_norm_rope_store {dtype} cache {cache_dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
                           lambda pdl, a=(qkv, pos, cos_sin, w, w, 1e-6, cache[0], cache[1], slots, hq, hk, head_dim):
                           qkv_prep.qk_norm_rope_store_triton(*a, pdl=pdl)))
+    elif op == "step_inputs":
+        for tokens in (1, 512, 8192):  # a decode bucket, the largest one, a prefill step
+            i32 = torch.zeros(tokens, dtype=torch.int32)
+            cases.append((f"step_inputs T={tokens}", lambda pdl, i32=i32: step_inputs.step_inputs_triton(
+                i32, i32, i32, torch.zeros(4, dtype=torch.int64), pdl=pdl)))
     elif op == "sampling":
         # Qwen3 vocabulary (padded LM-head rows): one row (148 splits), 256 rows (4 splits), given noise
         vocab = 151936
@@ -206,13 +212,13 @@ def _cases(op: str):
 
 
 def _kernel_objects():
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm
+    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm, step_inputs
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
         kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
-        sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel,
+        sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel, step_inputs._step_inputs_kernel,
     ]
 
 
