@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import pdl_args, pdl_enter, require_triton, tl, triton
 
 
 def step_inputs_ref(ids: torch.Tensor, src: torch.Tensor, positions: torch.Tensor, sampled: torch.Tensor,
@@ -22,7 +22,12 @@ def step_inputs_ref(ids: torch.Tensor, src: torch.Tensor, positions: torch.Tenso
     return input_ids, positions.long()
 
 
-@triton.jit
+# One compiled variant for every step: a fixed tile and the token count unspecialised, so no step of a
+# new length compiles mid-serving (Triton would specialise on T % 16 and on the tile).
+_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _step_inputs_kernel(ids_ptr, src_ptr, pos_ptr, sampled_ptr, out_ids_ptr, out_pos_ptr, num_tokens,
                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -48,8 +53,7 @@ def step_inputs_triton(ids: torch.Tensor, src: torch.Tensor, positions: torch.Te
     input_ids = torch.empty(num_tokens, dtype=torch.int64, device=ids.device)
     out_pos = torch.empty(num_tokens, dtype=torch.int64, device=ids.device)
     if num_tokens:
-        block = min(1024, max(16, next_pow2(num_tokens)))
-        _step_inputs_kernel[(triton.cdiv(num_tokens, block),)](
-            ids, src, positions, sampled, input_ids, out_pos, num_tokens, BLOCK=block,
-            num_warps=1 if block <= 256 else 4, **pdl_args(pdl))
+        _step_inputs_kernel[(triton.cdiv(num_tokens, _BLOCK),)](
+            ids, src, positions, sampled, input_ids, out_pos, num_tokens, BLOCK=_BLOCK, num_warps=4,
+            **pdl_args(pdl))
     return input_ids, out_pos
