@@ -20,9 +20,14 @@ def model_dir(tmp_path_factory):
 def test_bench_latency_json(model_dir, tmp_path):
     out = tmp_path / "latency.json"
     assert cli.main(["bench", "latency", "--model", model_dir, "--device", "cpu", "--batch-size", "2",
-                     "--input-len", "8", "--output-len", "4", "--iters", "1", "--output-json", str(out)]) == 0
+                     "--input-len", "8", "--output-len", "4", "--iters", "3", "--warmup", "0",
+                     "--output-json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["bench"] == "latency" and record["batch_size"] == 2 and record["tpot_ms"] > 0
+    # every timed iteration is kept; the reported figures are their medians
+    assert record["warmup"] == 0 and len(record["totals_s"]) == len(record["ttfts_ms"]) == 3
+    assert record["total_s"] == sorted(record["totals_s"])[1]
+    assert record["ttft_ms"] == pytest.approx(sorted(record["ttfts_ms"])[1], rel=1e-12)
     assert record["env"]["torch"] and record["startup_s"] > 0
     # the figures must follow from the two timings: TPOT over the tokens after the first
     tpot_s = (record["total_s"] - record["ttft_ms"] / 1e3) / (4 - 1)

@@ -59,7 +59,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else None
     achieved = weight_bytes / tpot
     record = {
-        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters,
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iters": iters, "warmup": warmup,
+        "ttfts_ms": [t * 1e3 for t in ttfts], "totals_s": totals,
         "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "total_s": total,
         "decode_tok_s": batch_size / tpot, "e2e_output_tok_s": batch_size * output_len / total,
         "weight_bytes": weight_bytes, "achieved_weight_bw_GBs": achieved / 1e9,
@@ -79,14 +80,16 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3, help="timed iterations (medians are reported; vLLM's "
+                   "benchmark_latency defaults to 30)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first (vLLM's default: 10)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(bench_func=main)
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
     record = run_on_engine("latency", args, engine_kwargs, lambda llm: run_latency(
-        llm, args.batch_size, args.input_len, args.output_len, args.iters))
+        llm, args.batch_size, args.input_len, args.output_len, args.iters, warmup=args.warmup))
     print(f"batch {args.batch_size} in {args.input_len} out {args.output_len}: "
           f"TTFT {record['ttft_ms']:.2f} ms  TPOT {record['tpot_ms']:.3f} ms  "
           f"{record['decode_tok_s']:.1f} tok/s  weights {record['achieved_weight_bw_GBs']:.0f} GB/s"
