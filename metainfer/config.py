@@ -18,18 +18,31 @@ class ConfigError(ValueError):
     as one; the CLI prints it as one line instead of a traceback."""
 
 
-def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """An A/B environment switch's value (read once, at engine build): unset gives `default`; a value
-    outside `choices` is a ConfigError naming the variable (a typo must not silently measure the default)."""
+# The engine's A/B environment switches: name -> (value when unset, accepted values). Each is read once,
+# where the engine is built (README: what each does); EngineConfig.finalize checks them all first.
+ENV_SWITCHES = {
+    "METAINFER_DISABLE_PDL": ("0", ("0", "1")),
+    "METAINFER_FUSED_DECODE_PREP": ("0", ("0", "1")),
+    "METAINFER_SKINNY_GEMM": ("1", ("0", "1")),
+    "METAINFER_FP8_V_TOKEN_MAJOR": ("1", ("0", "1")),
+    "METAINFER_FUSED_SAMPLER": ("1", ("0", "1")),
+    "METAINFER_DECODE_ORDER": ("longest", ("longest", "admission")),
+}
+
+
+def env_choice(name: str) -> str:
+    """A switch's value; one outside its accepted values is a ConfigError naming the variable (a typo must
+    not silently measure the default)."""
+    default, choices = ENV_SWITCHES[name]
     value = os.environ.get(name, default)
     if value not in choices:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """A "0" / "1" environment switch (env_choice): True for "1"."""
-    return env_choice(name, "1" if default else "0", ("0", "1")) == "1"
+def env_switch(name: str) -> bool:
+    """A "0" / "1" switch: True for "1"."""
+    return env_choice(name) == "1"
 
 # architecture name (config "architectures") -> model family module in metainfer.models
 SUPPORTED_ARCHITECTURES = {
@@ -236,6 +249,8 @@ class EngineConfig:
 
     def finalize(self, spec: ModelSpec) -> None:
         self.spec = spec
+        for name in ENV_SWITCHES:  # before anything is built or spawned (TP workers would wrap the error)
+            env_choice(name)
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

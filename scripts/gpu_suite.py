@@ -1119,7 +1119,8 @@ def main():
         f"tests/{name}.py" for name in ("test_phase01_pdl", "test_phase05_attention_kernels", "test_phase05_fused_qkv",
                                         "test_phase01_kernels", "test_phase01_gemv_prologue",
                                         "test_phase05_sampling_kernel", "test_phase05_decode_qkv",
-                                        "test_phase05_skinny_gemm", "test_phase05_fp8_kv_cache")))
+                                        "test_phase05_skinny_gemm", "test_phase05_fp8_kv_cache",
+                                        "test_phase09_step_inputs")))
     # test_phase01_gemv is CPU-only (gemv: the sweep)
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args()

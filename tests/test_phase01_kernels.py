@@ -430,8 +430,8 @@ def test_import_without_triton_and_without_cuda_init():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-def run_aot_check(ops: list[str]) -> None:
-    """Compile the given ops for sm_90 in a fresh process without TRITON_INTERPRET."""
+def run_aot_check(ops: list[str]) -> str:
+    """Compile the given ops for sm_90 in a fresh process without TRITON_INTERPRET; returns its output."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as cache_dir:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -441,6 +441,7 @@ def run_aot_check(ops: list[str]) -> None:
     if proc.returncode == 2:
         pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    return proc.stdout
 
 
 def test_aot_compile_sm90_phase01_kernels():

@@ -18,7 +18,7 @@ from metainfer.kernels.gemv import gemv_triton
 from tests.kernel_devices import ON_GPU
 
 PDL_LAUNCHERS = ("rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul", "store_kv",
-                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store")
+                 "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store", "step_inputs")
 
 
 def test_select_ops_binds_pdl_to_every_triton_launcher():

@@ -67,12 +67,28 @@ def test_disable_pdl_switch_on_a_device_with_pdl(folder, monkeypatch, env, pdl):
 
 @pytest.mark.parametrize("name, value", [("METAINFER_SKINNY_GEMM", "2"), ("METAINFER_DISABLE_PDL", "true"),
                                          ("METAINFER_FUSED_DECODE_PREP", "off"), ("METAINFER_FP8_V_TOKEN_MAJOR", ""),
-                                         ("METAINFER_DECODE_ORDER", "shortest"),
-                                         ("METAINFER_FUSED_SAMPLER", "no")])
-def test_unknown_switch_values_are_rejected(folder, monkeypatch, name, value):
-    """A switch set to a value it does not know is a ConfigError naming the variable, not a silent default
-    (an A/B run with a typo would measure the default twice)."""
+                                         ("METAINFER_DECODE_ORDER", "shortest"), ("METAINFER_FUSED_SAMPLER", "no")])
+@pytest.mark.parametrize("engine", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+def test_unknown_switch_values_are_rejected(folder, monkeypatch, name, value, engine):
+    """A switch set to a value it does not know is a ConfigError naming the variable, before anything is
+    built or a TP worker is spawned, whatever the KV cache (METAINFER_FP8_V_TOKEN_MAJOR with a model-dtype
+    one too): an A/B run with a typo would otherwise measure the default twice."""
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
-        LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, kv_cache_dtype="fp8")
+        LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, **engine)
 
+
+def test_every_switch_is_documented_and_read():
+    """Each switch of the table is named in the README and read somewhere in the engine (a table entry
+    nobody reads, or one the README leaves out, fails here)."""
+    import pathlib
+
+    from metainfer.config import ENV_SWITCHES
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    engine_src = "".join(p.read_text() for p in (root / "metainfer").rglob("*.py") if p.name != "config.py")
+    for name, (default, choices) in ENV_SWITCHES.items():
+        assert default in choices, name
+        assert name in readme, f"{name} is not in the README"
+        assert f'env_switch("{name}")' in engine_src or f'env_choice("{name}")' in engine_src, name

@@ -100,8 +100,7 @@ class LLMEngine:
         """The one-pass Gumbel-max sampler on CUDA (run 17 on the H200: a 256-row temperature draw 0.29
         against 0.73 ms, throughput +2.1%), else None (the torch path, the reference). METAINFER_FUSED_SAMPLER=0
         turns it off: an A/B switch read once here."""
-        fused = env_switch("METAINFER_FUSED_SAMPLER", True)  # read (and checked) on every device
-        if config.torch_device.type != "cuda" or not fused:
+        if config.torch_device.type != "cuda" or not env_switch("METAINFER_FUSED_SAMPLER"):
             return None
         from metainfer.kernels.sampling import GumbelSampler
 

@@ -128,13 +128,12 @@ class ModelRunner:
     def _build_model(self):
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         # PDL on Hopper and later; METAINFER_DISABLE_PDL=1 turns it off (an A/B switch, read once here)
-        disable_pdl = env_switch("METAINFER_DISABLE_PDL", False)  # read (and checked) on every device
-        pdl = pdl_supported(self.device) and not disable_pdl
+        pdl = pdl_supported(self.device) and not env_switch("METAINFER_DISABLE_PDL")
         # METAINFER_FUSED_DECODE_PREP=1: q/k prep inside the decode attention launch (an A/B switch;
         # off by default: slower on the H200, run 18)
-        fuse_prep = env_switch("METAINFER_FUSED_DECODE_PREP", False)
+        fuse_prep = env_switch("METAINFER_FUSED_DECODE_PREP")
         # METAINFER_SKINNY_GEMM=0: no tensor-core skinny GEMM for the 3-16-row GEMMs its tuned table lists (the A/B)
-        skinny = env_switch("METAINFER_SKINNY_GEMM", True)
+        skinny = env_switch("METAINFER_SKINNY_GEMM")
         self.ops = ops = select_ops(self.device, gpu_name=gpu_name, pdl=pdl, fuse_decode_prep=fuse_prep,
                                     skinny_gemm=skinny)
         cls = model_class(self.spec)
@@ -236,7 +235,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # an fp8 cache keeps V token-major (kernels/kv_cache.py: why; run 35: decode attention 118 against
         # 135 us at 256 ragged rows); METAINFER_FP8_V_TOKEN_MAJOR=0 keeps it head-major (the A/B, read once here)
-        token_major = self.kv_dtype == FP8_KV_DTYPE and env_switch("METAINFER_FP8_V_TOKEN_MAJOR", True)
+        token_major = self.kv_dtype == FP8_KV_DTYPE and env_switch("METAINFER_FP8_V_TOKEN_MAJOR")
         v_view = token_major_v_cache if token_major else (lambda memory: memory)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], v_view(self.kv_cache[1, i])

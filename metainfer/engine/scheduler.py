@@ -46,7 +46,7 @@ class Scheduler:
         # the decode attention starts its programs in row order, so the longest ones stay out of the
         # launch's last wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md run 29).
         # METAINFER_DECODE_ORDER=admission keeps the running order (an A/B switch, read once here).
-        admission = env_choice("METAINFER_DECODE_ORDER", "longest", ("longest", "admission")) == "admission"
+        admission = env_choice("METAINFER_DECODE_ORDER") == "admission"
         self._decode_rows = list if admission else _longest_first
 
     def add(self, seq: Sequence) -> None:
