@@ -87,7 +87,12 @@ def test_bench_baseline_eager_json(model_dir, tmp_path):
                      "--batch-size", "1", "--input-len", "8", "--output-len", "4", "--iters", "1",
                      "--output-json", str(out)]) == 0
     record = json.loads(out.read_text())
-    assert record["results"][0]["mode"] == "eager" and record["results"][0]["tpot_ms"] > 0
+    result = record["results"][0]
+    assert result["mode"] == "eager" and result["tpot_ms"] > 0 and "tpot_e2e_ms" in result
+    # TPOT from the tokens' own times inside a full generate (time_hf checks it saw all 4): 3 steps of it
+    # fit in that generate's wall time, and the rate follows from it
+    assert result["tpot_ms"] * (4 - 1) < 4 / result["e2e_output_tok_s"] * 1e3
+    assert result["decode_tok_s"] == pytest.approx(1e3 / result["tpot_ms"], rel=1e-9)
 
 
 def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir, capsys):

@@ -1,8 +1,12 @@
 """HF transformers at the same shapes: eager, and static cache + torch.compile.
 
 Weights are random at the real dims (from config.json), like our dummy format; for a
-GGUF model the real weights are loaded. TTFT and TPOT are measured exactly as in
-bench/latency.py: generate(max_new_tokens=1) vs generate(max_new_tokens=output_len).
+GGUF model the real weights are loaded. TTFT and TPOT are measured as in bench/latency.py:
+TTFT = generate(max_new_tokens=1); TPOT = (last token's time - first token's time) / (output_len - 1)
+inside each full generate, from a streamer that stamps every token generate hands it (generate reads each
+step's tokens back to the host before it calls the streamer). `tpot_e2e_ms` keeps the older (median full
+generate - median TTFT) / (output_len - 1), which a stall in either call skews (it went negative once
+under load on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -30,8 +34,27 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, dummy: b
     return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
 
 
+class _TokenTimes:
+    """A generate streamer that records when each new token reaches it (the prompt's put comes first
+    and is skipped)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: int = 3, mode: str = "eager") -> dict:
+    if output_len < 2:
+        raise ValueError(f"output_len must be >= 2 (TPOT is measured over tokens after the first), got {output_len}")
     device = next(hf_model.parameters()).device
     vocab = hf_model.config.vocab_size
     ids = torch.randint(0, min(vocab, 10000), (batch_size, input_len), device=device)
@@ -40,22 +63,26 @@ def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: i
     if mode == "compile":  # transformers compiles the forward itself when the cache is static
         kwargs["cache_implementation"] = "static"
 
-    def timed(n: int) -> float:
+    def timed(n: int) -> tuple[float, list[float]]:
+        stamps = _TokenTimes()
         sync(device)
         start = time.perf_counter()
-        out = hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        out = hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=stamps, **kwargs)
         sync(device)
-        assert out.shape[1] == input_len + n
-        return time.perf_counter() - start
+        assert out.shape[1] == input_len + n and len(stamps.times) == n
+        return time.perf_counter() - start, stamps.times
 
     compile_start = time.perf_counter()
     timed(1), timed(output_len)  # warm-up (and compilation)
     warmup = time.perf_counter() - compile_start
-    ttft = statistics.median(timed(1) for _ in range(iters))
-    total = statistics.median(timed(output_len) for _ in range(iters))
-    tpot = (total - ttft) / max(1, output_len - 1)
+    ttft = statistics.median(timed(1)[0] for _ in range(iters))
+    fulls = [timed(output_len) for _ in range(iters)]
+    total = statistics.median(t for t, _ in fulls)
+    tpot = statistics.median((times[-1] - times[0]) / (output_len - 1) for _, times in fulls)
+    tpot_e2e = (total - ttft) / (output_len - 1)
     return {"mode": mode, "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-            "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "decode_tok_s": batch_size / tpot,
+            "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "tpot_e2e_ms": tpot_e2e * 1e3,
+            "decode_tok_s": batch_size / tpot,
             "e2e_output_tok_s": batch_size * output_len / total, "warmup_s": warmup}
 
 
