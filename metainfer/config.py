@@ -20,6 +20,8 @@ class ConfigError(ValueError):
 
 # The engine's A/B environment switches: name -> (value when unset, accepted values). Each is read once,
 # where the engine is built (README: what each does); EngineConfig.finalize checks them all first.
+# METAINFER_DISABLE_CUSTOM_ALL_REDUCE is not one of them: a kill switch of the TP all-reduce, parsed
+# leniently where it is read (distributed/custom_all_reduce.py: "", 0, false, no, off keep it on).
 ENV_SWITCHES = {
     "METAINFER_DISABLE_PDL": ("0", ("0", "1")),
     "METAINFER_FUSED_DECODE_PREP": ("0", ("0", "1")),

@@ -106,3 +106,10 @@ def test_cli_bad_engine_option_is_one_line_naming_the_field(model_dir, capsys):
     assert cli.main(["generate", "hi", "--model", model_dir, "--device", "cpu", "--kv-cache-dtype", "int4"]) == 2
     err = capsys.readouterr().err
     assert "kv_cache_dtype" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("bench", ["latency", "baseline"])
+def test_bench_rejects_a_single_output_token_before_loading(model_dir, capsys, bench):
+    """--output-len 1 leaves no token to time TPOT over: one error line, before any model is loaded."""
+    assert cli.main(["bench", bench, "--model", model_dir, "--device", "cpu", "--output-len", "1"]) == 2
+    assert "--output-len must be >= 2" in capsys.readouterr().err

@@ -102,6 +102,9 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     from metainfer.config import ConfigError, resolve_device, resolve_dtype
 
     kw = engine_kwargs(args)
+    if args.output_len < 2:  # checked before the model loads: TPOT needs two tokens
+        raise ConfigError(f"--output-len must be >= 2 (TPOT is timed over the tokens after the first), got "
+                          f"{args.output_len}")
     if kw["kv_cache_dtype"] != "auto":
         raise ConfigError(f"kv_cache_dtype={kw['kv_cache_dtype']!r}: the HF baseline keeps HF's own KV cache in the "
                          "model dtype; pass auto")

@@ -101,6 +101,11 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
+    from metainfer.config import ConfigError
+
+    if args.output_len < 2:  # checked before the engine is built: TPOT needs two tokens
+        raise ConfigError(f"--output-len must be >= 2 (TPOT is timed over the tokens after the first), got "
+                          f"{args.output_len}")
     record = run_on_engine("latency", args, engine_kwargs, lambda llm: run_latency(
         llm, args.batch_size, args.input_len, args.output_len, args.iters, warmup=args.warmup))
     print(f"batch {args.batch_size} in {args.input_len} out {args.output_len}: "
