@@ -971,6 +971,10 @@ def table() -> str:
             if isinstance(b, dict) and "decode_tok_s" in b:
                 lines.append(f"| bs1 decode tok/s vs HF {mode} | {bs1['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} | "
                              f"{bs1['decode_tok_s'] / b['decode_tok_s']:.2f}x |")
+    for mode in ("eager", "compile"):  # HF alone (a run of the baseline section only has no bs1 of ours)
+        b = base.get(mode)
+        if isinstance(b, dict) and "decode_tok_s" in b and "tpot_ms" not in bs1:
+            lines.append(f"| HF {mode} bs1 decode tok/s | | {b['decode_tok_s']:.1f} | |")
     if "bs1_sync" in lat:
         lines.append(f"| bs1 decode tok/s, async scheduling off | {lat['bs1_sync']['decode_tok_s']:.1f} | | |")
     for name, v in lat.get("bs1_variants", {}).items():
