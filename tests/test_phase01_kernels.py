@@ -35,7 +35,7 @@ from metainfer.kernels import (
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
 triton = pytest.importorskip("triton")
 

@@ -15,7 +15,7 @@ import torch
 
 from metainfer.kernels import REF_OPS, TRITON_OPS, build_cos_sin_cache, pdl_supported, select_ops
 from metainfer.kernels.gemv import gemv_triton
-from tests.kernel_devices import ON_GPU
+from tests.helpers.kernel_devices import ON_GPU
 
 PDL_LAUNCHERS = ("rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul", "store_kv",
                  "paged_decode_attention", "paged_prefill_attention", "qk_norm_rope_store", "step_inputs")

@@ -20,7 +20,7 @@ from metainfer.kernels.attention import (
     paged_decode_attention_qkv_triton,
     paged_decode_attention_triton,
 )
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.test_phase05_attention_kernels import _close, make_paged_batch, naive_attention
 
 triton = pytest.importorskip("triton")

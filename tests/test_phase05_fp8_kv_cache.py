@@ -42,7 +42,7 @@ from metainfer.kernels.kv_cache import (
     token_major_copy,
     token_major_v_cache,
 )
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 from tests.test_phase05_attention_kernels import (
     DECODE_CONTEXTS,
     PREFILL_SEQS,

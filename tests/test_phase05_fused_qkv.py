@@ -29,7 +29,7 @@ from metainfer.kernels import (
 from metainfer.layers.attention import AttentionMetadata, forward_context
 from metainfer.layers.norm import RMSNorm
 from metainfer.models.dense import DenseAttention
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
 triton = pytest.importorskip("triton")
 

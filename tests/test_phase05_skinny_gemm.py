@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from metainfer.kernels import select_ops
 from metainfer.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, linear_with_skinny, skinny_gemm_triton, skinny_split_k
-from tests.kernel_devices import DEVICE, KERNEL_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES
 from tests.test_phase01_kernels import run_aot_check
 
 triton = pytest.importorskip("triton")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from metainfer import LLM, SamplingParams
 from metainfer.config import ModelSpec
-from tests.tiny_models import build_tiny_model, hf_greedy, make_prompts, smollm2_gguf
+from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts, smollm2_gguf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

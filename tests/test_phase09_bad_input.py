@@ -8,7 +8,7 @@ import os
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from metainfer import LLM, SamplingParams
 from metainfer.engine.sampler import Sampler
 from metainfer.engine.sequence import Sequence
-from tests.tiny_models import build_tiny_model, make_prompts
+from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from metainfer.kernels.step_inputs import step_inputs_ref, step_inputs_triton
-from tests.kernel_devices import DEVICE
+from tests.helpers.kernel_devices import DEVICE
 
 pytest.importorskip("triton")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_round_trip(llm):
 def test_chat_template_matches_transformers(llm):
     import transformers
 
-    from tests.tiny_models import qwen_tokenizer_dir
+    from tests.helpers.tiny_models import qwen_tokenizer_dir
     ref = transformers.AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from metainfer.entrypoints import cli
-from tests.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

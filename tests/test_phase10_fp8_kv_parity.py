@@ -14,7 +14,7 @@ from metainfer import LLM, SamplingParams
 from metainfer.bench.agreement import use_fp8_kv_attention
 from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
 from metainfer.kernels.kv_cache import is_token_major
-from tests.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 24

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.tiny_models import LLAMA3_ROPE, assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 32

@@ -10,7 +10,7 @@ import pytest
 import metainfer.engine.model_runner as model_runner
 from metainfer import LLM
 from metainfer.config import ConfigError
-from tests.tiny_models import build_tiny_model
+from tests.helpers.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

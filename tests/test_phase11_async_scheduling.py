@@ -13,7 +13,7 @@ import torch
 
 from metainfer import LLM, SamplingParams
 from metainfer.engine.sequence import PENDING
-from tests.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

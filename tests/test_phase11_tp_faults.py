@@ -22,7 +22,7 @@ from metainfer.loader import load_weights
 from metainfer.loader.safetensors import iterate_safetensors
 from metainfer.models.dense import DenseForCausalLM
 from metainfer.models.shape_contract import ShapeContractError, check_param_shapes, shape_mismatches
-from tests.tiny_models import build_tiny_model, make_prompts
+from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
 VOCAB = 509
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -24,7 +24,7 @@ from metainfer.engine import tp_runner
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import Sequence
 from metainfer.entrypoints import cli
-from tests.tiny_models import build_tiny_model, make_prompts, tiny_config
+from tests.helpers.tiny_models import build_tiny_model, make_prompts, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 509

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from tests.tiny_models import build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
 
 VOCAB = 509  # prime: padded on every tp > 1
 LENGTHS = [1, 7, 16, 33, 50]

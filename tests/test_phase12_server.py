@@ -22,7 +22,7 @@ import pytest
 from metainfer import LLM, SamplingParams
 from metainfer.bench import serve as bench_serve
 from metainfer.entrypoints.openai_server import ServerThread, build_app
-from tests.tiny_models import build_tiny_model, make_prompts
+from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
 KEY = "sk-test-key"
 MODEL = "tiny"
