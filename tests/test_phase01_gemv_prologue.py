@@ -12,7 +12,7 @@ from metainfer.kernels.activation import silu_and_mul_ref
 from metainfer.kernels.gemv import GemvConfig, rms_norm_gemv_triton, silu_mul_gemv_triton
 from metainfer.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
-from .kernel_devices import DEVICE, KERNEL_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}

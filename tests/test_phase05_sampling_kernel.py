@@ -10,7 +10,7 @@ import torch
 
 from metainfer.kernels.sampling import GumbelSampler, gumbel_sample_ref, sample_splits
 
-from .kernel_devices import DEVICE
+from tests.helpers.kernel_devices import DEVICE
 
 
 def _uniform(shape, seed):
