@@ -60,12 +60,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
 log = logging.getLogger("metainfer")
 
-DISABLE_ENV = "METAINFER_DISABLE_CUSTOM_ALL_REDUCE"
 DEFAULT_BUFFER_BYTES = 8 << 20
 # dtypes PyTorch's symmetric-memory all-reduce kernels are built for (fp16 is not).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
@@ -113,8 +109,11 @@ def _torch_release() -> tuple[int, int]:
 
 
 # -- the checks behind the choice (each returns None when fine, else why not) -----------------
-def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+def disable_nvlink_multicast() -> None:
+    """NVLink multicast (NVLS) stays off for NCCL and symmetric memory: the machines here hang with it.
+    Set (as defaults a user's environment overrides) when a CUDA TP group is created, not at import."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def symm_mem_unavailable_reason() -> str | None:
@@ -285,13 +284,13 @@ def all_reduce_kind(fn: Callable) -> str:
     return {nccl_all_reduce: "nccl", gloo_all_reduce: "gloo", identity: "none"}.get(fn, "other")
 
 
-def make_all_reduce(device: torch.device, tp_size: int, enabled: bool | None = None,
+def make_all_reduce(device: torch.device, tp_size: int, enabled: bool = True,
                     buffer_bytes: int = DEFAULT_BUFFER_BYTES, one_shot_max_bytes: int | None = None,
                     custom_cls: type = CustomAllReduce) -> Callable[[torch.Tensor], torch.Tensor]:
     """The TP all-reduce for this process, chosen once (see the module docstring).
 
     Called by every rank right after it joins the TP group (torch.distributed's default
-    group). `enabled=None` means: on unless METAINFER_DISABLE_CUSTOM_ALL_REDUCE=1. The flag and
+    group). `enabled` is EngineConfig.enable_custom_all_reduce (env override in config/env.py). The flag and
     the device type are the same on every rank, so the early returns need no agreement; past
     them, every rank takes part in the same collectives. `custom_cls` is a test seam."""
     device = torch.device(device)
@@ -299,8 +298,6 @@ def make_all_reduce(device: torch.device, tp_size: int, enabled: bool | None = N
         return identity
     if device.type != "cuda":
         return gloo_all_reduce
-    if enabled is None:
-        enabled = not disabled_by_env()
     if not enabled:
         log.info("all-reduce: NCCL (custom all-reduce disabled)")
         return nccl_all_reduce

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from metainfer.distributed.custom_all_reduce import make_all_reduce
+from metainfer.distributed.custom_all_reduce import disable_nvlink_multicast, make_all_reduce
 
 # Collectives and the rendezvous give up after this long (a rank that died mid-step).
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -100,14 +100,15 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def init_tp_group(rank: int, world_size: int, store: dist.Store, device: torch.device,
-                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, custom_all_reduce: bool | None = None) -> None:
+                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, custom_all_reduce: bool = True) -> None:
     """Join the TP group (the rank state is set separately: `set_tp_state` or `tp_state`).
-    `device` is this rank's device from `rank_device`. `custom_all_reduce=None`: on unless
-    METAINFER_DISABLE_CUSTOM_ALL_REDUCE=1 (see custom_all_reduce.py); a collective step."""
+    `device` is this rank's device from `rank_device`. `custom_all_reduce`: EngineConfig's
+    enable_custom_all_reduce (custom_all_reduce.py); choosing it is a collective step."""
     global _GROUP_ALL_REDUCE
     device = torch.device(device)
     kwargs = {}
     if device.type == "cuda":
+        disable_nvlink_multicast()
         kwargs["device_id"] = device  # bind the NCCL communicator to this rank's GPU eagerly
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)

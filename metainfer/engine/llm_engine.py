@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metainfer.config import EngineConfig, ModelSpec, env_switch, locate_model
+from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.model_runner import ModelRunner
-from metainfer.engine.sampler import HostSample, Sampler
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from metainfer.loader.gguf import gguf_config
+from metainfer.worker.model_runner import ModelRunner
+from metainfer.worker.sampler import HostSample
+from metainfer.worker.tp.driver import TPDriver
 from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
@@ -71,7 +73,16 @@ class LLMEngine:
         config.finalize(spec)
         self.spec = spec
         self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
-        self.runner = self._make_runner(config)
+        eos = set(spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver
+        self._tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 else None
+        if self._tp_driver is not None:
+            self.runner = self._tp_driver.build_runner(self.eos_token_ids)
+        else:
+            self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -82,37 +93,12 @@ class LLMEngine:
                                    config.max_model_len)
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
-        eos = set(spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, config.torch_device,
-                               fused=self._fused_sampler(config), seed=config.seed)
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
         # throughput bench's timeline. None (the default) records nothing.
         self.step_trace: list[tuple[float, bool, int, int]] | None = None
-
-    @staticmethod
-    def _fused_sampler(config: EngineConfig):
-        """The one-pass Gumbel-max sampler on CUDA (run 17 on the H200: a 256-row temperature draw 0.29
-        against 0.73 ms, throughput +2.1%), else None (the torch path, the reference). METAINFER_FUSED_SAMPLER=0
-        turns it off: an A/B switch read once here."""
-        if config.torch_device.type != "cuda" or not env_switch("METAINFER_FUSED_SAMPLER"):
-            return None
-        from metainfer.kernels.sampling import GumbelSampler
-
-        return GumbelSampler(config.max_num_seqs, config.spec.vocab_size, config.torch_device,
-                             warmup_dtype=config.torch_dtype)
-
-    @staticmethod
-    def _make_runner(config: EngineConfig):
-        if config.tensor_parallel_size > 1:
-            from metainfer.engine.tp_runner import TPModelRunner
-            return TPModelRunner(config)
-        return ModelRunner(config)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
@@ -193,11 +179,8 @@ class LLMEngine:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
         if self.step_trace is not None:
             self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens))
-        sampling = self.runner.sampling_seqs(batch)
-        logits = self.runner.execute(batch)
-        sampled = self.sampler(logits, sampling) if sampling else None
-        if sampled is not None:
-            self.runner.record_sampled(sampled.token_ids)
+        sampling = batch.sampling_seqs
+        sampled = self.runner.execute(batch)
         if batch.is_prefill:  # before after_step, which zeroes num_scheduled_tokens
             self.stats["prompt_tokens"] += batch.num_tokens
         self.scheduler.after_step(batch)
@@ -297,13 +280,11 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def close(self) -> None:
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        if self._tp_driver is not None:
+            self._tp_driver.close()
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:
     if config.gguf_file is not None:
-        from metainfer.loader.gguf import gguf_config
         return ModelSpec.from_dict(gguf_config(config.gguf_file))
     return ModelSpec.from_file(os.path.join(config.model_dir, "config.json"))

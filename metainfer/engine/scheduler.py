@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from metainfer.config import env_choice
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.sequence import Sequence, SequenceStatus
 
@@ -26,6 +25,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample a token this step (a chunked prefill's non-final chunks do not)."""
+        return [s for s in self.seqs if s.will_sample]
 
 
 def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
@@ -42,18 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        # Decode rows longest context first (the running order, which preemption follows, is kept):
-        # the decode attention starts its programs in row order, so the longest ones stay out of the
-        # launch's last wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md run 29).
-        # METAINFER_DECODE_ORDER=admission keeps the running order (an A/B switch, read once here).
-        admission = env_choice("METAINFER_DECODE_ORDER") == "admission"
-        self._decode_rows = list if admission else _longest_first
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
         batch = self._schedule_prefill()
@@ -102,7 +97,10 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled + done))
         if not scheduled:
             return None
-        return ScheduledBatch(self._decode_rows(scheduled), is_prefill=False)
+        # rows longest context first (the running order, which preemption follows, is kept): the decode
+        # attention starts its programs in row order, so the longest ones stay out of the launch's last
+        # wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md)
+        return ScheduledBatch(_longest_first(scheduled), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)

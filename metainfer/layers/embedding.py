@@ -13,6 +13,7 @@ from torch import nn
 
 from metainfer.distributed.communication import gatherer, reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.kernels import REF_OPS
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,11 +52,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     Only rank 0 samples, so only rank 0 gets `[T, V]`; the other ranks get their own shard
     back (they take part in the gather but their result is unused)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32, ops=REF_OPS):
         super().__init__(vocab_size, hidden_size, dtype)
         self.gather = gatherer()
-        self.matmul = F.linear  # rebound to KernelOps.linear by the model runner
+        self.bind_ops(ops)
         self.forward = self.compute_logits
+
+    def bind_ops(self, ops) -> None:
+        self.matmul = ops.linear
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.gather(self.matmul(hidden, self.weight, None))

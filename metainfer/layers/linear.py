@@ -9,7 +9,6 @@ input dim and all-reduce their output.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metainfer.distributed.communication import reducer
@@ -34,8 +33,9 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, ops=REF_OPS):
         super().__init__()
+        self.bind_ops(ops)
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -48,18 +48,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         raise NotImplementedError
 
-    # y = x W^T (+ b), and the same after a norm folded in; `bind_kernel_linears` binds the device's
-    # kernels (KernelOps.linear / .norm_linear) at build
-    matmul = staticmethod(F.linear)
-    norm_matmul = staticmethod(REF_OPS.norm_linear)
+    def bind_ops(self, ops) -> None:
+        """The device's GEMM (KernelOps.linear: cuBLAS, or a tuned Triton GEMV / skinny GEMM by shape)."""
+        self.matmul = ops.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x [+ residual])), the new residual stream); `norm` an RMSNorm module
-        (kernels/fused_linear.py: norm_linear; use the returned residual, not the argument)."""
-        return self.norm_matmul(x, residual, norm.weight, norm.eps, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -70,8 +64,8 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks; no communication."""
 
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
-        super().__init__(in_features, _divide(out_features, get_tp_size(), "output features"), bias, dtype)
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, ops=REF_OPS):
+        super().__init__(in_features, _divide(out_features, get_tp_size(), "output features"), bias, dtype, ops)
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         rows = param.shape[0]
@@ -85,11 +79,11 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column layers fused along the output dim (gate_up); shard_id = index."""
 
-    def __init__(self, in_features, output_sizes: list[int], bias=False, dtype=torch.float32):
+    def __init__(self, in_features, output_sizes: list[int], bias=False, dtype=torch.float32, ops=REF_OPS):
         for size in output_sizes:  # each part is split on its own, so each must divide
             _divide(size, get_tp_size(), "output features of a merged part")
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias, dtype)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, ops)
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         if shard_id is None:
@@ -107,7 +101,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. KV heads are replicated when there are fewer than ranks."""
 
-    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32):
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32, ops=REF_OPS):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
@@ -120,7 +114,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
         self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        LinearBase.__init__(self, hidden_size, out, bias, dtype)
+        LinearBase.__init__(self, hidden_size, out, bias, dtype, ops)
 
     def kv_head_for_rank(self) -> int:
         """Index of the first global KV head this rank holds (replication when Hkv < tp)."""
@@ -150,8 +144,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input dim split across ranks; partial outputs all-reduced; bias added once."""
 
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
-        super().__init__(_divide(in_features, get_tp_size(), "input features"), out_features, bias, dtype)
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, ops=REF_OPS):
+        super().__init__(_divide(in_features, get_tp_size(), "input features"), out_features, bias, dtype, ops)
         self.reduce = reducer()
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
@@ -165,7 +159,10 @@ class RowParallelLinear(LinearBase):
         _check_shape(param, shard, name)
         param.data.copy_(shard)
 
-    silu_matmul = staticmethod(REF_OPS.silu_mul_linear)  # bound to KernelOps.silu_mul_linear at build
+    def bind_ops(self, ops) -> None:
+        """Also the SiLU-and-mul -> GEMM of the MLP's down projection (folded into the GEMV where tuned)."""
+        super().bind_ops(ops)
+        self.silu_matmul = ops.silu_mul_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.reduce(self.matmul(x, self.weight, None))
@@ -175,13 +172,3 @@ class RowParallelLinear(LinearBase):
         """self(silu_and_mul(gate_up)): the SwiGLU activation folded into this layer's GEMM."""
         y = self.reduce(self.silu_matmul(gate_up, self.weight, None))
         return y if self.bias is None else y + self.bias
-
-
-def bind_kernel_linears(model: nn.Module, ops) -> None:
-    """Bind the device's GEMMs (a KernelOps) to every linear of `model`, once at build (or again for
-    an A/B; CUDA graphs keep what they recorded until re-captured)."""
-    for module in model.modules():
-        for attr, kernel in (("matmul", ops.linear), ("norm_matmul", ops.norm_linear),
-                             ("silu_matmul", ops.silu_mul_linear)):
-            if hasattr(module, attr):
-                setattr(module, attr, kernel)

@@ -11,6 +11,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bind_ops(ops)
+
+    def bind_ops(self, ops) -> None:
         self._norm = ops.rms_norm
         self._add_norm = ops.fused_add_rms_norm
 

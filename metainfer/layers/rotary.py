@@ -15,6 +15,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         cache = build_cos_sin_cache(rotary_dim, max_position, base, scaling)
         self.register_buffer("cos_sin_cache", cache.to(device) if device is not None else cache, persistent=False)
+        self.bind_ops(ops)
+
+    def bind_ops(self, ops) -> None:
         self._rotate = ops.rotary_neox
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

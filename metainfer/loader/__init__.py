@@ -12,6 +12,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from metainfer.layers.linear import default_weight_loader
+from metainfer.loader.dummy import fill_dummy_weights
+from metainfer.loader.gguf import iterate_gguf
+from metainfer.loader.safetensors import iterate_safetensors
+
+
+def load_model_weights(model: nn.Module, config) -> None:
+    """Fill a built model from the source its EngineConfig names: dummy, a GGUF file or safetensors."""
+    if config.load_format == "dummy":
+        fill_dummy_weights(model, seed=config.seed)
+    elif config.gguf_file is not None:
+        load_weights(model, iterate_gguf(config.gguf_file))
+    else:
+        load_weights(model, iterate_safetensors(config.model_dir))
+
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
@@ -35,7 +50,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue
         loader = getattr(param, "weight_loader", None)
         if loader is None:
-            from metainfer.layers.linear import default_weight_loader
             default_weight_loader(param, tensor.to(param.dtype), name)
         else:
             loader(param, tensor.to(param.dtype), shard_id, name=name)

@@ -90,7 +90,7 @@ def _plain(seq: Sequence) -> bool:
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device | str = "cpu",
                  fused: Callable | None = None, seed: int = 0):
-        """`fused`: a `kernels.sampling.GumbelSampler` (logits, temperatures, seed) -> ids, taken for
+        """`fused`: a `KernelOps.gumbel_sampler` instance (logits, temperatures, seed) -> ids, taken for
         a batch whose every row is greedy or temperature-only (chosen per batch from the host-side
         parameters; the rest goes through the torch path). `seed` starts its per-step noise seeds."""
         self.vocab_size = vocab_size

@@ -1,7 +1,8 @@
 """Tensor-parallel worker process: rank 1..N-1, driven by rank 0 over a pipe.
 
-See metainfer/engine/tp_runner.py for the protocol. A worker never samples and never
-decides anything: it builds its shards of the model, then runs every step rank 0 sends.
+The protocol is in worker/tp/protocol.py. A worker runs the same ModelRunner as rank 0 (built as
+this rank; it never samples and never decides anything) on the batch its StepMirror rebuilds from
+each step's delta.
 It ignores SIGINT (Ctrl-C in a terminal reaches the whole process group; rank 0 decides),
 and exits on ("close",), on EOF of its pipe, or when its parent process is gone.
 """
@@ -26,6 +27,8 @@ from metainfer.distributed.parallel_state import (
     rank_device,
     set_tp_state,
 )
+from metainfer.worker.model_runner import ModelRunner
+from metainfer.worker.tp.protocol import BuildSync, PeerFailure, RankLink, StepMirror, send, try_send
 
 PARENT_POLL_S = 0.5
 
@@ -38,34 +41,29 @@ def _exit_when_orphaned(parent_pid: int) -> None:
         time.sleep(PARENT_POLL_S)
 
 
-def _send(conn, message) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 def worker_main(rank: int, world_size: int, store_port: int, config, conn, parent_pid: int, hooks=()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
                      name="metainfer-parent-watchdog").start()
     if config.torch_device.type == "cpu":  # N processes share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    from metainfer.engine.tp_runner import PeerFailure, build_rank_runner, decode_batch
-
     in_group, code = False, 0
     try:
-        _send(conn, ("hello", os.getpid()))
+        send(conn, ("hello", os.getpid()))
         device = rank_device(config.torch_device, rank)
-        init_tp_group(rank, world_size, connect_store(store_port, world_size), device)
+        init_tp_group(rank, world_size, connect_store(store_port, world_size), device,
+                      custom_all_reduce=config.enable_custom_all_reduce)
         in_group = True
         set_tp_state(rank, world_size)
-        runner = build_rank_runner(replace(config, torch_device=device), rank, world_size, hooks)
-        _send(conn, ("ready", runner.num_blocks))
-        _serve(conn, runner, decode_batch)
+        runner = build_rank_runner(replace(config, torch_device=device), rank, world_size, hooks=hooks)
+        send(conn, ("ready", runner.num_blocks))
+        _serve(conn, runner)
     except PeerFailure:
         code = 1
-        _try_send(conn, ("peer-failure",))
+        try_send(conn, ("peer-failure",))
     except BaseException:
         code = 1
-        _try_send(conn, ("error", f"rank {rank}: {traceback.format_exc()}"))
+        try_send(conn, ("error", f"rank {rank}: {traceback.format_exc()}"))
     finally:
         if in_group:
             destroy_tp_group()
@@ -77,22 +75,30 @@ def worker_main(rank: int, world_size: int, store_port: int, config, conn, paren
     os._exit(code)
 
 
-def _serve(conn, runner, decode_batch) -> None:
+def build_rank_runner(config, rank: int, world_size: int, eos_token_ids: tuple = (), hooks=(),
+                      link: RankLink | None = None) -> ModelRunner:
+    """This rank's runner (TP state set, group joined); on failure the other ranks are told. `hooks` run
+    first (a test seam: TPDriver.worker_hooks); `link` defaults to a worker's (build agreements only)."""
+    link = link or RankLink(BuildSync(config.torch_device))
+    try:
+        for hook in hooks:
+            hook()
+        return ModelRunner(config, rank, world_size, eos_token_ids, link=link)
+    except BaseException:
+        link.sync.report_failure()
+        raise
+
+
+def _serve(conn, runner: ModelRunner) -> None:
+    mirror = StepMirror()
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:  # rank 0 is gone
             return
         if message[0] == "step":
-            runner.execute(decode_batch(message[1]))
+            runner.execute(mirror.apply(message[1]))
         elif message[0] == "close":
             return
         else:
             raise RuntimeError(f"unknown message {message[0]!r}")
-
-
-def _try_send(conn, message) -> None:
-    try:
-        _send(conn, message)
-    except (OSError, ValueError):
-        pass

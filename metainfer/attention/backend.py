@@ -1,0 +1,49 @@
+"""The attention backend interface: how an attention layer reaches its KV cache and kernels.
+
+A backend is chosen once, when the engine is built (`select_attention_backend`), and shared by every
+attention layer of the model. It owns four jobs, so that a model file calls `self.attn(q, k, v)` and
+knows nothing about caches or kernels:
+  metadata  `build_metadata`: the step's packed int fields -> the AttentionMetadata its kernels read;
+  KV pool   `bytes_per_block` / `allocate` / `release`: the layout of the paged cache, per layer;
+  store     write this step's K/V (or latent) at the metadata's slot_mapping;
+  attend    prefill/extend over the paged cache, or decode (one query token per sequence).
+The dense family's paged GQA backend is the first (attention/paged.py); MLA's latent cache the next.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from metainfer.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over one paged-cache layout (see the module docstring)."""
+
+    name = "abstract"
+
+    @staticmethod
+    def build_metadata(is_prefill: bool, views: dict[str, torch.Tensor], positions: torch.Tensor,
+                       max_seqlen_q: int) -> AttentionMetadata:
+        """The step's metadata over the packed step views (worker/step_inputs.py: StepLayout.views)."""
+        return AttentionMetadata(is_prefill=is_prefill, slot_mapping=views["slots"],
+                                 context_lens=views["context_lens"], block_tables=views["tables"],
+                                 cu_seqlens_q=views["cu"], max_seqlen_q=max_seqlen_q, positions=positions)
+
+    @abstractmethod
+    def bytes_per_block(self, num_layers: int, block_size: int) -> int:
+        """Bytes one KV block takes over all layers (sizes the pool from a memory budget)."""
+
+    @abstractmethod
+    def allocate(self, layers: list, num_blocks: int, block_size: int) -> None:
+        """Allocate the pool for `num_blocks` blocks and give each attention layer its cache views."""
+
+    @abstractmethod
+    def release(self, layers: list) -> None:
+        """Drop the pool (the memory profile allocates a trial one first)."""
+
+    @abstractmethod
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's K/V into `layer`'s cache, then attend; reads the current forward context."""

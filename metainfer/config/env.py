@@ -1,0 +1,36 @@
+"""The one registry of environment overrides, read once when an engine is configured.
+
+Each override maps onto an `EngineConfig` field (the kill switches that protect users: PDL off, the
+skinny GEMM off, the torch sampler, the custom all-reduce off). The field is the interface; the variable
+only lets a benchmark script or a user flip it without code. A value outside the accepted ones is a
+ConfigError naming the variable, so a typo cannot silently measure the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from metainfer.config.errors import ConfigError
+
+# variable -> (EngineConfig field, {accepted value: field value})
+ENV_OVERRIDES: dict[str, tuple[str, dict[str, bool]]] = {
+    "METAINFER_DISABLE_PDL": ("enable_pdl", {"0": True, "1": False}),
+    "METAINFER_SKINNY_GEMM": ("enable_skinny_gemm", {"0": False, "1": True}),
+    "METAINFER_FUSED_SAMPLER": ("enable_fused_sampler", {"0": False, "1": True}),
+    "METAINFER_DISABLE_CUSTOM_ALL_REDUCE": ("enable_custom_all_reduce", {"0": True, "1": False}),
+}
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """{EngineConfig field: value} for every override variable that is set (and non-empty)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name, (field_name, values) in ENV_OVERRIDES.items():
+        raw = environ.get(name, "")
+        if raw == "":
+            continue
+        if raw not in values:
+            raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(values)}")
+        out[field_name] = values[raw]
+    return out

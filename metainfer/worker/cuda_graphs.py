@@ -1,0 +1,80 @@
+"""CUDA graphs of the decode forward, one per batch-size bucket.
+
+A graph reads its inputs straight from the staging device buffer at the fixed offsets of its bucket's
+layout (block tables padded to the full width) and prepares the step's ids and positions itself (the
+step_inputs kernel, PENDING tokens from the runner's sampled ids): a replay is one upload and one
+launch. Graphs share one memory pool and are captured largest first; each graph's output tensor is
+where its replays leave the hidden states (the pool is shared, so it holds the latest replay only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.attention import forward_context
+from metainfer.worker.step_inputs import graph_layout, pack_step
+
+MAX_GRAPH_BATCH = 512
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (<= 512)."""
+    max_bs = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
+    return sizes if max_bs in sizes else sizes + [max_bs]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, capture: bool):
+        """`runner`: the ModelRunner (its model, kernels, staging, backend and sampled ids). Without
+        `capture` (CPU, enforce_eager) nothing is captured and max_batch is 0: every step runs eagerly."""
+        self.runner = runner
+        self.max_batch = 0
+        self.batch_sizes: list[int] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def replay(self, batch) -> torch.Tensor:
+        """Hidden states [len(batch.seqs), H] of a decode batch of at most max_batch rows."""
+        n = len(batch.seqs)
+        bucket = self._bucket_of[n]
+        r = self.runner
+        layout = pack_step(batch, bucket, r.staging.next_host_buffer(), r.block_size, r.max_blocks_per_seq)
+        r.staging.upload(layout.size)  # the captured graph reads its inputs there
+        self.graphs[bucket].replay()
+        return self.hidden[bucket][:n]
+
+    def _capture(self) -> None:
+        r = self.runner
+        self.batch_sizes = graph_batch_sizes(r.config.max_num_seqs)
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):
+                views = self._idle_views(bs)
+                graph = torch.cuda.CUDAGraph()
+                self._forward(bs, views)  # warm-up (compiles, workspaces) outside the capture
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs, views)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.max_batch = self.batch_sizes[-1]
+        self._bucket_of = [next(b for b in self.batch_sizes if b >= n) for n in range(self.max_batch + 1)]
+
+    def _idle_views(self, bs: int) -> dict[str, torch.Tensor]:
+        """The staging buffer's views for a `bs`-row decode step, filled with rows that store and attend
+        to nothing (ids 0, slot -1, context 0, tables -1)."""
+        r = self.runner
+        views = graph_layout(bs, r.max_blocks_per_seq).views(r.staging.device_buffer)
+        for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1), ("context_lens", 0),
+                            ("tables", -1)):
+            views[name].fill_(value)
+        return views
+
+    def _forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
+        r = self.runner
+        ids, positions = r.ops.step_inputs(views["ids"], views["src"], views["positions"], r.sampled_ids)
+        with forward_context(r.attn_backend.build_metadata(False, views, positions, 1)):
+            self.hidden[bs] = r.model(ids)

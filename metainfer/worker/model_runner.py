@@ -1,0 +1,180 @@
+"""Model runner: one per rank. Builds the model, the attention backend and its KV pool; runs a
+scheduled batch and, on rank 0, samples it.
+
+`execute(batch)` is the whole step: (TP rank 0) publish the step to the workers, pack the batch's
+inputs (worker/step_inputs.py, one upload), run the forward (a captured CUDA graph for decode
+batches that fit one, else eager), the LM head, then sample (rank 0 only) and keep the sampled ids on
+the device, where the next step's PENDING inputs (async scheduling) read them. Every choice — kernels,
+attention backend, graphs or eager, sampler, whether this rank samples or publishes — is made here,
+once, at build.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from metainfer.attention import forward_context
+from metainfer.config import ConfigError, EngineConfig
+from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.kernels import pdl_supported, select_ops
+from metainfer.loader import load_model_weights
+from metainfer.models.registry import build_attention_backend, model_class
+from metainfer.models.shape_contract import check_param_shapes
+from metainfer.worker.cuda_graphs import DecodeGraphs
+from metainfer.worker.sampler import SampledBatch, Sampler
+from metainfer.worker.step_inputs import StepLayout, StepStaging, pack_step
+from metainfer.worker.tp.protocol import LOCAL, RankLink
+
+log = logging.getLogger("metainfer")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, eos_token_ids: tuple = (),
+                 link: RankLink = LOCAL):
+        """`link` reaches the other TP ranks (worker/tp/protocol.py): build agreements (every rank
+        loaded; the smallest KV pool fits every rank), and on rank 0 each step's publication."""
+        self.config, self.spec = config, config.spec
+        self.rank, self.world_size = rank, world_size
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.block_size
+        self._link = link
+        agree = link.agree
+        torch.manual_seed(config.seed)
+        gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.ops = select_ops(self.device, gpu_name=gpu_name, pdl=config.enable_pdl and pdl_supported(self.device),
+                              skinny_gemm=config.enable_skinny_gemm, fused_sampler=config.enable_fused_sampler)
+        self.attn_backend = build_attention_backend(config, self.ops)
+        with torch.device(self.device):
+            self.model = model_class(self.spec)(self.spec, self.ops, self.attn_backend, dtype=self.dtype,
+                                                max_position=config.max_model_len)
+        self.model.eval()
+        load_model_weights(self.model, config)
+        if world_size > 1:
+            check_param_shapes(self.model, self.spec, world_size, rank)
+        agree(1)  # "built": every rank loaded its shards
+        self.attention_layers = self.model.attention_layers()
+        self.num_blocks = agree(self._decide_num_blocks())
+        self.attn_backend.allocate(self.attention_layers, self.num_blocks, self.block_size)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.staging = StepStaging(StepLayout(max_tokens, config.max_num_seqs, self.max_blocks_per_seq,
+                                              config.max_num_seqs).size, self.device)
+        # the last launched step's sampled ids; a PENDING input token reads its row here
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        self.sampler = None
+        self._sample = self._no_sample
+        if rank == 0:  # the LM head gathers the logits to rank 0, which alone samples
+            fused = None
+            if self.ops.gumbel_sampler is not None:
+                fused = self.ops.gumbel_sampler(config.max_num_seqs, self.spec.vocab_size, self.device,
+                                                warmup_dtype=self.dtype)
+            self.sampler = Sampler(self.spec.vocab_size, tuple(eos_token_ids), self.device, fused=fused,
+                                   seed=config.seed)
+            self._sample = self._sample_rows
+        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda" and not config.enforce_eager)
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
+        """Run one scheduled batch; rank 0 returns its sampled ids (still on the device), else None."""
+        try:
+            self._link.publish(batch)
+            return self._sample(self.compute_logits(batch), batch)
+        except BaseException as exc:
+            self._link.step_failed(exc)
+            raise
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The forward of one batch: logits [sampling rows, V] (rank 0; a shard elsewhere)."""
+        if not batch.is_prefill and len(batch.seqs) <= self.graphs.max_batch:
+            return self.model.compute_logits(self.graphs.replay(batch))
+        host = self.staging.next_host_buffer()
+        layout = pack_step(batch, len(batch.seqs), host, self.block_size)
+        views = layout.views(self.staging.upload(layout.size))
+        ids, positions = self.ops.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+        meta = self.attn_backend.build_metadata(batch.is_prefill, views, positions,
+                                                max(s.num_scheduled_tokens for s in batch.seqs))
+        with forward_context(meta):
+            hidden = self.model(ids)
+        return self.model.compute_logits(hidden[views["rows"].long()])
+
+    def _sample_rows(self, logits: torch.Tensor, batch: ScheduledBatch) -> SampledBatch | None:
+        sampling = batch.sampling_seqs
+        if not sampling:
+            return None
+        sampled = self.sampler(logits, sampling)
+        self.sampled_ids[: len(sampling)].copy_(sampled.token_ids)
+        return sampled
+
+    @staticmethod
+    def _no_sample(logits: torch.Tensor, batch: ScheduledBatch) -> None:
+        return None
+
+    @property
+    def graph_batch_sizes(self) -> list[int]:
+        return self.graphs.batch_sizes
+
+    def swap_kernels(self, ops) -> None:
+        """Bind another kernel set to every layer and the attention backend and re-capture the CUDA
+        graphs (in-engine A/B for tools/gpu_suite; the engine itself never calls it)."""
+        self.ops = ops
+        for module in [*self.model.modules(), self.attn_backend]:
+            if hasattr(module, "bind_ops"):
+                module.bind_ops(ops)
+        self.graphs = DecodeGraphs(self, capture=bool(self.graphs.max_batch))
+
+    # -- the KV pool ----------------------------------------------------------------------------
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
+        budget = self._profile_free_bytes() if self.device.type == "cuda" else int(cfg.cpu_kv_cache_gib * 2**30)
+        blocks = min(budget // self.attn_backend.bytes_per_block(len(self.attention_layers), self.block_size), useful)
+        if blocks < 1:
+            raise ConfigError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
+                              "gpu_memory_utilization")
+        return int(blocks)
+
+    @torch.inference_mode()
+    def _profile_free_bytes(self) -> int:
+        """Run one prefill at the maximum batched tokens; KV budget = util * total - peak - others."""
+        cfg = self.config
+        tokens = cfg.max_num_batched_tokens
+        seq_len = min(tokens, cfg.max_model_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        self.attn_backend.allocate(self.attention_layers, len(lens) * blocks_per_seq, self.block_size)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        dev = self.device
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32, device=dev).view(len(lens), -1)
+        slots = torch.cat([tables[i].repeat_interleave(self.block_size)[:n] * self.block_size
+                           + torch.arange(n, device=dev) % self.block_size for i, n in enumerate(lens)])
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+        views = {"slots": slots.to(torch.int32), "context_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
+                 "tables": tables, "cu": cu}
+        with forward_context(self.attn_backend.build_metadata(True, views, positions, max(lens))):
+            hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev))
+        self.model.compute_logits(hidden[cu[1:].long() - 1])
+        del hidden
+        # the sampler's fp32 temporaries for a full decode batch (logits, probabilities, noise)
+        sampler_peak = [torch.empty(cfg.max_num_seqs, self.spec.vocab_size, dtype=torch.float32, device=dev)
+                        for _ in range(3)]
+        torch.cuda.synchronize()
+        del sampler_peak
+        activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        self.attn_backend.release(self.attention_layers)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        # everything held now (weights, other engines, non-torch memory) plus the forward's transient peak
+        used = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used - activation_peak
+        log.info("profile: peak %.2f GiB, non-torch %.2f GiB, KV budget %.2f GiB", activation_peak / 2**30,
+                 (used - torch.cuda.memory_reserved()) / 2**30, budget / 2**30)
+        return budget
