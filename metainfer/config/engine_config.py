@@ -11,7 +11,6 @@ from metainfer.config.env import env_overrides
 from metainfer.config.errors import ConfigError
 from metainfer.config.model_spec import ModelSpec
 
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}

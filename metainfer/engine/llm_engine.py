@@ -29,11 +29,11 @@ from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.loader.gguf import gguf_config
+from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
 from metainfer.worker.sampler import HostSample
 from metainfer.worker.tp.driver import TPDriver
-from metainfer.outputs import CompletionOutput, RequestOutput
-from metainfer.sampling_params import SamplingParams
 
 log = logging.getLogger("metainfer")
 

@@ -28,7 +28,6 @@ import weakref
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metainfer.config import EngineConfig
