@@ -26,6 +26,17 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str =
     param.data.copy_(loaded)
 
 
+def _load_rank_slice(param: nn.Parameter, loaded: torch.Tensor, dim: int, rank: int, size: int, name: str) -> None:
+    """Copy this rank's 1/size of `loaded` along `dim` (rows: column-parallel, columns: row-parallel)."""
+    part = param.shape[dim]
+    if loaded.shape[dim] != part * size:
+        what = "rows" if dim == 0 else "columns"
+        raise ValueError(f"tensor {name!r} has {loaded.shape[dim]} {what}, expected {part * size}")
+    shard = loaded.narrow(dim, rank * part, part)
+    _check_shape(param, shard, name)
+    param.data.copy_(shard)
+
+
 def _divide(a: int, b: int, what: str) -> int:
     if a % b:
         raise ValueError(f"{what} ({a}) is not divisible by tensor_parallel_size ({b})")
@@ -68,12 +79,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, _divide(out_features, get_tp_size(), "output features"), bias, dtype, ops)
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
-        rows = param.shape[0]
-        if loaded.shape[0] != rows * self.tp_size:
-            raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {rows * self.tp_size}")
-        shard = loaded.narrow(0, self.tp_rank * rows, rows)
-        _check_shape(param, shard, name)
-        param.data.copy_(shard)
+        _load_rank_slice(param, loaded, 0, self.tp_rank, self.tp_size, name)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -152,12 +158,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: full on every rank, added after the reduce
             default_weight_loader(param, loaded, name)
             return
-        cols = param.shape[1]
-        if loaded.shape[1] != cols * self.tp_size:
-            raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns, expected {cols * self.tp_size}")
-        shard = loaded.narrow(1, self.tp_rank * cols, cols)
-        _check_shape(param, shard, name)
-        param.data.copy_(shard)
+        _load_rank_slice(param, loaded, 1, self.tp_rank, self.tp_size, name)
 
     def bind_ops(self, ops) -> None:
         """Also the SiLU-and-mul -> GEMM of the MLP's down projection (folded into the GEMV where tuned)."""
