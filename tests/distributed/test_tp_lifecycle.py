@@ -1,0 +1,221 @@
+"""TP workers' life cycle: bad configurations fail before any worker starts, a failing worker is
+reported, and no worker outlives the LLM (closed, left unclosed at exit, or its process killed).
+Also the step payload: a batch rebuilt from it prepares exactly the tensors of the real batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from metainfer import LLM, SamplingParams
+from metainfer.config import EngineConfig, ModelSpec
+from metainfer.engine import tp_runner
+from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.sequence import Sequence
+from metainfer.entrypoints import cli
+from tests.helpers.tiny_models import build_tiny_model, make_prompts, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 509
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout=15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tp-life"))
+    build_tiny_model(folder, "qwen3", vocab_size=VOCAB)
+    return folder
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail loudly if anything tries to start a worker."""
+    def refuse(*a, **k):
+        raise AssertionError("a worker process was started")
+    monkeypatch.setattr(tp_runner.mp, "get_context", refuse)
+
+
+def _config(tp, device="cpu", **overrides) -> EngineConfig:
+    cfg = EngineConfig(model="unused", device="cpu", dtype="float32", tensor_parallel_size=tp)
+    cfg.finalize(ModelSpec.from_dict(tiny_config("qwen3", **overrides).to_dict()))
+    cfg.torch_device = torch.device(device)
+    return cfg
+
+
+# -- errors before any worker starts -------------------------------------------------------------
+def test_heads_not_divisible_through_llm(model_dir, no_spawn):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("tp,overrides,message", [
+    (2, dict(num_attention_heads=6, num_key_value_heads=3), r"num_key_value_heads \(3\) is not divisible"),
+    (4, dict(num_attention_heads=12, num_key_value_heads=3), r"not a multiple of num_key_value_heads \(3\)"),
+    (4, dict(intermediate_size=130), r"intermediate_size \(130\)"),
+])
+def test_bad_splits_fail_before_spawn(no_spawn, tp, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tp_runner.TPModelRunner(_config(tp, **overrides))
+
+
+def test_more_ranks_than_gpus_fails_before_spawn(no_spawn, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is larger than the number of visible GPUs"):
+        tp_runner.TPModelRunner(_config(2, device="cuda"))
+
+
+# -- a failing worker ----------------------------------------------------------------------------
+def hook_fail_in_worker():
+    raise RuntimeError("injected worker start-up failure")
+
+
+def test_worker_failure_is_reported_and_cleaned_up(model_dir, monkeypatch):
+    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_in_worker,))
+    with pytest.raises(RuntimeError, match="injected worker start-up failure"):
+        LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert not dist.is_initialized(), "rank 0 left the process group behind"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("metainfer-tp")]
+
+
+def _raise_on_step(self, batch):
+    raise RuntimeError("injected step failure")
+
+
+def hook_fail_on_step():
+    from metainfer.engine.model_runner import ModelRunner
+    ModelRunner.execute = _raise_on_step
+
+
+def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
+    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_on_step,))
+    llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    pids = llm.llm_engine.runner.worker_pids
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="unusable"):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 5
+    assert not [p for p in pids if _alive(p)] and not dist.is_initialized()
+
+
+# -- no orphans ----------------------------------------------------------------------------------
+def test_close_is_idempotent_and_reaps_workers(model_dir):
+    llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    pids = llm.llm_engine.runner.worker_pids
+    assert pids and all(_alive(p) for p in pids)
+    llm.close()
+    assert not [p for p in pids if _alive(p)]
+    llm.close()
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+SCRIPT = textwrap.dedent("""
+    import logging, sys, time
+    from metainfer import LLM, SamplingParams
+    if __name__ == "__main__":
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        print("PIDS", *llm.llm_engine.runner.worker_pids, flush=True)
+        if sys.argv[2] == "hang":
+            time.sleep(600)
+        # else: exit without close(); the finalizer must stop the workers
+""")
+
+
+def _start_script(tmp_path, model_dir, mode):
+    """Run SCRIPT; return (process, worker pids) once the workers have served a request."""
+    path = tmp_path / "tp_script.py"
+    path.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, str(path), model_dir, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    for line in proc.stdout:
+        if line.startswith("PIDS"):
+            return proc, [int(p) for p in line.split()[1:]]
+    proc.wait()
+    raise AssertionError(f"script failed: {proc.stderr.read()}")
+
+
+def test_unclosed_llm_stops_workers_at_exit(tmp_path, model_dir):
+    proc, pids = _start_script(tmp_path, model_dir, "exit")
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    rest = proc.stdout.read()
+    assert "stopped 1 worker(s), exit codes [0]" in rest, "the finalizer did not shut the worker down"
+    assert not _wait_gone(pids, timeout=5)
+
+
+def test_killed_parent_leaves_no_orphans(tmp_path, model_dir):
+    proc, pids = _start_script(tmp_path, model_dir, "hang")
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert not _wait_gone(pids), "workers outlived their killed parent"
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def test_cli_tp_flag_reaches_the_engine(model_dir, capsys):
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    assert cli.engine_kwargs(p.parse_args(["--model", model_dir, "--tp", "2"]))["tensor_parallel_size"] == 2
+    args = ["generate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--max-tokens", "6",
+            "--json", "a1b2c3"]  # Qwen tokenizes digits one by one: ids < 509
+    cli.main(args)
+    single = json.loads(capsys.readouterr().out)
+    cli.main(args + ["--tp", "2"])
+    assert json.loads(capsys.readouterr().out) == single
+    assert not dist.is_initialized()
+
+
+# -- the step payload ---------------------------------------------------------------------------
+def test_payload_prepares_the_same_tensors(model_dir):
+    params = SamplingParams(max_tokens=4)
+    seqs = []
+    for i, (ids, computed, scheduled, table) in enumerate([
+        (make_prompts([37], vocab=VOCAB)[0], 16, 21, [4, 9, 2]),  # prefix hit, then the rest
+        (make_prompts([20], vocab=VOCAB, seed=2)[0], 0, 12, [7, 1]),  # chunked: no sampled row yet
+    ]):
+        seq = Sequence(f"r{i}", 0, ids, params)
+        seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table = computed, scheduled, table
+        seqs.append(seq)
+    batch = ScheduledBatch(seqs, is_prefill=True)
+    payload = tp_runner.encode_batch(batch)
+    assert sum(len(s[2]) for s in payload[1]) == 21 + 12  # only the scheduled tokens travel
+    runner = LLM(model_dir, device="cpu", dtype="float32", block_size=16).llm_engine.runner
+    real = runner.prepare(batch)
+    rebuilt = runner.prepare(tp_runner.decode_batch(payload))
+    for a, b in zip(real[:2] + real[3:], rebuilt[:2] + rebuilt[3:]):
+        assert torch.equal(a, b)
+    for field in ("slot_mapping", "context_lens", "block_tables", "cu_seqlens_q"):
+        assert torch.equal(getattr(real[2], field), getattr(rebuilt[2], field))
+    assert (real[2].is_prefill, real[2].max_seqlen_q) == (rebuilt[2].is_prefill, rebuilt[2].max_seqlen_q)

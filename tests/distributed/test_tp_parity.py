@@ -1,0 +1,76 @@
+"""Tensor parallelism end to end on the CPU (gloo): TP=2 and TP=4 greedy outputs equal TP=1 (and HF)
+token for token in fp32, for Qwen3 and Qwen2 (qkv bias), with num_kv_heads < tp (KV heads
+replicated) and a vocabulary that no tp divides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer import LLM, SamplingParams
+from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
+
+VOCAB = 509  # prime: padded on every tp > 1
+LENGTHS = [1, 7, 16, 33, 50]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def generate(folder, prompts, tp=1, **kw):
+    """Greedy token ids; for tp > 1 also checks that closing leaves no worker behind."""
+    llm = LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=tp, **kw)
+    try:
+        pids = llm.llm_engine.runner.worker_pids if tp > 1 else []
+        assert len(pids) == tp - 1 and all(_alive(p) for p in pids)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        bm = llm.llm_engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.close()
+    assert not [p for p in pids if _alive(p)], "a worker outlived close()"
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def reference(request, tmp_path_factory):
+    """num_attention_heads 4, num_key_value_heads 2: TP=4 replicates each KV head on two ranks."""
+    folder = str(tmp_path_factory.mktemp(f"tp-{request.param}"))
+    model = build_tiny_model(folder, request.param, vocab_size=VOCAB)
+    prompts = make_prompts(LENGTHS, vocab=VOCAB)
+    expected, _ = generate(folder, prompts)
+    assert expected == hf_greedy(model, prompts, NEW_TOKENS)
+    return folder, prompts, expected
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_equals_tp1(reference, tp):
+    folder, prompts, expected = reference
+    got, llm = generate(folder, prompts, tp=tp)
+    assert got == expected
+
+
+def test_tp_under_preemption_chunking_and_prefix_cache(tmp_path):
+    """Tied embeddings, one KV head for two ranks, chunked prefill (steps with no sampled rows),
+    preemption, and a prefix-cache hit: all of it must still equal TP=1."""
+    folder = str(tmp_path)
+    build_tiny_model(folder, "qwen3", vocab_size=VOCAB, num_key_value_heads=1, tie_word_embeddings=True)
+    prompts = make_prompts([40, 9, 30, 3], vocab=VOCAB, seed=5)
+    prompts.append(prompts[0][:32] + [7, 8])  # shares two full blocks with the first prompt
+    kw = dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=24)
+    expected, _ = generate(folder, prompts, **kw)
+    threads = torch.get_num_threads()
+    got, llm = generate(folder, prompts, tp=2, **kw)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.block_manager.prefix_hit_tokens >= 32
+    assert got == expected
+    assert torch.get_num_threads() == threads, "rank 0's thread count is restored on close"
+

@@ -1,0 +1,131 @@
+"""The engine with an fp8 KV cache (`kv_cache_dtype="fp8"`) against HF transformers whose attention
+sees its cached K/V rounded to float8_e4m3fn (clamped to +-448, as the cache stores them): the same
+greedy tokens (fp32, CPU), under batching, chunked prefill, prefix-cache hits and preemption. The
+fp8 cache holds 4x the blocks of the fp32 cache in the same bytes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from metainfer import LLM, SamplingParams
+from metainfer.bench.agreement import use_fp8_kv_attention
+from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
+from metainfer.kernels.kv_cache import is_token_major
+from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+
+LENGTHS = [1, 7, 16, 33, 64, 100]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen3-fp8kv"))
+    model = build_tiny_model(folder, "qwen3")
+    prompts = make_prompts(LENGTHS)
+    unrounded = hf_greedy(model, prompts, NEW_TOKENS)
+    use_fp8_kv_attention(model)  # HF's SDPA over fp8-rounded K/V: HF and torch only, no engine code
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    # the oracle must tell an fp8 cache from a full-precision one, or the parity below proves nothing
+    assert sum(a != b for a, b in zip(unrounded, expected)) >= 3
+    return folder, prompts, expected, model
+
+
+def _generate(folder, prompts, token_major=False, **engine_kw):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("METAINFER_FP8_V_TOKEN_MAJOR", "1" if token_major else "0")
+        llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
+    runner = llm.llm_engine.runner
+    assert runner.kv_cache.dtype == FP8
+    # K head-major; V in the layout asked for (CONTRACTS: KV cache): the parity below runs on that layout
+    assert all(is_token_major(layer.v_cache) == token_major and layer.k_cache.is_contiguous()
+               for layer in runner.attention_layers)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_matches_hf_over_fp8_kv(reference, token_major):
+    folder, prompts, expected, model = reference
+    _, got = _generate(folder, prompts, token_major)
+    assert_matches_hf(model, prompts, got, expected)
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_chunked_prefill_and_preemption(reference, token_major):
+    folder, prompts, expected, model = reference
+    llm, got = _generate(folder, prompts, token_major, max_num_batched_tokens=24, num_kv_blocks=20)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_matches_hf(model, prompts, got, expected)
+
+
+def test_fp8_cache_prefix_hits(reference):
+    folder, prompts, expected, model = reference
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    first = llm.generate([{"prompt_token_ids": prompts[4]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([{"prompt_token_ids": prompts[4]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.block_manager.prefix_hit_tokens >= 64 // 16 * 16 - 16, "the second run must hit the cache"
+    assert_matches_hf(model, [prompts[4]] * 2, [first, again], [expected[4]] * 2)
+
+
+def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
+    folder = reference[0]
+    budget = dict(device="cpu", dtype="float32", cpu_kv_cache_gib=2**-12, max_num_seqs=64)
+    full = LLM(folder, **budget).llm_engine.runner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("METAINFER_FP8_V_TOKEN_MAJOR", raising=False)  # the defaults: fp8 V token-major, else head-major
+        fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
+    assert full.kv_cache.dtype == torch.float32 and fp8.kv_cache.dtype == FP8
+    assert not any(is_token_major(layer.v_cache) for layer in full.attention_layers)
+    assert all(is_token_major(layer.v_cache) for layer in fp8.attention_layers)
+    assert fp8.num_blocks == 4 * full.num_blocks
+    assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
+
+
+@pytest.mark.parametrize("bad", ["int4", "FP8", ["fp8"], None, torch.float16])
+def test_bad_kv_cache_dtype_names_the_field(reference, bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(reference[0], device="cpu", dtype="float32", kv_cache_dtype=bad)
+
+
+def test_kv_cache_dtype_accepts_torch_dtypes_and_checks_the_gpu(monkeypatch):
+    from metainfer.config import resolve_kv_cache_dtype
+
+    bf16 = torch.bfloat16
+    assert resolve_kv_cache_dtype(FP8, bf16) is FP8 and resolve_kv_cache_dtype(bf16, bf16) is bf16
+    assert resolve_kv_cache_dtype("fp8_e4m3", bf16) is FP8 and resolve_kv_cache_dtype("auto", bf16) is bf16
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match="kv_cache_dtype.*8.9"):
+        resolve_kv_cache_dtype("fp8", bf16, cuda)
+    assert resolve_kv_cache_dtype("auto", bf16, cuda) is bf16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100 / H200
+    assert resolve_kv_cache_dtype("fp8", bf16, cuda) is FP8
+
+
+def test_cli_flag_reaches_the_engine_kwargs():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(p.parse_args(["--model", "m"]))["kv_cache_dtype"] == "auto"
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
+def test_fp8_cache_triton_kernels_in_the_engine(reference, token_major, monkeypatch):
+    """The engine with the Triton kernels (the interpreter) over an fp8 cache in either V layout: the
+    GPU path's composition (qk prep + store, decode with its tile rule, prefill), which the tests
+    above run through the torch references only."""
+    import metainfer.engine.model_runner as model_runner
+
+    folder, prompts, expected, model = reference
+    real_select = model_runner.select_ops
+    monkeypatch.setattr(model_runner, "select_ops", lambda device, **kw: real_select(device, use_triton=True, **kw))
+    picks = (0, 3)  # a 1-token and a 33-token prompt: prefill, a partial block, decode over block boundaries
+    few = [prompts[i] for i in picks]
+    llm, got = _generate(folder, few, token_major, enforce_eager=True)
+    assert llm.llm_engine.runner.ops.paged_decode_attention is not real_select("cpu").paged_decode_attention
+    assert_matches_hf(model, few, got, [expected[i] for i in picks])
