@@ -22,6 +22,7 @@ from metainfer.loader import load_weights
 from metainfer.loader.safetensors import iterate_safetensors
 from metainfer.models.dense import DenseForCausalLM
 from metainfer.models.shape_contract import ShapeContractError, check_param_shapes, shape_mismatches
+from tests.helpers.engine_checks import generate_ids
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
 VOCAB = 509
@@ -76,16 +77,13 @@ def model_dir(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tp-faults"))
     build_tiny_model(folder, "qwen2", vocab_size=VOCAB)  # heads 4, KV heads 2, qkv bias
     prompts = make_prompts([5, 12, 30], vocab=VOCAB, seed=3)
-    llm = LLM(folder, device="cpu", dtype="float32")
-    expected = [o.outputs[0].token_ids for o in
-                llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    expected = generate_ids(LLM(folder, device="cpu", dtype="float32"), prompts, GREEDY)
     return folder, prompts, expected
 
 
 def _tp_outputs(folder, prompts, tp):
     with LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=tp) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+        return generate_ids(llm, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

@@ -24,25 +24,11 @@ from metainfer.engine import tp_runner
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import Sequence
 from metainfer.entrypoints import cli
+from tests.helpers.processes import alive, wait_gone
 from tests.helpers.tiny_models import build_tiny_model, make_prompts, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 509
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, timeout=15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +109,16 @@ def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 5
-    assert not [p for p in pids if _alive(p)] and not dist.is_initialized()
+    assert not [p for p in pids if alive(p)] and not dist.is_initialized()
 
 
 # -- no orphans ----------------------------------------------------------------------------------
 def test_close_is_idempotent_and_reaps_workers(model_dir):
     llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
     pids = llm.llm_engine.runner.worker_pids
-    assert pids and all(_alive(p) for p in pids)
+    assert pids and all(alive(p) for p in pids)
     llm.close()
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     llm.close()
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="closed"):
@@ -172,15 +158,15 @@ def test_unclosed_llm_stops_workers_at_exit(tmp_path, model_dir):
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     rest = proc.stdout.read()
     assert "stopped 1 worker(s), exit codes [0]" in rest, "the finalizer did not shut the worker down"
-    assert not _wait_gone(pids, timeout=5)
+    assert not wait_gone(pids, timeout=5)
 
 
 def test_killed_parent_leaves_no_orphans(tmp_path, model_dir):
     proc, pids = _start_script(tmp_path, model_dir, "hang")
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    assert not _wait_gone(pids), "workers outlived their killed parent"
+    assert not wait_gone(pids), "workers outlived their killed parent"
 
 
 # -- CLI ----------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
+from tests.helpers.engine_checks import assert_drained, generate_ids
+from tests.helpers.processes import alive
 from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
 
 VOCAB = 509  # prime: padded on every tp > 1
@@ -16,28 +18,18 @@ NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def _alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def generate(folder, prompts, tp=1, **kw):
     """Greedy token ids; for tp > 1 also checks that closing leaves no worker behind."""
     llm = LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=tp, **kw)
     try:
         pids = llm.llm_engine.runner.worker_pids if tp > 1 else []
-        assert len(pids) == tp - 1 and all(_alive(p) for p in pids)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        bm = llm.llm_engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks
+        assert len(pids) == tp - 1 and all(alive(p) for p in pids)
+        got = generate_ids(llm, prompts, GREEDY)
+        assert_drained(llm)
     finally:
         llm.close()
-    assert not [p for p in pids if _alive(p)], "a worker outlived close()"
-    return [o.outputs[0].token_ids for o in outs], llm
+    assert not [p for p in pids if alive(p)], "a worker outlived close()"
+    return got, llm
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2"])

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.tiny_models import build_tiny_model
+from tests.helpers.engine_checks import assert_drained
+from tests.helpers.tiny_models import build_tiny_model, copy_model_files
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,7 @@ def test_bad_prompt(setup, prompt, params, message):
         llm.generate(prompt, params, use_tqdm=False)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, OK, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    bm = llm.llm_engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert_drained(llm)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -73,9 +72,7 @@ def test_batch_with_one_bad_prompt_queues_nothing(setup):
 
 def test_unknown_architecture(setup, tmp_path):
     folder, _ = setup
-    for name in os.listdir(folder):
-        with open(os.path.join(folder, name), "rb") as f, open(tmp_path / name, "wb") as g:
-            g.write(f.read())
+    copy_model_files(folder, str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -69,6 +69,22 @@ def build_tiny_model(folder: str, arch: str, seed: int = 0, **overrides):
     return model
 
 
+def copy_model_files(src: str, dst: str, weights: bool = True) -> None:
+    """Copy a model folder's files into `dst` (an existing folder); `weights=False` leaves out the
+    *.safetensors files, for a test that writes its own."""
+    for name in os.listdir(src):
+        if weights or not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
+def hf_reference(folder: str, arch: str, lengths: list[int], new_tokens: int, vocab: int = 512, **overrides):
+    """A tiny checkpoint in `folder`, prompts of the given lengths and HF's greedy continuations:
+    (model, prompts, expected)."""
+    model = build_tiny_model(folder, arch, vocab_size=vocab, **overrides)
+    prompts = make_prompts(lengths, vocab=vocab)
+    return model, prompts, hf_greedy(model, prompts, new_tokens)
+
+
 @torch.no_grad()
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF `generate`, greedy, one prompt at a time (no padding), EOS disabled."""

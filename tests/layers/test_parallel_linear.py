@@ -19,12 +19,9 @@ from metainfer.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from tests.helpers.tensors import randn
 
 H = 16
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _ranks(tp, make):
@@ -37,7 +34,7 @@ def _ranks(tp, make):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_column_parallel_concat_equals_full(tp):
-    w, b, x = _rand(32, H, seed=1), _rand(32, seed=2), _rand(5, H, seed=3)
+    w, b, x = randn(32, H, seed=1), randn(32, seed=2), randn(5, H, seed=3)
     layers = _ranks(tp, lambda: ColumnParallelLinear(H, 32, bias=True))
     for layer in layers:
         assert tuple(layer.weight.shape) == (32 // tp, H) and tuple(layer.bias.shape) == (32 // tp,)
@@ -49,7 +46,7 @@ def test_column_parallel_concat_equals_full(tp):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_merged_gate_up_shards_each_part(tp):
     inter = 24
-    gate, up, x = _rand(inter, H, seed=4), _rand(inter, H, seed=5), _rand(3, H, seed=6)
+    gate, up, x = randn(inter, H, seed=4), randn(inter, H, seed=5), randn(3, H, seed=6)
     layers = _ranks(tp, lambda: MergedColumnParallelLinear(H, [inter, inter]))
     part = inter // tp
     for rank, layer in enumerate(layers):
@@ -69,9 +66,9 @@ QKV_CASES = [(4, 2, 2), (4, 2, 4), (8, 1, 4), (4, 4, 4), (8, 2, 1)]
 @pytest.mark.parametrize("heads,kv,tp", QKV_CASES)
 def test_qkv_shards_and_gqa_mapping(heads, kv, tp):
     d = 4
-    wq, wk, wv = _rand(heads * d, H, seed=7), _rand(kv * d, H, seed=8), _rand(kv * d, H, seed=9)
-    bq, bk, bv = _rand(heads * d, seed=10), _rand(kv * d, seed=11), _rand(kv * d, seed=12)
-    x = _rand(3, H, seed=13)
+    wq, wk, wv = randn(heads * d, H, seed=7), randn(kv * d, H, seed=8), randn(kv * d, H, seed=9)
+    bq, bk, bv = randn(heads * d, seed=10), randn(kv * d, seed=11), randn(kv * d, seed=12)
+    x = randn(3, H, seed=13)
     full_q, full_k, full_v = (F.linear(x, w, b).view(3, -1, d) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
     layers = _ranks(tp, lambda: QKVParallelLinear(H, d, heads, kv, bias=True))
     hq, hk = heads // tp, max(1, kv // tp)
@@ -102,7 +99,7 @@ def _row_layers(tp, w, b):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_row_parallel_reduces_then_adds_bias_once(tp):
-    w, b, x = _rand(H, 32, seed=14), _rand(H, seed=15), _rand(5, 32, seed=16)
+    w, b, x = randn(H, 32, seed=14), randn(H, seed=15), randn(5, 32, seed=16)
     layers = _row_layers(tp, w, b)
     cols = 32 // tp
     assert all(tuple(layer.weight.shape) == (H, cols) and tuple(layer.bias.shape) == (H,) for layer in layers)
@@ -125,15 +122,15 @@ def test_loaders_reject_an_already_sliced_tensor():
         qkv = QKVParallelLinear(H, 4, 4, 2)
         row = RowParallelLinear(32, H)
     with pytest.raises(ValueError, match="rows"):
-        col.weight.weight_loader(col.weight, _rand(16, H))
+        col.weight.weight_loader(col.weight, randn(16, H))
     with pytest.raises(ValueError, match="rows"):
-        merged.weight.weight_loader(merged.weight, _rand(12, H), 0)
+        merged.weight.weight_loader(merged.weight, randn(12, H), 0)
     with pytest.raises(ValueError, match="rows"):
-        qkv.weight.weight_loader(qkv.weight, _rand(8, H), "q")
+        qkv.weight.weight_loader(qkv.weight, randn(8, H), "q")
     with pytest.raises(ValueError, match="rows"):
-        qkv.weight.weight_loader(qkv.weight, _rand(4, H), "k")
+        qkv.weight.weight_loader(qkv.weight, randn(4, H), "k")
     with pytest.raises(ValueError, match="columns"):
-        row.weight.weight_loader(row.weight, _rand(H, 16))
+        row.weight.weight_loader(row.weight, randn(H, 16))
 
 
 def test_indivisible_dims_name_the_field():
@@ -155,17 +152,17 @@ def test_indivisible_dims_name_the_field():
 
 def _mlp_over_gloo(rank: int, world: int) -> torch.Tensor:
     """Column (bias) -> Row (bias) with the real all-reduce; every rank must get the full output."""
-    w1, b1, w2, b2 = _rand(32, H, seed=20), _rand(32, seed=21), _rand(H, 32, seed=22), _rand(H, seed=23)
+    w1, b1, w2, b2 = randn(32, H, seed=20), randn(32, seed=21), randn(H, 32, seed=22), randn(H, seed=23)
     up, down = ColumnParallelLinear(H, 32, bias=True), RowParallelLinear(32, H, bias=True)
     for layer, w, b in ((up, w1, b1), (down, w2, b2)):
         layer.weight.weight_loader(layer.weight, w)
         layer.bias.weight_loader(layer.bias, b)
-    return down(torch.relu(up(_rand(5, H, seed=24))))
+    return down(torch.relu(up(randn(5, H, seed=24))))
 
 
 def test_column_then_row_with_real_all_reduce():
-    x = _rand(5, H, seed=24)
-    expected = F.linear(torch.relu(F.linear(x, _rand(32, H, seed=20), _rand(32, seed=21))),
-                        _rand(H, 32, seed=22), _rand(H, seed=23))
+    x = randn(5, H, seed=24)
+    expected = F.linear(torch.relu(F.linear(x, randn(32, H, seed=20), randn(32, seed=21))),
+                        randn(H, 32, seed=22), randn(H, seed=23))
     for out in run_on_ranks(_mlp_over_gloo, 2):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

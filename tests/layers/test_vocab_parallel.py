@@ -10,12 +10,9 @@ import torch.nn.functional as F
 from metainfer.distributed.launch import run_on_ranks
 from metainfer.distributed.parallel_state import tp_state
 from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tests.helpers.tensors import randn
 
 H = 8
-
-
-def _rand(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _ranks(tp, cls, vocab, weight):
@@ -31,7 +28,7 @@ def _ranks(tp, cls, vocab, weight):
 @pytest.mark.parametrize("vocab", [509, 512])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_embedding_shards_pad_and_sum_to_full(vocab, tp):
-    weight = _rand(vocab, H, seed=1)
+    weight = randn(vocab, H, seed=1)
     ids = torch.tensor([0, 1, vocab // 2, vocab - 2, vocab - 1, 127, 128, 255, 256])
     layers = _ranks(tp, VocabParallelEmbedding, vocab, weight)
     rows = -(-vocab // tp)
@@ -53,7 +50,7 @@ def test_embedding_shards_pad_and_sum_to_full(vocab, tp):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_lm_head_shards_concat_to_full_logits(tp):
     vocab = 509
-    weight, hidden = _rand(vocab, H, seed=2), _rand(4, H, seed=3)
+    weight, hidden = randn(vocab, H, seed=2), randn(4, H, seed=3)
     layers = _ranks(tp, ParallelLMHead, vocab, weight)
     shards = []
     for layer in layers:
@@ -68,12 +65,12 @@ def test_loaders_reject_an_already_sliced_tensor():
         embed, head = VocabParallelEmbedding(509, H), ParallelLMHead(509, H)
     for layer in (embed, head):
         with pytest.raises(ValueError, match="expected"):
-            layer.weight.weight_loader(layer.weight, _rand(255, H))
+            layer.weight.weight_loader(layer.weight, randn(255, H))
 
 
 def _vocab_over_gloo(rank: int, world: int) -> tuple:
     vocab = 509
-    weight = _rand(vocab, H, seed=4)
+    weight = randn(vocab, H, seed=4)
     embed, head = VocabParallelEmbedding(vocab, H), ParallelLMHead(vocab, H)
     embed.weight.weight_loader(embed.weight, weight)
     head.weight.weight_loader(head.weight, weight)
@@ -83,7 +80,7 @@ def _vocab_over_gloo(rank: int, world: int) -> tuple:
 
 def test_embedding_and_lm_head_with_real_collectives():
     world, vocab = 3, 509  # 509 = 3 * 170 - 1: the last rank holds a padding row
-    weight = _rand(vocab, H, seed=4)
+    weight = randn(vocab, H, seed=4)
     ref = F.embedding(torch.tensor([0, 5, 170, 340, 508]), weight)
     for rank, (x, logits, empty) in enumerate(run_on_ranks(_vocab_over_gloo, world)):
         torch.testing.assert_close(x, ref)  # every rank gets the summed lookup

@@ -1,20 +1,19 @@
 """The engine with an fp8 KV cache (`kv_cache_dtype="fp8"`) against HF transformers whose attention
 sees its cached K/V rounded to float8_e4m3fn (clamped to +-448, as the cache stores them): the same
 greedy tokens (fp32, CPU), under batching, chunked prefill, prefix-cache hits and preemption. The
-fp8 cache holds 4x the blocks of the fp32 cache in the same bytes."""
+fp8 cache holds 4x the blocks of the fp32 cache in the same bytes. (The kv_cache_dtype option itself:
+tests/config/test_kv_cache_dtype.py.)"""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
 from metainfer.bench.agreement import use_fp8_kv_attention
-from metainfer.entrypoints.cli import add_engine_args, engine_kwargs
 from metainfer.kernels.kv_cache import is_token_major
-from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.engine_checks import generate_ids
+from tests.helpers.tiny_models import assert_matches_hf, hf_greedy, hf_reference
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 24
@@ -25,9 +24,7 @@ FP8 = torch.float8_e4m3fn
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen3-fp8kv"))
-    model = build_tiny_model(folder, "qwen3")
-    prompts = make_prompts(LENGTHS)
-    unrounded = hf_greedy(model, prompts, NEW_TOKENS)
+    model, prompts, unrounded = hf_reference(folder, "qwen3", LENGTHS, NEW_TOKENS)
     use_fp8_kv_attention(model)  # HF's SDPA over fp8-rounded K/V: HF and torch only, no engine code
     expected = hf_greedy(model, prompts, NEW_TOKENS)
     # the oracle must tell an fp8 cache from a full-precision one, or the parity below proves nothing
@@ -44,8 +41,7 @@ def _generate(folder, prompts, token_major=False, **engine_kw):
     # K head-major; V in the layout asked for (CONTRACTS: KV cache): the parity below runs on that layout
     assert all(is_token_major(layer.v_cache) == token_major and layer.k_cache.is_contiguous()
                for layer in runner.attention_layers)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return llm, [o.outputs[0].token_ids for o in outs]
+    return llm, generate_ids(llm, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
@@ -84,34 +80,6 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     assert all(is_token_major(layer.v_cache) for layer in fp8.attention_layers)
     assert fp8.num_blocks == 4 * full.num_blocks
     assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
-
-
-@pytest.mark.parametrize("bad", ["int4", "FP8", ["fp8"], None, torch.float16])
-def test_bad_kv_cache_dtype_names_the_field(reference, bad):
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(reference[0], device="cpu", dtype="float32", kv_cache_dtype=bad)
-
-
-def test_kv_cache_dtype_accepts_torch_dtypes_and_checks_the_gpu(monkeypatch):
-    from metainfer.config import resolve_kv_cache_dtype
-
-    bf16 = torch.bfloat16
-    assert resolve_kv_cache_dtype(FP8, bf16) is FP8 and resolve_kv_cache_dtype(bf16, bf16) is bf16
-    assert resolve_kv_cache_dtype("fp8_e4m3", bf16) is FP8 and resolve_kv_cache_dtype("auto", bf16) is bf16
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
-    with pytest.raises(ValueError, match="kv_cache_dtype.*8.9"):
-        resolve_kv_cache_dtype("fp8", bf16, cuda)
-    assert resolve_kv_cache_dtype("auto", bf16, cuda) is bf16
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100 / H200
-    assert resolve_kv_cache_dtype("fp8", bf16, cuda) is FP8
-
-
-def test_cli_flag_reaches_the_engine_kwargs():
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_kwargs(p.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
-    assert engine_kwargs(p.parse_args(["--model", "m"]))["kv_cache_dtype"] == "auto"
 
 
 @pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])

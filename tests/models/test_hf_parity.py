@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.engine_checks import assert_drained, generate_ids, token_ids
+from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, hf_greedy, hf_reference, make_prompts
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 32
@@ -17,18 +18,16 @@ def reference(request, tmp_path_factory):
     arch, _, variant = request.param.partition("-")
     folder = str(tmp_path_factory.mktemp(request.param))
     extra = {"rope_parameters": dict(LLAMA3_ROPE)} if variant == "llama3rope" else {}
-    model = build_tiny_model(folder, arch, tie_word_embeddings=(variant == "tied"), **extra)
-    prompts = make_prompts(LENGTHS)
-    return folder, prompts, hf_greedy(model, prompts, NEW_TOKENS), model
+    model, prompts, expected = hf_reference(folder, arch, LENGTHS, NEW_TOKENS, tie_word_embeddings=(variant == "tied"),
+                                            **extra)
+    return folder, prompts, expected, model
 
 
 def _generate(folder, prompts, **engine_kw):
     llm = LLM(folder, device="cpu", dtype="float32", **engine_kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    bm = llm.llm_engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after generate"
-    assert not llm.llm_engine.has_unfinished_requests()
-    return llm, [o.outputs[0].token_ids for o in outs]
+    got = generate_ids(llm, prompts, GREEDY)
+    assert_drained(llm)
+    return llm, got
 
 
 def test_batch_matches_hf(reference):
@@ -69,7 +68,7 @@ def test_prefix_cache_hits(reference, tmp_path):
     rest = llm.generate([{"prompt_token_ids": p} for p in cached_prompts[1:]], GREEDY, use_tqdm=False)
     assert llm.llm_engine.block_manager.prefix_hit_tokens >= 2 * 80 // 16 * 16
     assert all(o.metrics["num_cached_tokens"] >= 64 for o in rest)
-    assert_matches_hf(model, cached_prompts, [o.outputs[0].token_ids for o in first + rest], expected)
+    assert_matches_hf(model, cached_prompts, token_ids(first + rest), expected)
     # a prompt fully cached still recomputes one token and gives the same answer
     again = llm.generate({"prompt_token_ids": cached_prompts[0]}, GREEDY, use_tqdm=False)
     assert_matches_hf(model, cached_prompts[:1], [again[0].outputs[0].token_ids], expected[:1])
@@ -93,4 +92,4 @@ def test_requests_arriving_during_decode(reference):
                 done[out.request_id] = out.outputs[0].token_ids
         steps += 1
     assert_matches_hf(model, prompts, [done[f"r{i}"] for i in range(len(prompts))], expected)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_drained(llm)

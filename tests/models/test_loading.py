@@ -1,4 +1,5 @@
-"""Weight loading: safetensors (single and sharded), GGUF (real SmolLM2), dummy, and errors."""
+"""Weight loading: safetensors (single and sharded), GGUF (real SmolLM2), dummy, and errors. (Reading
+config.json: tests/config/test_model_spec.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metainfer import LLM, SamplingParams
-from metainfer.config import ModelSpec
-from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts, smollm2_gguf
+from tests.helpers.engine_checks import generate_ids, token_ids
+from tests.helpers.tiny_models import build_tiny_model, copy_model_files, hf_greedy, make_prompts, smollm2_gguf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -23,23 +24,12 @@ def qwen3_dir(tmp_path_factory):
     return folder, model
 
 
-def _copy_folder(src: str, dst: str, tensors: dict) -> None:
-    for name in os.listdir(src):
-        if not name.endswith(".safetensors"):
-            with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
-                g.write(f.read())
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-
-
 def test_sharded_checkpoint(qwen3_dir, tmp_path):
     folder, model = qwen3_dir
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     names = sorted(tensors)
     halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for name in os.listdir(folder):
-        if not name.endswith(".safetensors"):
-            with open(os.path.join(folder, name), "rb") as f, open(tmp_path / name, "wb") as g:
-                g.write(f.read())
+    copy_model_files(folder, str(tmp_path), weights=False)
     weight_map = {}
     for file, keys in halves.items():
         save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
@@ -47,9 +37,7 @@ def test_sharded_checkpoint(qwen3_dir, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     prompts = make_prompts([9, 20])
     llm = LLM(str(tmp_path), device="cpu", dtype="float32")
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                                                        use_tqdm=False)]
-    assert got == hf_greedy(model, prompts, 12)
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(model, prompts, 12)
 
 
 @pytest.mark.parametrize("mutation, message", [
@@ -66,7 +54,8 @@ def test_bad_checkpoint_names_the_tensor(qwen3_dir, tmp_path, mutation, message)
         tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
     else:
         tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 64)
-    _copy_folder(folder, str(tmp_path), tensors)
+    copy_model_files(folder, str(tmp_path), weights=False)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError) as err:
         LLM(str(tmp_path), device="cpu", dtype="float32")
     assert message in str(err.value)
@@ -77,18 +66,6 @@ def test_dummy_weights_run(qwen3_dir):
     llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy")
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12
-
-
-def test_config_key_styles():
-    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
-    old = ModelSpec.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    new = ModelSpec.from_dict({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
-    assert old.rope_theta == new.rope_theta == 5e5
-    assert old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "linear"
-    assert old.head_dim == 4 and old.qk_norm and not old.qkv_bias
-    with pytest.raises(ValueError, match="unsupported architecture.*supported architectures: LlamaForCausalLM"):
-        ModelSpec.from_dict({**base, "architectures": ["FooForCausalLM"]})
 
 
 def test_smollm2_gguf_matches_transformers():
@@ -105,5 +82,5 @@ def test_smollm2_gguf_matches_transformers():
     llm = LLM(path, device="cpu", dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == ids
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert token_ids(outs) == expected
     assert "Paris" in outs[0].outputs[0].text

@@ -4,6 +4,7 @@ values worked out by hand from the batch (slots = block * block_size + offset, c
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from metainfer.engine.scheduler import ScheduledBatch
@@ -65,13 +66,26 @@ def test_decode_pending_token_and_graph_padding():
     assert v["rows"].tolist()[:2] == [0, 1] and v["cu"].tolist() == [0, 1, 2, 3, 4]  # replay keeps rows [:2]
 
 
-def test_fields_are_16_byte_aligned_and_disjoint():
-    layout = StepLayout(num_tokens=13, num_seqs=3, table_width=5, num_sampling=2)
+@pytest.mark.parametrize("tokens, seqs, width, sampling", [(13, 3, 5, 2), (8192, 13, 37, 13), (7, 3, 1, 2),
+                                                          (1, 1, 5, 1)])
+def test_fields_are_16_byte_aligned_and_disjoint(tokens, seqs, width, sampling):
+    """Every field view starts on a 16-byte boundary (Triton specialises on pointer alignment, so
+    varying alignment would recompile the prefill kernels mid-run) and the fields never overlap."""
+    layout = StepLayout(num_tokens=tokens, num_seqs=seqs, table_width=width, num_sampling=sampling)
     offsets, sizes = layout.offsets, layout.sizes
     spans = sorted((offsets[k], offsets[k] + n) for k, n in sizes.items())
     assert all(start % 4 == 0 for start, _ in spans)  # int32 elements: 16 bytes
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
     assert layout.size >= spans[-1][1]
+    buf = torch.zeros(layout.size, dtype=torch.int32)
+    views = layout.views(buf)
+    assert set(views) == set(sizes)
+    for name, view in views.items():
+        assert (view.data_ptr() - buf.data_ptr()) % 16 == 0, name
+        assert view.numel() == sizes[name], name
+        view.fill_(1)
+    assert int(buf.sum()) == sum(sizes.values())  # disjoint: each element written once
+    assert views["tables"].shape == (seqs, width)
 
 
 def test_cpu_staging_is_the_model_input_itself():

@@ -1,0 +1,24 @@
+"""Running an LLM in the tests: the generated ids of token-id prompts, and the state a finished run leaves."""
+
+from __future__ import annotations
+
+from metainfer.engine.sequence import PENDING
+
+
+def token_ids(outs) -> list[list[int]]:
+    """The first sample's generated ids of each request output."""
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """`llm.generate` over token-id prompts, one output id list per prompt."""
+    return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+
+
+def assert_drained(llm) -> None:
+    """After a run: every KV block back on the free list, no request left, no PENDING token hashed."""
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    assert not engine.has_unfinished_requests(), "a request was left behind"
+    assert all(PENDING not in b.token_ids for b in bm.blocks), "a PENDING token was hashed"
