@@ -42,6 +42,7 @@ def _collectives(rank: int, world: int) -> dict:
             "gatherer": chosen_gather, "empty": tuple(empty.shape), "backend": dist.get_backend()}
 
 
+@pytest.mark.tp
 @pytest.mark.parametrize("world", [3])  # odd on purpose; TP=2 and TP=4 run end to end in test_tp_parity
 def test_collectives_on_gloo(world):
     results = run_on_ranks(_collectives, world)
@@ -69,6 +70,7 @@ def _fail_on_rank1(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.tp
 def test_rank_failure_is_reported():
     with pytest.raises(RuntimeError, match="rank one is broken"):
         run_on_ranks(_fail_on_rank1, 2)

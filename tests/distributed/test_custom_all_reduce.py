@@ -214,6 +214,7 @@ def _group_sums(rank: int, world: int) -> dict:
     return {"kind": all_reduce_kind(chosen), "reducer_is_chosen": reducer() is chosen, "sums": sums}
 
 
+@pytest.mark.tp
 def test_factory_all_reduce_sums_on_gloo():
     for out in run_on_ranks(_group_sums, 2):
         assert out["kind"] == "gloo" and out["reducer_is_chosen"]
@@ -255,6 +256,7 @@ DATA_VARIANTS = [  # (ops this torch has, op expected for one-shot, for two-shot
 ]
 
 
+@pytest.mark.tp
 def test_custom_data_path_with_emulated_ops():
     """Staging views, in-place results, the path each size takes and the op each path calls
     (falling back when an op is missing from this torch), over two gloo ranks, ops emulated."""
@@ -294,6 +296,7 @@ FACTORY_SCENARIOS = [  # (P2P per rank, set-up failure (rank, stage)), kind chos
 ]
 
 
+@pytest.mark.tp
 def test_factory_ranks_agree():
     outs = run_on_ranks(_factory_choice, 2, [s[0] for s in FACTORY_SCENARIOS])
     for i, (scenario, kind, closed) in enumerate(FACTORY_SCENARIOS):
@@ -348,6 +351,8 @@ def _shared_gpu(rank: int, world: int) -> dict:
         ar.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.tp
 @needs_gpu
 def test_custom_all_reduce_two_processes_one_gpu():
     try:
@@ -370,6 +375,8 @@ def _two_gpus(rank: int, world: int) -> dict:
     return {"kind": kind, "report": _check_sizes(chosen, rank, world, device)}
 
 
+@pytest.mark.gpu
+@pytest.mark.tp
 @needs_two_gpus
 def test_factory_on_two_gpus():
     outs = run_on_ranks(_two_gpus, 2, device="cuda", timeout=300)

@@ -86,6 +86,7 @@ def _tp_outputs(folder, prompts, tp):
         return generate_ids(llm, prompts, GREEDY)
 
 
+@pytest.mark.tp
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault_changes_tp_output(model_dir, monkeypatch, fault):
     folder, prompts, expected = model_dir
@@ -145,6 +146,7 @@ def hook_slice_twice():
     linear.RowParallelLinear.weight_loader = _slice_twice
 
 
+@pytest.mark.tp
 def test_double_slicing_stops_a_real_tp_engine(model_dir, monkeypatch):
     """Through LLM(tensor_parallel_size=2): every rank's runner checks the contract after loading."""
     monkeypatch.setattr(linear.RowParallelLinear, "weight_loader", _slice_twice)

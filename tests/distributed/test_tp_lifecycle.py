@@ -80,6 +80,7 @@ def hook_fail_in_worker():
     raise RuntimeError("injected worker start-up failure")
 
 
+@pytest.mark.tp
 def test_worker_failure_is_reported_and_cleaned_up(model_dir, monkeypatch):
     monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_in_worker,))
     with pytest.raises(RuntimeError, match="injected worker start-up failure"):
@@ -97,6 +98,7 @@ def hook_fail_on_step():
     ModelRunner.execute = _raise_on_step
 
 
+@pytest.mark.tp
 def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
     monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_on_step,))
     llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
@@ -113,6 +115,7 @@ def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
 
 
 # -- no orphans ----------------------------------------------------------------------------------
+@pytest.mark.tp
 def test_close_is_idempotent_and_reaps_workers(model_dir):
     llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
     pids = llm.llm_engine.runner.worker_pids
@@ -153,6 +156,7 @@ def _start_script(tmp_path, model_dir, mode):
     raise AssertionError(f"script failed: {proc.stderr.read()}")
 
 
+@pytest.mark.tp
 def test_unclosed_llm_stops_workers_at_exit(tmp_path, model_dir):
     proc, pids = _start_script(tmp_path, model_dir, "exit")
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
@@ -161,6 +165,7 @@ def test_unclosed_llm_stops_workers_at_exit(tmp_path, model_dir):
     assert not wait_gone(pids, timeout=5)
 
 
+@pytest.mark.tp
 def test_killed_parent_leaves_no_orphans(tmp_path, model_dir):
     proc, pids = _start_script(tmp_path, model_dir, "hang")
     assert all(alive(p) for p in pids)
@@ -170,6 +175,7 @@ def test_killed_parent_leaves_no_orphans(tmp_path, model_dir):
 
 
 # -- CLI ----------------------------------------------------------------------------------------
+@pytest.mark.tp
 def test_cli_tp_flag_reaches_the_engine(model_dir, capsys):
     p = argparse.ArgumentParser()
     cli.add_engine_args(p)

@@ -12,6 +12,8 @@ from tests.helpers.engine_checks import assert_drained, generate_ids
 from tests.helpers.processes import alive
 from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
 
+pytestmark = pytest.mark.tp
+
 VOCAB = 509  # prime: padded on every tp > 1
 LENGTHS = [1, 7, 16, 33, 50]
 NEW_TOKENS = 16

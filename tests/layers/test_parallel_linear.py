@@ -160,6 +160,7 @@ def _mlp_over_gloo(rank: int, world: int) -> torch.Tensor:
     return down(torch.relu(up(randn(5, H, seed=24))))
 
 
+@pytest.mark.tp
 def test_column_then_row_with_real_all_reduce():
     x = randn(5, H, seed=24)
     expected = F.linear(torch.relu(F.linear(x, randn(32, H, seed=20), randn(32, seed=21))),

@@ -78,6 +78,7 @@ def _vocab_over_gloo(rank: int, world: int) -> tuple:
     return x, head(x), head(x[:0])
 
 
+@pytest.mark.tp
 def test_embedding_and_lm_head_with_real_collectives():
     world, vocab = 3, 509  # 509 = 3 * 170 - 1: the last rank holds a padding row
     weight = randn(vocab, H, seed=4)

@@ -82,6 +82,7 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 def test_fp8_cache_triton_kernels_in_the_engine(reference, token_major, monkeypatch):
     """The engine with the Triton kernels (the interpreter) over an fp8 cache in either V layout: the

@@ -1,4 +1,8 @@
-"""End-to-end greedy parity with HF transformers (fp32, CPU) under every scheduling regime."""
+"""End-to-end greedy parity with HF transformers (fp32, CPU) under every scheduling regime.
+
+Every architecture variant runs the plain batch in the fast tier; the scheduling regimes (block sizes,
+preemption, chunked prefill, prefix hits, arrivals during decode) run on the first variant there and on
+all of them in the full suite (the others are marked slow)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,13 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3-untied", "qwen3-tied", "qwen2-bias", "llama", "llama-llama3rope"])
+VARIANTS = ["qwen3-untied", "qwen3-tied", "qwen2-bias", "llama", "llama-llama3rope"]
+EVERY_VARIANT = pytest.mark.parametrize("reference", VARIANTS, indirect=True)
+FIRST_VARIANT_FAST = pytest.mark.parametrize(
+    "reference", VARIANTS[:1] + [pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS[1:]], indirect=True)
+
+
+@pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
     arch, _, variant = request.param.partition("-")
     folder = str(tmp_path_factory.mktemp(request.param))
@@ -30,12 +40,14 @@ def _generate(folder, prompts, **engine_kw):
     return llm, got
 
 
+@EVERY_VARIANT
 def test_batch_matches_hf(reference):
     folder, prompts, expected, model = reference
     _, got = _generate(folder, prompts)
     assert_matches_hf(model, prompts, got, expected)
 
 
+@FIRST_VARIANT_FAST
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_block_sizes(reference, block_size):
     folder, prompts, expected, model = reference
@@ -43,6 +55,7 @@ def test_block_sizes(reference, block_size):
     assert_matches_hf(model, prompts, got, expected)
 
 
+@FIRST_VARIANT_FAST
 def test_preemption_keeps_outputs(reference):
     folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 192 tokens: must preempt.
@@ -51,12 +64,14 @@ def test_preemption_keeps_outputs(reference):
     assert_matches_hf(model, prompts, got, expected)
 
 
+@FIRST_VARIANT_FAST
 def test_chunked_prefill_keeps_outputs(reference):
     folder, prompts, expected, model = reference
     llm, got = _generate(folder, prompts, max_num_batched_tokens=24)
     assert_matches_hf(model, prompts, got, expected)
 
 
+@FIRST_VARIANT_FAST
 def test_prefix_cache_hits(reference, tmp_path):
     folder, prompts, _, model = reference
     shared = make_prompts([80], seed=7)[0]
@@ -74,6 +89,7 @@ def test_prefix_cache_hits(reference, tmp_path):
     assert_matches_hf(model, cached_prompts[:1], [again[0].outputs[0].token_ids], expected[:1])
 
 
+@FIRST_VARIANT_FAST
 def test_requests_arriving_during_decode(reference):
     folder, prompts, expected, model = reference
     llm = LLM(folder, device="cpu", dtype="float32")

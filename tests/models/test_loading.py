@@ -68,6 +68,7 @@ def test_dummy_weights_run(qwen3_dir):
     assert len(out[0].outputs[0].token_ids) == 12
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_matches_transformers():
     """Real trained weights: our GGUF loader (dequantize + Q/K un-permute) vs transformers'."""
     import transformers
