@@ -78,9 +78,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver
-        self._tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 else None
-        if self._tp_driver is not None:
-            self.runner = self._tp_driver.build_runner(self.eos_token_ids)
+        self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 else None
+        if self.tp_driver is not None:
+            self.runner = self.tp_driver.build_runner(self.eos_token_ids)
         else:
             self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -280,8 +280,8 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def close(self) -> None:
-        if self._tp_driver is not None:
-            self._tp_driver.close()
+        if self.tp_driver is not None:
+            self.tp_driver.close()
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:
