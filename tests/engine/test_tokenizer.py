@@ -39,6 +39,16 @@ def test_chat_template_matches_transformers(llm):
     assert out[0].prompt_token_ids == got and len(out[0].outputs[0].token_ids) == 3
 
 
+def test_chat_over_several_conversations(llm):
+    first = [{"role": "user", "content": "a1"}]
+    second = [{"role": "user", "content": "b2"}]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.chat([first, second], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [llm.apply_chat_template(first), llm.apply_chat_template(second)]
+    alone = llm.chat(first, params, use_tqdm=False)  # one conversation: a list of messages
+    assert len(alone) == 1 and alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
 def test_incremental_text_equals_full_decode(llm):
     tok = llm.get_tokenizer()
     out = llm.generate("你好, tell me", SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True),
