@@ -19,6 +19,7 @@ from .activation import silu_and_mul_ref, silu_and_mul_triton
 from .attention import (
     DEFAULT_MAX_NUM_SPLITS,
     alloc_decode_workspace,
+    decode_workspace_numel_for,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention_qkv_composed,
@@ -36,12 +37,13 @@ from .fused_linear import (
     silu_mul_linear_unfused,
 )
 from .gemv import linear_ref, tuned_linear
-from .kv_cache import store_kv_ref, store_kv_triton
+from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
 from .skinny_gemm import TUNED_CONFIGS as SKINNY_TUNED_CONFIGS
 from .skinny_gemm import linear_with_skinny, parse_skinny_table
+from .sampling import GumbelSampler
 from .step_inputs import step_inputs_ref, step_inputs_triton
 
 
@@ -69,6 +71,8 @@ class KernelOps:
     # `with_linear`, which binds them to this set's norm, activation and linear
     norm_linear: Callable | None = None
     silu_mul_linear: Callable | None = None
+    # the one-pass Gumbel-max sampler class (kernels/sampling.py) for greedy/temperature-only batches, or None
+    gumbel_sampler: type | None = None
 
 
 def with_linear(ops: KernelOps, linear: Callable = linear_ref, gemv_table: Mapping | None = None,
@@ -115,18 +119,19 @@ TRITON_OPS = with_linear(KernelOps(
     paged_decode_attention_qkv=paged_decode_attention_qkv_triton,
     step_inputs=step_inputs_triton,
     backend="triton",
+    gumbel_sampler=GumbelSampler,
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
 
 # The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
 _PDL_OPS = tuple(f.name for f in fields(KernelOps)
-                 if f.name not in ("linear", "backend", "pdl", "norm_linear", "silu_mul_linear"))
+                 if f.name not in ("linear", "backend", "pdl", "norm_linear", "silu_mul_linear", "gumbel_sampler"))
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,
                pdl: bool = False, gemv_table: Mapping | None = None, fuse_norm: bool = False,
                fuse_activation: bool = True, fuse_decode_prep: bool = False, skinny_gemm: bool = True,
-               skinny_table: Mapping | None = None) -> KernelOps:
+               skinny_table: Mapping | None = None, fused_sampler: bool = True) -> KernelOps:
     """Torch references on CPU, Triton kernels on CUDA. `use_triton` overrides (e.g. False to
     debug the GPU path with the references, True to run Triton on CPU under TRITON_INTERPRET=1).
     `gpu_name` (torch.cuda.get_device_name) picks the GEMM: the Triton GEMV with that GPU's tuned
@@ -157,7 +162,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
         return REF_OPS
     if not HAS_TRITON:
         raise RuntimeError(f"Triton kernels requested for device {device} but triton is not installed")
-    ops = TRITON_OPS
+    ops = TRITON_OPS if fused_sampler else replace(TRITON_OPS, gumbel_sampler=None)
     if pdl:
         ops = replace(ops, pdl=True, **{name: functools.partial(getattr(ops, name), pdl=True) for name in _PDL_OPS})
     if not fuse_decode_prep:
@@ -173,6 +178,9 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
 
 __all__ = [
     "DEFAULT_MAX_NUM_SPLITS",
+    "FP8_KV_DTYPE",
+    "decode_workspace_numel_for",
+    "token_major_v_cache",
     "HAS_TRITON",
     "KernelOps",
     "REF_OPS",
