@@ -17,7 +17,7 @@ import torch
 
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import Sequence
-from metainfer.layers.attention import AttentionMetadata, forward_context
+from metainfer.attention import AttentionMetadata, forward_context
 from metainfer.loader import load_weights
 from metainfer.sampling_params import SamplingParams
 

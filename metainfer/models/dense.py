@@ -100,7 +100,8 @@ class DenseForCausalLM(nn.Module):
     # checkpoint tensors that are legitimately not parameters here
     ignored_checkpoint_keys = ("rotary_emb.inv_freq",)
 
-    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype=torch.float32, max_position: int | None = None):
+    def __init__(self, spec: ModelSpec, ops, attn_backend=None, dtype=torch.float32, max_position: int | None = None):
+        """`attn_backend` None builds a model for shape and loading checks only (it cannot attend)."""
         super().__init__()
         max_position = max(max_position or 0, spec.max_position_embeddings)
         self.spec = spec

@@ -2,7 +2,7 @@
 IS detected, by the per-rank shape contract or by TP output differing from TP=1.
 
 A fault in a TP run must be present on every rank: rank 0 (this process) gets it through
-pytest's monkeypatch, the worker processes through `TPModelRunner.worker_hooks` (importable
+pytest's monkeypatch, the worker processes through `TPDriver.worker_hooks` (importable
 functions below that apply the same patch in each worker before its model is built).
 """
 
@@ -15,13 +15,13 @@ from metainfer import LLM, SamplingParams
 from metainfer.config import ModelSpec
 from metainfer.distributed.communication import identity
 from metainfer.distributed.parallel_state import tp_state
-from metainfer.engine import tp_runner
 from metainfer.kernels import REF_OPS, qkv_prep
 from metainfer.layers import linear
 from metainfer.loader import load_weights
 from metainfer.loader.safetensors import iterate_safetensors
 from metainfer.models.dense import DenseForCausalLM
 from metainfer.models.shape_contract import ShapeContractError, check_param_shapes, shape_mismatches
+from metainfer.worker.tp import driver as tp_driver
 from tests.helpers.engine_checks import generate_ids
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
@@ -92,7 +92,7 @@ def test_fault_changes_tp_output(model_dir, monkeypatch, fault):
     folder, prompts, expected = model_dir
     hook, owner, attr, patched, tp = FAULTS[fault]
     monkeypatch.setattr(owner, attr, patched)
-    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook,))
+    monkeypatch.setattr(tp_driver.TPDriver, "worker_hooks", (hook,))
     got = _tp_outputs(folder, prompts, tp)
     assert got != expected, f"{fault} went unnoticed: TP={tp} still equals TP=1"
 
@@ -150,7 +150,7 @@ def hook_slice_twice():
 def test_double_slicing_stops_a_real_tp_engine(model_dir, monkeypatch):
     """Through LLM(tensor_parallel_size=2): every rank's runner checks the contract after loading."""
     monkeypatch.setattr(linear.RowParallelLinear, "weight_loader", _slice_twice)
-    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_slice_twice,))
+    monkeypatch.setattr(tp_driver.TPDriver, "worker_hooks", (hook_slice_twice,))
     with pytest.raises(Exception, match=r"o_proj.weight: shape \(64, 16\), contract \(64, 32\)"):
         LLM(model_dir[0], device="cpu", dtype="float32", tensor_parallel_size=2)
 
@@ -159,8 +159,8 @@ def test_kv_heads_not_replicated_caught_by_contract(model_dir, monkeypatch):
     """KV heads split as kv_heads // tp (0 when kv_heads < tp) instead of replicated."""
     original = linear.QKVParallelLinear.__init__
 
-    def floor_split(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32):
-        original(self, hidden_size, head_dim, num_heads, num_kv_heads, bias, dtype)
+    def floor_split(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, dtype=torch.float32, **kw):
+        original(self, hidden_size, head_dim, num_heads, num_kv_heads, bias, dtype, **kw)
         self.num_kv_heads = num_kv_heads // self.tp_size
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.weight = torch.nn.Parameter(torch.empty(out, hidden_size), requires_grad=False)

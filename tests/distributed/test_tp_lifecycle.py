@@ -20,12 +20,10 @@ import torch.distributed as dist
 
 from metainfer import LLM, SamplingParams
 from metainfer.config import EngineConfig, ModelSpec
-from metainfer.engine import tp_runner
-from metainfer.engine.scheduler import ScheduledBatch
-from metainfer.engine.sequence import Sequence
 from metainfer.entrypoints import cli
+from metainfer.worker.tp import driver as tp_driver
 from tests.helpers.processes import alive, wait_gone
-from tests.helpers.tiny_models import build_tiny_model, make_prompts, tiny_config
+from tests.helpers.tiny_models import build_tiny_model, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 509
@@ -43,7 +41,7 @@ def no_spawn(monkeypatch):
     """Fail loudly if anything tries to start a worker."""
     def refuse(*a, **k):
         raise AssertionError("a worker process was started")
-    monkeypatch.setattr(tp_runner.mp, "get_context", refuse)
+    monkeypatch.setattr(tp_driver.mp, "get_context", refuse)
 
 
 def _config(tp, device="cpu", **overrides) -> EngineConfig:
@@ -66,13 +64,13 @@ def test_heads_not_divisible_through_llm(model_dir, no_spawn):
 ])
 def test_bad_splits_fail_before_spawn(no_spawn, tp, overrides, message):
     with pytest.raises(ValueError, match=message):
-        tp_runner.TPModelRunner(_config(tp, **overrides))
+        tp_driver.TPDriver(_config(tp, **overrides))
 
 
 def test_more_ranks_than_gpus_fails_before_spawn(no_spawn, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is larger than the number of visible GPUs"):
-        tp_runner.TPModelRunner(_config(2, device="cuda"))
+        tp_driver.TPDriver(_config(2, device="cuda"))
 
 
 # -- a failing worker ----------------------------------------------------------------------------
@@ -82,7 +80,7 @@ def hook_fail_in_worker():
 
 @pytest.mark.tp
 def test_worker_failure_is_reported_and_cleaned_up(model_dir, monkeypatch):
-    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_in_worker,))
+    monkeypatch.setattr(tp_driver.TPDriver, "worker_hooks", (hook_fail_in_worker,))
     with pytest.raises(RuntimeError, match="injected worker start-up failure"):
         LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
     assert not dist.is_initialized(), "rank 0 left the process group behind"
@@ -94,15 +92,15 @@ def _raise_on_step(self, batch):
 
 
 def hook_fail_on_step():
-    from metainfer.engine.model_runner import ModelRunner
+    from metainfer.worker.model_runner import ModelRunner
     ModelRunner.execute = _raise_on_step
 
 
 @pytest.mark.tp
 def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
-    monkeypatch.setattr(tp_runner.TPModelRunner, "worker_hooks", (hook_fail_on_step,))
+    monkeypatch.setattr(tp_driver.TPDriver, "worker_hooks", (hook_fail_on_step,))
     llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
-    pids = llm.llm_engine.runner.worker_pids
+    pids = llm.llm_engine.tp_driver.worker_pids
     prompt = {"prompt_token_ids": [1, 2, 3]}
     with pytest.raises(RuntimeError, match="injected step failure"):
         llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -118,7 +116,7 @@ def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
 @pytest.mark.tp
 def test_close_is_idempotent_and_reaps_workers(model_dir):
     llm = LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
-    pids = llm.llm_engine.runner.worker_pids
+    pids = llm.llm_engine.tp_driver.worker_pids
     assert pids and all(alive(p) for p in pids)
     llm.close()
     assert not [p for p in pids if alive(p)]
@@ -135,7 +133,7 @@ SCRIPT = textwrap.dedent("""
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
         llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
-        print("PIDS", *llm.llm_engine.runner.worker_pids, flush=True)
+        print("PIDS", *llm.llm_engine.tp_driver.worker_pids, flush=True)
         if sys.argv[2] == "hang":
             time.sleep(600)
         # else: exit without close(); the finalizer must stop the workers
@@ -189,25 +187,3 @@ def test_cli_tp_flag_reaches_the_engine(model_dir, capsys):
     assert not dist.is_initialized()
 
 
-# -- the step payload ---------------------------------------------------------------------------
-def test_payload_prepares_the_same_tensors(model_dir):
-    params = SamplingParams(max_tokens=4)
-    seqs = []
-    for i, (ids, computed, scheduled, table) in enumerate([
-        (make_prompts([37], vocab=VOCAB)[0], 16, 21, [4, 9, 2]),  # prefix hit, then the rest
-        (make_prompts([20], vocab=VOCAB, seed=2)[0], 0, 12, [7, 1]),  # chunked: no sampled row yet
-    ]):
-        seq = Sequence(f"r{i}", 0, ids, params)
-        seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table = computed, scheduled, table
-        seqs.append(seq)
-    batch = ScheduledBatch(seqs, is_prefill=True)
-    payload = tp_runner.encode_batch(batch)
-    assert sum(len(s[2]) for s in payload[1]) == 21 + 12  # only the scheduled tokens travel
-    runner = LLM(model_dir, device="cpu", dtype="float32", block_size=16).llm_engine.runner
-    real = runner.prepare(batch)
-    rebuilt = runner.prepare(tp_runner.decode_batch(payload))
-    for a, b in zip(real[:2] + real[3:], rebuilt[:2] + rebuilt[3:]):
-        assert torch.equal(a, b)
-    for field in ("slot_mapping", "context_lens", "block_tables", "cu_seqlens_q"):
-        assert torch.equal(getattr(real[2], field), getattr(rebuilt[2], field))
-    assert (real[2].is_prefill, real[2].max_seqlen_q) == (rebuilt[2].is_prefill, rebuilt[2].max_seqlen_q)

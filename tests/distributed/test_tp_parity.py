@@ -24,7 +24,7 @@ def generate(folder, prompts, tp=1, **kw):
     """Greedy token ids; for tp > 1 also checks that closing leaves no worker behind."""
     llm = LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=tp, **kw)
     try:
-        pids = llm.llm_engine.runner.worker_pids if tp > 1 else []
+        pids = llm.llm_engine.tp_driver.worker_pids if tp > 1 else []
         assert len(pids) == tp - 1 and all(alive(p) for p in pids)
         got = generate_ids(llm, prompts, GREEDY)
         assert_drained(llm)

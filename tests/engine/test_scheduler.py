@@ -61,12 +61,6 @@ def test_preemption_still_takes_the_most_recently_admitted():
     assert [s.request_id for s in sched.running] == ["r0", "r1", "r2"]
 
 
-def test_admission_order_switch(monkeypatch):
-    monkeypatch.setenv("METAINFER_DECODE_ORDER", "admission")
-    sched, _ = _scheduler_after_prefill([5, 40, 17, 40])
-    assert [s.request_id for s in sched.schedule().seqs] == ["r0", "r1", "r2", "r3"]
-
-
 # -- prefill: the token budget, chunking, admission limits -----------------------------------------
 def test_chunked_prefill_fills_the_token_budget_and_resumes_the_chunk_first():
     sched = _scheduler(max_num_batched_tokens=10)

@@ -32,29 +32,24 @@ def reference(tmp_path_factory):
     return folder, prompts, expected, model
 
 
-def _generate(folder, prompts, token_major=False, **engine_kw):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("METAINFER_FP8_V_TOKEN_MAJOR", "1" if token_major else "0")
-        llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
+def _generate(folder, prompts, **engine_kw):
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8", **engine_kw)
     runner = llm.llm_engine.runner
-    assert runner.kv_cache.dtype == FP8
-    # K head-major; V in the layout asked for (CONTRACTS: KV cache): the parity below runs on that layout
-    assert all(is_token_major(layer.v_cache) == token_major and layer.k_cache.is_contiguous()
-               for layer in runner.attention_layers)
+    assert runner.attn_backend.pool.dtype == FP8
+    # K head-major, V token-major (CONTRACTS: KV cache): the parity below runs on that layout
+    assert all(is_token_major(layer.v_cache) and layer.k_cache.is_contiguous() for layer in runner.attention_layers)
     return llm, generate_ids(llm, prompts, GREEDY)
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
-def test_fp8_cache_matches_hf_over_fp8_kv(reference, token_major):
+def test_fp8_cache_matches_hf_over_fp8_kv(reference):
     folder, prompts, expected, model = reference
-    _, got = _generate(folder, prompts, token_major)
+    _, got = _generate(folder, prompts)
     assert_matches_hf(model, prompts, got, expected)
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
-def test_fp8_cache_chunked_prefill_and_preemption(reference, token_major):
+def test_fp8_cache_chunked_prefill_and_preemption(reference):
     folder, prompts, expected, model = reference
-    llm, got = _generate(folder, prompts, token_major, max_num_batched_tokens=24, num_kv_blocks=20)
+    llm, got = _generate(folder, prompts, max_num_batched_tokens=24, num_kv_blocks=20)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches_hf(model, prompts, got, expected)
 
@@ -72,29 +67,26 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
     folder = reference[0]
     budget = dict(device="cpu", dtype="float32", cpu_kv_cache_gib=2**-12, max_num_seqs=64)
     full = LLM(folder, **budget).llm_engine.runner
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("METAINFER_FP8_V_TOKEN_MAJOR", raising=False)  # the defaults: fp8 V token-major, else head-major
-        fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
-    assert full.kv_cache.dtype == torch.float32 and fp8.kv_cache.dtype == FP8
+    fp8 = LLM(folder, kv_cache_dtype="fp8", **budget).llm_engine.runner
+    assert full.attn_backend.pool.dtype == torch.float32 and fp8.attn_backend.pool.dtype == FP8
     assert not any(is_token_major(layer.v_cache) for layer in full.attention_layers)
     assert all(is_token_major(layer.v_cache) for layer in fp8.attention_layers)
     assert fp8.num_blocks == 4 * full.num_blocks
-    assert fp8.kv_cache.nbytes == full.kv_cache.nbytes
+    assert fp8.attn_backend.pool.nbytes == full.attn_backend.pool.nbytes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
-def test_fp8_cache_triton_kernels_in_the_engine(reference, token_major, monkeypatch):
-    """The engine with the Triton kernels (the interpreter) over an fp8 cache in either V layout: the
-    GPU path's composition (qk prep + store, decode with its tile rule, prefill), which the tests
-    above run through the torch references only."""
-    import metainfer.engine.model_runner as model_runner
+def test_fp8_cache_triton_kernels_in_the_engine(reference, monkeypatch):
+    """The engine with the Triton kernels (the interpreter) over the fp8 cache: the GPU path's
+    composition (qk prep + store, decode with its tile rule, prefill), which the tests above run through
+    the torch references only."""
+    import metainfer.worker.model_runner as model_runner
 
     folder, prompts, expected, model = reference
     real_select = model_runner.select_ops
     monkeypatch.setattr(model_runner, "select_ops", lambda device, **kw: real_select(device, use_triton=True, **kw))
     picks = (0, 3)  # a 1-token and a 33-token prompt: prefill, a partial block, decode over block boundaries
     few = [prompts[i] for i in picks]
-    llm, got = _generate(folder, few, token_major, enforce_eager=True)
+    llm, got = _generate(folder, few, enforce_eager=True)
     assert llm.llm_engine.runner.ops.paged_decode_attention is not real_select("cpu").paged_decode_attention
     assert_matches_hf(model, few, got, [expected[i] for i in picks])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
+from metainfer.worker.cuda_graphs import DecodeGraphs
 from tests.helpers.engine_checks import assert_drained, token_ids
 from tests.helpers.tiny_models import assert_matches_hf, hf_reference
 
@@ -20,22 +21,25 @@ def reference(tmp_path_factory):
     return folder, prompts, expected, model
 
 
-class _ForwardAsReplay:
-    """Stands in for a captured CUDA graph on the CPU: a replay runs the graph's body eagerly on the
-    bucket's fixed views of the staging buffer, as the captured graph would."""
+class _EagerGraphs(DecodeGraphs):
+    """DecodeGraphs whose "captured graphs" run the graph body eagerly on the bucket's fixed views of the
+    staging buffer at each replay, as a captured CUDA graph would (buckets 1, 2, 4, 8)."""
 
-    def __init__(self, runner, bs):
-        from metainfer.layers.attention import AttentionMetadata
+    def _capture(self) -> None:
+        self.batch_sizes, self.replays = [1, 2, 4, 8], []
+        for bs in self.batch_sizes:
+            self.graphs[bs] = _Replay(self, bs, self._idle_views(bs))
+        self.max_batch = 8
+        self._bucket_of = [next(b for b in self.batch_sizes if b >= n) for n in range(9)]
 
-        self.runner, self.bs = runner, bs
-        self.views = runner._idle_step_inputs(bs)
-        self.meta = AttentionMetadata(False, self.views["slots"], self.views["context_lens"], self.views["tables"])
+
+class _Replay:
+    def __init__(self, graphs, bs, views):
+        self.graphs, self.bs, self.views = graphs, bs, views
 
     def replay(self):
-        from metainfer.layers.attention import forward_context
-
-        with forward_context(self.meta):
-            self.runner._graph_forward(self.bs, self.views)
+        self.graphs.replays.append(self.bs)
+        self.graphs._forward(self.bs, self.views)
 
 
 def test_graph_inputs_read_in_place_give_hf_greedy(reference):
@@ -47,16 +51,9 @@ def test_graph_inputs_read_in_place_give_hf_greedy(reference):
               num_kv_blocks=14)  # preemption too: rows change buckets and tables
     assert llm.llm_engine.lookahead == 1
     runner = llm.llm_engine.runner
-    runner.graph_batch_sizes = [1, 2, 4, 8]
-    runner.graph_hidden = {}
-    runner.graphs = {bs: _ForwardAsReplay(runner, bs) for bs in runner.graph_batch_sizes}
-    runner.max_graph_batch = 8
-    runner._bucket_of = [next(b for b in runner.graph_batch_sizes if b >= n) for n in range(9)]
-    replays = []
-    for graph in runner.graphs.values():
-        graph.replay = (lambda g=graph: (replays.append(g.bs), _ForwardAsReplay.replay(g)))
+    runner.graphs = graphs = _EagerGraphs(runner, capture=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_hf(model, prompts, token_ids(outs), expected)
-    assert len(replays) >= NEW_TOKENS - 1, "every decode step must take the graph path"
+    assert len(graphs.replays) >= NEW_TOKENS - 1, "every decode step must take the graph path"
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_drained(llm)
