@@ -20,7 +20,8 @@ no memset).
 
 Configs are chosen per weight shape once, never in the hot path: `gemv_config(n, k)` looks
 (N, K) up in a small table (`set_gemv_configs` installs a benchmark-chosen one, e.g.
-`metainfer.kernels.gemv_bench.sweep()["table"]`) and falls back to `DEFAULT_CONFIG`.
+`tools.tune_gemv.sweep()["table"]`) and falls back to `DEFAULT_CONFIG`. The engine's tuned tables are
+per-device JSON (kernels/configs/, `tuned_linear`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class GemvConfig:
 # The first untuned kernel of the team's design notes (8 rows x 1,024 columns, 8 warps): 3.91 TB/s overall.
 DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=1, split_k=1)
 
-# Qwen3-8B decode shapes (N, K). Until `gemv_bench.sweep()` has been run on the target GPU these
+# Qwen3-8B decode shapes (N, K). Until `tools.tune_gemv.sweep()` has been run on the target GPU these
 # are guesses: the defaults where the grid has thousands of programs; for the two 4096-row
 # shapes (512 programs of 8 rows for 132 SMs) fewer rows a program or a K split.
 BUILTIN_CONFIGS: dict[tuple[int, int], GemvConfig] = {
@@ -98,38 +99,6 @@ _configs: dict[tuple[int, int], GemvConfig] = dict(BUILTIN_CONFIGS)
 # PERFORMANCE.md, run 3, 4096x4096): Triton wins at M=1 (11.3 vs 13.9 us) and M=2 (11.8 vs 13.7),
 # cuBLAS at M=3 (13.6 vs 14.2) and M=4 (14.0 vs 15.0).
 ENGINE_MAX_ROWS = 2
-
-# Per-GPU tables chosen by `gemv_bench.sweep()` (the JSON is in docs/results/). The engine uses the
-# Triton GEMV only on a GPU listed here, with its table; elsewhere cuBLAS (select_ops, at build).
-TUNED_CONFIGS: dict[str, dict[str, dict]] = {
-    # run 3: decode set 3.834 ms vs cuBLAS 4.237 ms. preload: run 21 bs1 245.6 tok/s against 242.2 /
-    # 242.6 without (only after the non-GEMV kernels: 241.2); run 22 with 240.9 / 244.1 against 242.7
-    # without: within the runs' noise (~2 tok/s). Kept under PDL (bit-equal to the plain loop); without
-    # PDL tuned_linear drops it (run 25: 228.6 tok/s with it against 234.0 without, no PDL).
-    # 8-row programs for qkv, gate_up and the LM head (were 4, the isolated sweep's pick without PDL):
-    # in-engine A/B under PDL + preload, run 26: 246.6 tok/s against default 241.5 / 241.2 (gate_up +
-    # LM head alone 244.5 / 244.9, run 25 245.2; gate_up alone 243.6, LM head alone 241.5). 8-row
-    # o_proj / down lost (215.2, run 25): they stay at 16 rows, 8 warps
-    "NVIDIA H200": {
-        "6144x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
-        "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
-        "24576x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
-        "4096x12288": {"block_n": 16, "block_k": 1024, "num_warps": 8, "preload": True},
-        "151936x4096": {"block_n": 8, "block_k": 1024, "num_warps": 4, "preload": True},
-    },
-}
-# Without programmatic dependent launch (METAINFER_DISABLE_PDL=1) the PDL table's launches lose: run 27
-# read 215.0 tok/s for it against 229-234 for this table, the isolated sweep's picks (run 3; runs 14-25).
-TUNED_CONFIGS_NO_PDL: dict[str, dict[str, dict]] = {
-    "NVIDIA H200": {
-        "6144x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
-        "4096x4096": {"block_n": 16, "block_k": 1024, "num_warps": 8},
-        "24576x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
-        "4096x12288": {"block_n": 16, "block_k": 1024, "num_warps": 8},
-        "151936x4096": {"block_n": 4, "block_k": 1024, "num_warps": 4},
-    },
-}
-
 
 def parse_shape_key(key) -> tuple[int, int]:
     """(N, K) from a table key: 'NxK' (any case, spaces allowed) or an (N, K) pair of positive ints."""
@@ -230,11 +199,6 @@ def _load_w(w_ptrs, row_mask, col_mask, EVEN_N: tl.constexpr, EVEN_K: tl.constex
     return w.to(tl.float32)
 
 
-# x-operand prologues of `_gemv_kernel` (PROLOGUE): the op that would run as its own kernel just
-# before the GEMV is folded into the GEMV's x loads (one launch less at batch 1; docs/CONTRACTS.md).
-PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_ADD_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2, 3
-
-
 @triton.jit
 def _load_x(ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
     """fp32 x values at `ptrs` ([BLOCK_N, BLOCK_K] when X_2D, else [BLOCK_K])."""
@@ -248,55 +212,28 @@ def _load_x(ptrs, col_mask, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
 
 
 @triton.jit
-def _x_operand(x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
-               PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
-    """(operand, h) at columns `koffs` of one row: the GEMV's x with its prologue applied, and the
-    values whose squares the norm prologues sum (unused otherwise).
-    RMS_NORM: operand = w_n * h with h = x (1/rms is applied to the dot product, `_row_result`);
-    ADD_RMS_NORM: the same with h = round(x + residual), which the writer stores to residual_out;
-    SILU_MUL: round(round(silu(gate)) * up), gate = x[k], up = x[K + k] (the unfused rounding)."""
-    dt = x_ptr.dtype.element_ty
+def _x_operand(x_ptr, koffs, K, col_mask, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """The GEMV's x at columns `koffs` of one row; SILU_MUL: round(round(silu(gate)) * up) with
+    gate = x[k], up = x[K + k] (the unfused silu_and_mul's rounding), folded into the x loads."""
     x = _load_x(x_ptr + koffs, col_mask, EVEN_K, X_2D)
-    h = x
-    if PROLOGUE == 2:
-        summed = (x + _load_x(r_ptr + koffs, col_mask, EVEN_K, X_2D)).to(ro_ptr.dtype.element_ty)
-        tl.store(ro_ptr + koffs, summed, mask=store_mask)
-        h = summed.to(tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        x = _load_x(nw_ptr + koffs, col_mask, EVEN_K, X_2D) * h
-    if PROLOGUE == 3:
+    if SILU_MUL:
+        dt = x_ptr.dtype.element_ty
         up = _load_x(x_ptr + K + koffs, col_mask, EVEN_K, X_2D)
         act = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
         x = (act * up).to(dt).to(tl.float32)
-    return x, h
+    return x
 
 
 @triton.jit
-def _fma_row(acc, sq, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
-             PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
-    """(acc + w * x, sq + h * h), x broadcast over the rows. X_2D loads x through [BLOCK_N, BLOCK_K]
-    pointers, so it gets w's register layout (L1-hit duplicates instead of a shared-memory layout
-    change and two barriers every K-step); the 1-D load is used where its layout already matches."""
-    x, h = _x_operand(x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        sq += h * h
+def _fma_row(acc, w, x_ptr, koffs, K, col_mask, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+    """acc + w * x, x broadcast over the rows. X_2D loads x through [BLOCK_N, BLOCK_K] pointers, so it
+    gets w's register layout (L1-hit duplicates instead of a shared-memory layout change and two
+    barriers every K-step); the 1-D load is used where its layout already matches."""
+    x = _x_operand(x_ptr, koffs, K, col_mask, SILU_MUL, EVEN_K, X_2D)
     if X_2D:
-        return acc + w * x, sq
+        return acc + w * x
     else:
-        return acc + w * x[None, :], sq
-
-
-@triton.jit
-def _row_result(acc, sq, K, eps, PROLOGUE: tl.constexpr, X_2D: tl.constexpr):
-    """The program's BLOCK_N dot products of one row; the norm prologues scale them by the row's
-    1/rms, whose sum of squares the K loop gathered (a program sees all of K: SPLIT_K is 1)."""
-    y = tl.sum(acc, axis=1)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        if X_2D:  # each of the BLOCK_N rows of sq holds the whole row's squares
-            y = y * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-        else:
-            y = y * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    return y
+        return acc + w * x[None, :]
 
 
 @triton.jit
@@ -310,55 +247,33 @@ def _store_row(y, y_ptr, b_ptr, rows, row_mask, SPLIT_K: tl.constexpr, HAS_BIAS:
 
 
 @triton.jit
-def _gemv_k_step(w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
-                 store_mask, stride_xm, stride_rm, stride_rom,
-                 ROWS: tl.constexpr, PROLOGUE: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
+def _gemv_k_step(w, acc0, acc1, acc2, acc3, x_ptr, koffs, K, col_mask, stride_xm,
+                 ROWS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr):
     """One K-step of every row of x against the weight tile w (one body for the loop and the
     peeled first step of PRELOAD)."""
-    acc0, sq0 = _fma_row(acc0, sq0, w, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask, store_mask,
-                         PROLOGUE, EVEN_K, X_2D)
+    acc0 = _fma_row(acc0, w, x_ptr, koffs, K, col_mask, SILU_MUL, EVEN_K, X_2D)
     if ROWS > 1:
-        acc1, sq1 = _fma_row(acc1, sq1, w, x_ptr + stride_xm, r_ptr + stride_rm, ro_ptr + stride_rom, nw_ptr,
-                             koffs, K, col_mask, store_mask, PROLOGUE, EVEN_K, X_2D)
+        acc1 = _fma_row(acc1, w, x_ptr + stride_xm, koffs, K, col_mask, SILU_MUL, EVEN_K, X_2D)
     if ROWS > 2:
-        acc2, sq2 = _fma_row(acc2, sq2, w, x_ptr + 2 * stride_xm, r_ptr + 2 * stride_rm,
-                             ro_ptr + 2 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
-                             PROLOGUE, EVEN_K, X_2D)
+        acc2 = _fma_row(acc2, w, x_ptr + 2 * stride_xm, koffs, K, col_mask, SILU_MUL, EVEN_K, X_2D)
     if ROWS > 3:
-        acc3, sq3 = _fma_row(acc3, sq3, w, x_ptr + 3 * stride_xm, r_ptr + 3 * stride_rm,
-                             ro_ptr + 3 * stride_rom, nw_ptr, koffs, K, col_mask, store_mask,
-                             PROLOGUE, EVEN_K, X_2D)
-    return acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3
+        acc3 = _fma_row(acc3, w, x_ptr + 3 * stride_xm, koffs, K, col_mask, SILU_MUL, EVEN_K, X_2D)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _step_masks(k_begin, k0, offs_k, K, first_row, writer, X_2D: tl.constexpr):
-    """(col_mask, store_mask) of the K-step at k0: the columns inside K, and the residual_out store
-    (program 0's first row only)."""
-    col_mask = (k_begin + k0 + offs_k) < K
-    if X_2D:
-        store_mask = first_row & col_mask[None, :] & writer
-    else:
-        store_mask = col_mask & writer
-    return col_mask, store_mask
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
-                 N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys, stride_rm, stride_rom,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr,
+                 N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_ys,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, X_2D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, PRELOAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, PRELOAD: tl.constexpr,
                  USE_PDL: tl.constexpr):
     """y_ptr is y[M, N] (SPLIT_K == 1) or the fp32 partials [SPLIT_K, M, N] (stride_ys a split).
-    PROLOGUE (PROLOGUE_*) folds the preceding op into the x loads. The norm prologues (SPLIT_K 1)
-    add no pass over x: a program accumulates each row's sum of squares alongside its dot products
-    and scales those by 1/rms at the end; program 0 stores round(x + residual) to residual_out, a
-    buffer no program reads. Under PDL the programs' launch and address setup overlap the previous
-    kernel's tail. PRELOAD loads the first weight tile before pdl_enter (weights are never written)
-    and runs that step peeled off the loop, whose code stays that of the plain kernel (session 3's
-    version changed the loop itself, `if k0 > 0: load`, and the tuned table ran 0.10 ms slower over
-    the decode set; docs/PERFORMANCE.md)."""
+    SILU_MUL folds the MLP's activation into the x loads (x is gate | up, 2K columns). Under PDL the
+    programs' launch and address setup overlap the previous kernel's tail. PRELOAD loads the first
+    weight tile before pdl_enter (weights are never written) and runs that step peeled off the loop,
+    whose code stays that of the plain kernel (session 3's version changed the loop itself,
+    `if k0 > 0: load`, and the tuned table ran 0.10 ms slower over the decode set)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -366,28 +281,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
     offs_k = tl.arange(0, BLOCK_K)
     k_begin = pid_k * K_PER_SPLIT
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_begin + offs_k)[None, :]
-    writer = (pid_n == 0) & (pid_k == 0)
     if X_2D:
         koffs = k_begin + tl.zeros_like(rows)[:, None] + offs_k[None, :]
-        first_row = (tl.arange(0, BLOCK_N) == 0)[:, None]  # one store per column of residual_out
     else:
         koffs = k_begin + offs_k
-        first_row = True
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sq0 = tl.zeros(koffs.shape, dtype=tl.float32)
-    sq1 = sq0
-    sq2 = sq0
-    sq3 = sq0
     if PRELOAD:
-        col_mask, store_mask = _step_masks(k_begin, 0, offs_k, K, first_row, writer, X_2D)
+        col_mask = (k_begin + offs_k) < K
         w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
         pdl_enter(USE_PDL)
-        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _gemv_k_step(
-            w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
-            store_mask, stride_xm, stride_rm, stride_rom, ROWS, PROLOGUE, EVEN_K, X_2D)
+        acc0, acc1, acc2, acc3 = _gemv_k_step(w, acc0, acc1, acc2, acc3, x_ptr, koffs, K, col_mask, stride_xm,
+                                              ROWS, SILU_MUL, EVEN_K, X_2D)
         w_ptrs += BLOCK_K
         koffs += BLOCK_K
         k_first = BLOCK_K
@@ -395,24 +302,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ro_ptr, nw_ptr, eps,
         pdl_enter(USE_PDL)
         k_first = 0
     for k0 in range(k_first, K_PER_SPLIT, BLOCK_K):
-        col_mask, store_mask = _step_masks(k_begin, k0, offs_k, K, first_row, writer, X_2D)
+        col_mask = (k_begin + k0 + offs_k) < K
         w = _load_w(w_ptrs, row_mask, col_mask, EVEN_N, EVEN_K)
-        acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3 = _gemv_k_step(
-            w, acc0, acc1, acc2, acc3, sq0, sq1, sq2, sq3, x_ptr, r_ptr, ro_ptr, nw_ptr, koffs, K, col_mask,
-            store_mask, stride_xm, stride_rm, stride_rom, ROWS, PROLOGUE, EVEN_K, X_2D)
+        acc0, acc1, acc2, acc3 = _gemv_k_step(w, acc0, acc1, acc2, acc3, x_ptr, koffs, K, col_mask, stride_xm,
+                                              ROWS, SILU_MUL, EVEN_K, X_2D)
         w_ptrs += BLOCK_K
         koffs += BLOCK_K
     y_row = y_ptr + pid_k * stride_ys
-    _store_row(_row_result(acc0, sq0, K, eps, PROLOGUE, X_2D), y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
+    _store_row(tl.sum(acc0, axis=1), y_row, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
     if ROWS > 1:
-        _store_row(_row_result(acc1, sq1, K, eps, PROLOGUE, X_2D), y_row + stride_ym, b_ptr, rows, row_mask,
-                   SPLIT_K, HAS_BIAS)
+        _store_row(tl.sum(acc1, axis=1), y_row + stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
     if ROWS > 2:
-        _store_row(_row_result(acc2, sq2, K, eps, PROLOGUE, X_2D), y_row + 2 * stride_ym, b_ptr, rows, row_mask,
-                   SPLIT_K, HAS_BIAS)
+        _store_row(tl.sum(acc2, axis=1), y_row + 2 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
     if ROWS > 3:
-        _store_row(_row_result(acc3, sq3, K, eps, PROLOGUE, X_2D), y_row + 3 * stride_ym, b_ptr, rows, row_mask,
-                   SPLIT_K, HAS_BIAS)
+        _store_row(tl.sum(acc3, axis=1), y_row + 3 * stride_ym, b_ptr, rows, row_mask, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -444,8 +347,7 @@ def _check_args(x, weight, bias, x_cols: int | None = None, fn: str = "gemv_trit
                          f"bias {None if bias is None else tuple(bias.shape)}")
 
 
-def _launch_gemv(x, weight, bias, config, pdl, prologue=PROLOGUE_NONE, residual=None, residual_out=None,
-                 norm_weight=None, eps=0.0):
+def _launch_gemv(x, weight, bias, config, pdl, silu_mul=False):
     require_triton()
     m = x.shape[0]
     n, k = weight.shape
@@ -457,14 +359,11 @@ def _launch_gemv(x, weight, bias, config, pdl, prologue=PROLOGUE_NONE, residual=
     else:
         out = torch.empty(plan.split_k, m, n, dtype=torch.float32, device=x.device)
         stride_ys = out.stride(0)
-    r = residual if residual is not None else x
-    ro = residual_out if residual_out is not None else x
-    nw = norm_weight if norm_weight is not None else x
     _gemv_kernel[plan.grid](
-        x, weight, b, out, r, ro, nw, float(eps),
-        n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys, r.stride(0), ro.stride(0),
+        x, weight, b, out,
+        n, k, plan.k_per_split, x.stride(0), weight.stride(0), out.stride(-2), stride_ys,
         ROWS=m, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EVEN_N=plan.even_n, EVEN_K=plan.even_k, X_2D=plan.x_2d,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PROLOGUE=prologue, PRELOAD=plan.preload,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SILU_MUL=silu_mul, PRELOAD=plan.preload,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     if plan.split_k > 1:
@@ -486,37 +385,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _launch_gemv(x, weight, bias, config, pdl)
 
 
-def rms_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                         *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm, or residual-add + RMSNorm) then the GEMV, in one launch: returns
-    (linear(rms_norm(h)), h) with h = x, or h = round(x + residual) written to a new buffer (never
-    in place: every program reads all of x and residual while one writes h). The norm is folded
-    into the dot product, y[n] = (1/rms(h)) * sum_k W[n, k] * (w_norm[k] * h[k]) in fp32, so the
-    normed activation is never rounded to the model dtype (the unfused path rounds it twice: the
-    two agree to the output's rounding, not bit for bit). Runs with split_k 1 whatever `config`
-    says: each program needs all of K for 1/rms."""
-    _check_args(x, weight, bias, fn="rms_norm_gemv_triton")
-    n, k = weight.shape
-    config = replace(config if config is not None else gemv_config(n, k), split_k=1)
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be [{k}] with a unit stride, got {tuple(norm_weight.shape)}")
-    if residual is None:
-        return _launch_gemv(x, weight, bias, config, pdl, PROLOGUE_RMS_NORM, norm_weight=norm_weight, eps=eps), x
-    if residual.shape != x.shape or residual.stride(1) != 1:
-        raise ValueError(f"residual must match x {tuple(x.shape)} with a unit last stride, got {tuple(residual.shape)}")
-    residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    y = _launch_gemv(x, weight, bias, config, pdl, PROLOGUE_ADD_RMS_NORM, residual, residual_out, norm_weight, eps)
-    return y, residual_out
-
-
 def silu_mul_gemv_triton(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: GemvConfig | None = None, *, pdl: bool = False) -> torch.Tensor:
     """linear(silu_and_mul(gate_up)) in one launch, for gate_up[M <= MAX_ROWS, 2K] (gate | up) and
     weight[N, K]; the activation is rounded as the unfused `silu_and_mul` (bit-equal x operand)."""
     _check_args(gate_up, weight, bias, x_cols=2 * weight.shape[1] if weight.dim() == 2 else None,
                 fn="silu_mul_gemv_triton")
-    return _launch_gemv(gate_up, weight, bias, config, pdl, PROLOGUE_SILU_MUL)
+    return _launch_gemv(gate_up, weight, bias, config, pdl, silu_mul=True)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -543,15 +418,12 @@ def linear_engine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = None):
-    """Pick the engine's linear for a GPU once: linear_engine bound to the GPU's tuned table for `pdl`
-    (TUNED_CONFIGS with PDL, TUNED_CONFIGS_NO_PDL without; or `table`, e.g. a sweep's), or cuBLAS
-    (linear_ref) for a GPU without a table. Nothing process-wide changes: two engines on different
-    GPUs each keep their own table (a GPU with no no-PDL table uses its PDL table without PDL).
-    Without `pdl` any `preload` is dropped: there is no wait to hide a load behind, and the peeled
-    kernel measured slower there (run 25: 228.6 against 234.0 tok/s)."""
-    if table is None:
-        table = (TUNED_CONFIGS if pdl else TUNED_CONFIGS_NO_PDL).get(device_name) or TUNED_CONFIGS.get(device_name)
+def tuned_linear(table: Mapping | None, pdl: bool = False):
+    """Pick the engine's linear once: linear_engine bound to a tuned per-shape table ("NxK" -> config, a
+    GPU's `gemv` or `gemv_no_pdl` section of kernels/configs/*.json, or a sweep's), or cuBLAS (linear_ref)
+    without one. Nothing process-wide changes: two engines on different GPUs each keep their own table.
+    Without `pdl` any `preload` is dropped: there is no wait to hide a load behind, and the peeled kernel
+    measured slower there (run 25: 228.6 against 234.0 tok/s)."""
     if not table:  # no table, or an empty one: cuBLAS everywhere
         return linear_ref
     configs = parse_gemv_table(table)
@@ -561,7 +433,7 @@ def tuned_linear(device_name: str, pdl: bool = False, table: Mapping | None = No
 
 
 __all__ = [
-    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS", "TUNED_CONFIGS", "TUNED_CONFIGS_NO_PDL",
+    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS",
     "GemvConfig", "GemvPlan",
     "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
     "parse_gemv_table", "parse_shape_key", "set_gemv_configs", "tuned_linear",

@@ -7,14 +7,15 @@ strided views of the fused qkv output (token stride != Hk*D).
 The cache dtype is the model's or fp8 (`float8_e4m3fn`, `kv_cache_dtype="fp8"`): values are cast
 with a unit scale after clamping to the fp8 range (+-448), so an outlier saturates instead of
 becoming NaN; writers take a cache of k's dtype or fp8 (`check_cache_dtype`). Readers widen fp8 K/V
-exactly before any product (kernels/attention.py: to q's dtype, or fp16 for bf16 q).
+exactly before any product (kernels/attention_decode.py: to q's dtype, or fp16 for bf16 q).
 
 V layouts: every kernel takes v_cache as a [N, S, Hk, D] tensor and addresses it through its
 strides. Head-major (contiguous, d fastest) is what a plain tensor is; token-major (`token_major_v_cache`: each
 (block, kv head) a contiguous [D, S] tile, tokens fastest) is for an fp8 cache, so that P @ V reads V
 along the tokens it sums over, as q @ K^T reads K along d (sm_90 has no 8-bit transposing ldmatrix;
-docs/PERFORMANCE.md, runs 25-35). The engine stores an fp8 cache's V token-major
-(METAINFER_FP8_V_TOKEN_MAJOR=0: head-major, the A/B). K is head-major in both.
+docs/PERFORMANCE.md). The layout follows the dtype: a 16-bit cache's V is head-major, an fp8 cache's V
+token-major (`check_v_cache_layout`; the head-major fp8 layout lost its A/B and was removed). K is
+head-major in both.
 """
 
 from __future__ import annotations
@@ -53,14 +54,18 @@ def is_token_major(v_cache: torch.Tensor) -> bool:
 
 
 def check_v_cache_layout(v_cache: torch.Tensor) -> None:
-    """v_cache is head-major (unit last stride) or token-major (token_major_v_cache's strides)."""
+    """A 16-bit (or fp32) v_cache is head-major (unit last stride); an fp8 one token-major
+    (token_major_v_cache's strides; a block of one token is both)."""
     if v_cache.dim() != 4:
         raise ValueError(f"v_cache must be [N, S, Hk, D], got shape {tuple(v_cache.shape)}")
     n, s, hk, d = v_cache.shape
-    if v_cache.stride(-1) == 1 or v_cache.stride()[1:] == (1, d * s, s):
-        return
-    raise ValueError(f"v_cache strides {v_cache.stride()} are neither head-major (unit last stride) nor "
-                     f"token-major ({(hk * d * s, 1, d * s, s)})")
+    if v_cache.dtype == FP8_KV_DTYPE:
+        if v_cache.stride()[1:] == (1, d * s, s) or (s == 1 and v_cache.stride(-1) == 1):
+            return
+        raise ValueError(f"an fp8 v_cache must be token-major (strides {(hk * d * s, 1, d * s, s)}: "
+                         f"token_major_v_cache), got {v_cache.stride()}")
+    if v_cache.stride(-1) != 1:
+        raise ValueError(f"a {v_cache.dtype} v_cache must be head-major (unit last stride), got {v_cache.stride()}")
 
 
 def check_cache_dtype(compute_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> None:

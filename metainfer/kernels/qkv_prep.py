@@ -18,9 +18,8 @@ token stride is qkv's row stride, (Hq+2Hk)*D for a plain projection output). v i
 
 `qk_norm_rope_store_ref` is literally built from `rms_norm_ref`, `rotary_neox_ref` and
 `store_kv_ref`, so it inherits whatever rounding convention those have. The Triton kernel (one
-launch instead of four; prefill uses it, decode runs the same helpers, `_rope_lanes` / `_norm_rope`,
-inside the decode attention launch: attention.paged_decode_attention_qkv) rounds where HF
-transformers does in the model's dtype:
+launch instead of four; the paged attention backend runs it before every prefill and decode
+attention) rounds where HF transformers does in the model's dtype:
 RMSNorm `n = (x_fp32 * rsqrt(mean(x^2)+eps)).to(dtype)`, `y = (n * w).to(dtype)`; rotary with
 `c, s = cos.to(dtype), sin.to(dtype)`, `out1 = (round(x1*c) - round(x2*s)).to(dtype)`,
 `out2 = (round(x2*c) + round(x1*s)).to(dtype)` (all products computed in fp32; in fp32 every

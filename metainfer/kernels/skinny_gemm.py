@@ -4,8 +4,8 @@ Why: between the Triton GEMV (M <= 2) and the compute-bound batches, every decod
 weights once, yet cuBLAS ran the Qwen3-8B decode set at 4.26-4.40 ms for M = 4..64 on the H200
 against 3.745 ms for the GEMV at M = 1 (docs/PERFORMANCE.md, run 17, `gemm_rows`): ~0.5-0.9 ms a
 step above the weight-streaming floor. The engine takes it for the (shape, row bucket) entries of
-its GPU's tuned table (TUNED_CONFIGS, chosen by `skinny_bench.sweep`; METAINFER_SKINNY_GEMM=0 turns
-it off), cuBLAS elsewhere.
+its GPU's tuned table (the `skinny` section of kernels/configs/<gpu>.json, chosen by
+`tools.tune_skinny.sweep`; EngineConfig.enable_skinny_gemm=False turns it off), cuBLAS elsewhere.
 
 Contract: `skinny_gemm_triton(x[M, K], weight[N, K], bias[N] or None, config=None, *, pdl=False)
 -> y[M, N]` in x's dtype, unit last strides, any M >= 1 (M <= MAX_ROWS: the padded batch is one
@@ -99,25 +99,10 @@ def _parse_skinny_key(key) -> tuple[int, int, int]:
 
 def parse_skinny_table(table: Mapping) -> dict[tuple[int, int, int], SkinnyConfig]:
     """A per-(shape, row bucket) table ("NxK/mBLOCK_M" or (N, K, BLOCK_M) -> config or its dict, as
-    skinny_bench.sweep gives it), validated: bad keys or configs raise ValueError."""
+    tools.tune_skinny.sweep gives it), validated: bad keys or configs raise ValueError."""
     if not isinstance(table, Mapping):
         raise ValueError(f"a skinny GEMM table must be a mapping, got {type(table).__name__}")
     return {_parse_skinny_key(key): SkinnyConfig.from_any(value) for key, value in table.items()}
-
-
-# Per-GPU tables chosen by `skinny_bench.sweep()` (the JSON is in docs/results/): the engine sends a
-# (shape, row bucket) to the skinny GEMM only where its table has it, elsewhere to the base linear.
-# H200, run 21 (`skinny_bench.sweep`, results/gpu_run21.json): the 16-row bucket (3-16 rows) of every
-# shape but qkv, where cuBLAS stayed faster; engine decode +5.2% / +7.9% / +2.0% at batch 4 / 8 / 16.
-# The 32- and 64-row winners are left out: the decode set gained 1% / 0% and batch 32 lost 0.7%.
-TUNED_CONFIGS: dict[str, dict[str, dict]] = {
-    "NVIDIA H200": {
-        "4096x4096/m16": {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
-        "24576x4096/m16": {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 6},
-        "4096x12288/m16": {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4},
-        "151936x4096/m16": {"block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3},
-    },
-}
 
 
 def skinny_split_k(n: int, k: int, config: SkinnyConfig = DEFAULT_CONFIG) -> int:
@@ -220,5 +205,5 @@ def linear_with_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return base(x, weight, bias)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "TUNED_CONFIGS", "SkinnyConfig", "linear_with_skinny", "parse_skinny_table",
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "SkinnyConfig", "linear_with_skinny", "parse_skinny_table",
            "skinny_block_m", "skinny_gemm_triton", "skinny_split_k", "skinny_table_key"]

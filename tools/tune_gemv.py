@@ -4,7 +4,7 @@
 
 or from a script (on the GPU machine):
 
-    from metainfer.kernels.gemv_bench import sweep
+    from tools.tune_gemv import sweep
     res = sweep()                                  # JSON-able dict
     from metainfer.kernels.gemv import set_gemv_configs
     set_gemv_configs(res["table"])                 # before the engine captures its CUDA graphs
@@ -31,8 +31,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ._triton import pdl_supported
-from .gemv import DEFAULT_CONFIG, GemvConfig, gemv_plan, gemv_triton, get_gemv_configs, linear_triton, set_gemv_configs
+from metainfer.kernels._triton import pdl_supported
+from metainfer.kernels.gemv import (
+    DEFAULT_CONFIG,
+    GemvConfig,
+    gemv_plan,
+    gemv_triton,
+    get_gemv_configs,
+    linear_triton,
+    set_gemv_configs,
+)
 
 QWEN3_8B_DECODE_SHAPES: dict[str, tuple[int, int]] = {
     "qkv": (6144, 4096),
@@ -242,8 +250,8 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
     weight-streaming floor between the Triton GEMV's M <= 2 and the compute-bound batches; for M <= 64
     the same set through the tensor-core skinny GEMM (kernels/skinny_gemm.py, automatic K splits) and
     its largest error against cuBLAS."""
-    from .skinny_gemm import MAX_ROWS as SKINNY_ROWS
-    from .skinny_gemm import skinny_gemm_triton
+    from metainfer.kernels.skinny_gemm import MAX_ROWS as SKINNY_ROWS
+    from metainfer.kernels.skinny_gemm import skinny_gemm_triton
 
     elem = torch.empty((), dtype=dtype).element_size()
     g = torch.Generator(device=device).manual_seed(11)
@@ -270,69 +278,6 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
                 out[f"m{m}"]["skinny_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         print("decode set by rows", m, out[f"m{m}"], flush=True)
     weights.clear()
-    torch.cuda.empty_cache()
-    return out
-
-
-def prologue_ab(table: dict, device="cuda", replays: int = 10, layers: int = 36, dtype=torch.bfloat16) -> dict:
-    """The folded prologues against the separate kernels, per decode GEMV of Qwen3-8B at batch 1: one
-    graph of `layers` distinct weights each, (residual-add + RMSNorm kernel, GEMV) -> qkv and gate_up,
-    (SiLU-and-mul kernel, GEMV) -> down, against the fused GEMV; PDL where supported, `table`'s configs
-    ("NxK" -> config dict). ms a layer set (and of the GEMVs alone: the floor of the fused one) and the
-    saving per launch removed."""
-    from .activation import silu_and_mul_triton
-    from .gemv import parse_gemv_table, rms_norm_gemv_triton, silu_mul_gemv_triton
-    from .rms_norm import fused_add_rms_norm_triton
-
-    device = torch.device(device)
-    pdl = pdl_supported(device)
-    configs = parse_gemv_table(table)
-    g = torch.Generator(device=device).manual_seed(3)
-    hidden, inter = QWEN3_8B_DECODE_SHAPES["qkv"][1], QWEN3_8B_DECODE_SHAPES["down"][1]
-    x = torch.randn(1, hidden, generator=g, device=device, dtype=dtype)
-    res_in = torch.randn(1, hidden, generator=g, device=device, dtype=dtype)
-    res_inplace = res_in.clone()
-    nw = torch.ones(hidden, device=device, dtype=dtype)
-    gate_up = torch.randn(1, 2 * inter, generator=g, device=device, dtype=dtype)
-    out = {"pdl": pdl, "layers": layers}
-    for name in ("qkv", "gate_up", "down"):
-        shape = QWEN3_8B_DECODE_SHAPES[name]
-        cfg = configs.get(shape)
-        if cfg is None:
-            out[name] = {"skipped": "shape not in the table"}
-            continue
-        weights = [torch.randn(*shape, generator=g, device=device, dtype=dtype) for _ in range(layers)]
-        if name == "down":
-            def unfused(w, cfg=cfg):
-                return gemv_triton(silu_and_mul_triton(gate_up, pdl=pdl), w, config=cfg, pdl=pdl)
-
-            def fused(w, cfg=cfg):
-                return silu_mul_gemv_triton(gate_up, w, config=cfg, pdl=pdl)
-        else:
-            def unfused(w, cfg=cfg):
-                normed, _ = fused_add_rms_norm_triton(x, res_inplace, nw, 1e-6, pdl=pdl)  # drifts: timing only
-                return gemv_triton(normed, w, config=cfg, pdl=pdl)
-
-            def fused(w, cfg=cfg):
-                return rms_norm_gemv_triton(x, res_in, nw, 1e-6, w, config=cfg, pdl=pdl)[0]
-        def gemv_only(w, cfg=cfg, x=x if name != "down" else gate_up[:, :inter]):
-            return gemv_triton(x, w, config=cfg, pdl=pdl)
-
-        row = {"config": cfg.to_dict()}
-        for label, fn in (("gemv_only", gemv_only), ("unfused", unfused), ("fused", fused)):
-            row[f"{label}_ms"] = round(_time_graph([lambda w=w, fn=fn: fn(w) for w in weights], replays), 4)
-        row["saved_us_per_launch"] = round((row["unfused_ms"] - row["fused_ms"]) * 1e3 / layers, 3)
-        if name != "down":  # the folded norm at other launch shapes: does any beat the separate kernel?
-            sweep_rows = []
-            for block_n, warps in ((2, 4), (4, 8), (8, 4), (8, 8), (16, 8)):
-                alt = GemvConfig(block_n=block_n, block_k=1024, num_warps=warps)
-                ms = _time_graph([lambda w=w, alt=alt: rms_norm_gemv_triton(x, res_in, nw, 1e-6, w, config=alt,
-                                                                            pdl=pdl)[0] for w in weights], replays)
-                sweep_rows.append({"config": alt.to_dict(), "ms": round(ms, 4)})
-            row["fused_sweep"] = sweep_rows
-            row["fused_best_ms"] = min(r["ms"] for r in sweep_rows + [{"ms": row["fused_ms"]}])
-        out[name] = row
-        del weights
     torch.cuda.empty_cache()
     return out
 

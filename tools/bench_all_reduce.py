@@ -128,8 +128,8 @@ def main(argv=None) -> int:
         n *= 2
 
     # Import by module name so the spawned ranks can unpickle the function under `python -m`.
-    from metainfer.distributed.bench_all_reduce import _bench_rank
     from metainfer.distributed.launch import run_on_ranks
+    from tools.bench_all_reduce import _bench_rank
 
     per_rank = run_on_ranks(_bench_rank, args.world_size, sizes, args.dtype, args.inner, args.iters,
                             device="cuda", timeout=600)

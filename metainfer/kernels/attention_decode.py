@@ -1,35 +1,27 @@
-"""Attention over the paged KV cache: decode (one query per sequence) and prefill/extend.
+"""Split-KV paged decode attention (one query per sequence) over the paged KV cache.
 
-Contracts (docs/CONTRACTS.md):
-- `paged_decode_attention(q[B,Hq,D], k_cache[N,S,Hk,D], v_cache, block_tables i32[B,M],
-  context_lens i32[B], scale) -> o[B,Hq,D]`: the query of sequence b attends to its
-  `context_lens[b]` cached tokens (the new token is already stored); rows with context 0 give 0.
-- `paged_prefill_attention(q[T,Hq,D], k_cache, v_cache, cu_seqlens_q i32[B+1], context_lens i32[B],
-  block_tables, max_seqlen_q: int, scale) -> o[T,Hq,D]`: the q_len new tokens of sequence b are the
-  last of its context_lens[b] stored tokens; query i sits at position context_len - q_len + i and
-  attends causally. One kernel covers plain prefill, prefix-cache hits and chunked prefill.
+Contract (docs/CONTRACTS.md): `paged_decode_attention(q[B,Hq,D], k_cache[N,S,Hk,D], v_cache,
+block_tables i32[B,M], context_lens i32[B], scale) -> o[B,Hq,D]`: the query of sequence b attends to
+its `context_lens[b]` cached tokens (the new token is already stored); rows with context 0 give 0.
 GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype. The cache holds
-q's dtype or fp8 (kernels/kv_cache.py): fp8 K/V are widened exactly as they are loaded, to q's
-dtype, or to fp16 for bf16 q (whose products then run in fp16: `_in_kv_dtype`).
+q's dtype (V head-major) or fp8 (V token-major, kernels/kv_cache.py): fp8 K/V are widened exactly as
+they are loaded, to q's dtype, or to fp16 for bf16 q (whose products then run in fp16: `_in_kv_dtype`).
+The torch reference: attention_ref.py.
 
-Both Triton kernels gather K/V token by token through the block table (physical row =
+The kernel gathers K/V token by token through the block table (physical row =
 block_tables[b, t // S] * S + t % S), so every block size works, including 1.
-The decode launcher never reads GPU values on the host (no .item()/.tolist()), so it can be
-captured in a CUDA graph: the grid depends only on shapes and the host ints given. Split-KV decode
-is one launch: the last split of each (sequence, kv head) to finish, found with an int32 arrival
-counter that it resets to 0, merges the partial results (no separate reduce kernel).
+The launcher never reads GPU values on the host (no .item()/.tolist()), so it can be captured in a
+CUDA graph: the grid depends only on shapes and the host ints given. Split-KV decode is one launch:
+the last split of each (sequence, kv head) to finish, found with an int32 arrival counter that it
+resets to 0, merges the partial results (no separate reduce kernel).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .kv_cache import FP8_KV_DTYPE, cast_to_cache, check_cache_dtype, check_v_cache_layout, is_token_major
-from .qkv_prep import _check_prep_inputs, _load_heads, _norm_rope, _rope_lanes, _split_heads, qk_norm_rope_store_ref
+from .kv_cache import FP8_KV_DTYPE, check_cache_dtype, check_v_cache_layout, is_token_major
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_NUM_SPLITS = 32
@@ -45,108 +37,7 @@ _TARGET_DECODE_PROGRAMS = 512
 _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
-# fp8 cache, one-pass launches of many programs: 128-token tiles (the same bytes a step as bf16's 64).
-# Run 30: 130.4 against 139.4 us at 256 rows x context 600 (2,048 programs), but 67.8 against 63.0 at
-# 64 rows (512 programs, one wave), so only from this many programs.
-_FP8_WIDE_TILE_PROGRAMS = 1024
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
-
-# ----------------------------------------------------------------------------------------------
-# torch references (the CPU path)
-# ----------------------------------------------------------------------------------------------
-
-
-def _gather_context(k_cache, v_cache, block_table_row, length):
-    """The first `length` cached tokens of one sequence as dense [length, Hk, D] K and V."""
-    block_size = k_cache.shape[1]
-    blocks = block_table_row[: cdiv(length, block_size)].long()
-    k = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
-    v = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
-    return k, v
-
-
-def _attend(q, k, v, scale, first_pos):
-    """fp32 attention of q[Lq,Hq,D] over k/v[L,Hk,D]; query i sits at position first_pos + i."""
-    num_q, num_heads = q.shape[:2]
-    length, num_kv_heads = k.shape[:2]
-    if num_q == 1:  # decode: two small grouped matmuls beat SDPA's per-call cost on the CPU by ~50x
-        group = num_heads // num_kv_heads
-        qg = q.float().view(num_kv_heads, group, -1)  # [Hk, G, D]
-        scores = torch.einsum("hgd,lhd->hgl", qg, k.float()) * scale
-        out = torch.einsum("hgl,lhd->hgd", scores.softmax(dim=-1), v.float())
-        return out.reshape(1, num_heads, -1)
-    qh = q.float().transpose(0, 1).unsqueeze(0)
-    kh = k.float().transpose(0, 1).unsqueeze(0)
-    vh = v.float().transpose(0, 1).unsqueeze(0)
-    mask = None
-    if num_q > 1:  # a single query is the last position and sees every key
-        key_pos = torch.arange(length, device=q.device)
-        q_pos = first_pos + torch.arange(num_q, device=q.device)
-        mask = key_pos[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
-    return out[0].transpose(0, 1)
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    **_tuning,
-) -> torch.Tensor:
-    """One batched pass in fp32: every row's blocks gathered up to the longest context, the keys past
-    a row's length masked out (a row of length 0 gives zeros). Why batched: the per-row loop it
-    replaced cost ~10% of a batch-8 decode step of the CPU engine (docs/PERFORMANCE.md, session 7).
-    Tuning kwargs of the Triton launcher (max_num_splits, workspace, ...) are accepted and ignored."""
-    out = torch.empty_like(q) if out is None else out
-    lens = context_lens.long()
-    max_len = int(lens.max()) if lens.numel() else 0
-    if max_len == 0:
-        return out.zero_()
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    blocks = block_tables[:, : cdiv(max_len, k_cache.shape[1])].long().clamp_min(0)  # -1: unused, masked
-    k = k_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, L, Hk, D]
-    v = v_cache[blocks].flatten(1, 2)[:, :max_len].float()
-    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
-    past_end = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
-    probs = scores.masked_fill(past_end[:, None, None, :], float("-inf")).softmax(dim=-1)
-    probs = probs.nan_to_num(nan=0.0)  # a row with no keys: all -inf, softmax NaN -> zeros
-    # V past a row's end is another row's data or stale (a freed block's, maybe NaN): zero, not 0 * NaN
-    v = v.masked_fill(past_end[:, :, None, None], 0.0)
-    out.copy_(torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(batch, num_heads, head_dim))
-    return out
-
-
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    **_tuning,
-) -> torch.Tensor:
-    out = torch.empty_like(q) if out is None else out
-    cu = cu_seqlens_q.tolist()
-    for b, length in enumerate(context_lens.tolist()):
-        start, end = cu[b], cu[b + 1]
-        if end == start:
-            continue
-        k, v = _gather_context(k_cache, v_cache, block_tables[b], length)
-        out[start:end] = _attend(q[start:end], k, v, scale, length - (end - start)).to(out.dtype)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,20 +78,6 @@ def _in_kv_dtype(x, cache_ptr, q):
     else:
         y = x.to(q.dtype)
     return y
-
-
-@triton.jit
-def _widen_v_tile(v, mask, cache_ptr, q):
-    """A loaded V tile in the products' dtype (_in_kv_dtype). fp8: masked again after the widening,
-    which keeps Triton from moving the widening past the shared-memory staging of P @ V's V operand:
-    it would then read V transposed byte by byte (sm_90 PTX: 64 ld.shared.b8 a tile instead of
-    ldmatrix, and 150 registers a thread against 128). V then stays out of the cp.async pipeline that
-    stages K (plain ld.global), which still measured faster than letting that pipeline take it (run 30:
-    139.4 against 163.1 us at 256 x 600) or than loading V a tile ahead in registers (run 29: 174.7)."""
-    v = _in_kv_dtype(v, cache_ptr, q)
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        v = tl.where(mask, v, 0.0)
-    return v
 
 
 @triton.jit
@@ -255,7 +132,7 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     k = _in_kv_dtype(k, k_cache_ptr, q)
     if not V_TOKEN_MAJOR:
-        v = _widen_v_tile(v, kv_mask, v_cache_ptr, q)
+        v = _in_kv_dtype(v, v_cache_ptr, q)
     if USE_DOT:
         s = tl.dot(q_kv, tl.trans(k), input_precision=DOT_PRECISION)
     else:
@@ -316,7 +193,6 @@ def _decode_merge_splits(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    pos_ptr, cos_sin_ptr, q_norm_w_ptr, k_norm_w_ptr, slot_ptr, eps, cos_sin_stride,
     scale_log2e, num_splits, min_chunk,
     q_stride_b, q_stride_h,
     kc_stride_b, kc_stride_s, kc_stride_h,
@@ -326,7 +202,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    FUSED_PREP: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
@@ -334,17 +209,7 @@ def _decode_split_kernel(
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
     counter, and the last one to arrive merges the partials into the output (see above).
-
-    FUSED_PREP: q_ptr is the raw qkv projection row ([B, (Hq+2Hk)*D], row stride q_stride_b).
-    Every program norms and rotates its GROUP q heads itself (qkv_prep's rounding); the program
-    whose range ends at the context's last token (this step's, position ctx-1) reads the cache up
-    to ctx-2, then norms and rotates that token's k, attends to it from registers (one more
-    online-softmax step) and stores k and v into the cache at slot_mapping[b]; with slot -1 it
-    stores nothing and reads position ctx-1 from the cache, as the composition does. One launch
-    instead of qk_norm_rope_store + decode. Costs: the rotary lane constants stay live across the
-    loop (sm_90: 109-111 registers a thread against 72 for the split launch, 118-120 against 107
-    one-pass), and the launch compiles without fp contraction (for q's rounding points), so the
-    softmax updates are separate multiplies and adds."""
+    V_TOKEN_MAJOR (an fp8 cache): full tiles without token masks, then the tail in masked tiles."""
     pdl_enter(USE_PDL)
     # kv heads vary fastest in launch order: a row's programs start together, and rows start in
     # batch order (the scheduler puts the longest contexts first, so the launch's tail is short ones)
@@ -370,82 +235,35 @@ def _decode_split_kernel(
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
-    if FUSED_PREP:
-        dtype = q_ptr.dtype.element_ty
-        d, partner, sign, is_rot, cos, sin = _rope_lanes(pos_ptr, seq, cos_sin_ptr, cos_sin_stride, dtype, HALF,
-                                                         BLOCK_D)
-    else:
-        d = tl.arange(0, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     qd_mask = g_mask[:, None] & d_mask[None, :]
-    if FUSED_PREP:
-        qkv_row = q_ptr + seq * q_stride_b
-        x, xp = _load_heads(qkv_row + heads[:, None] * HEAD_DIM, d, partner, qd_mask)
-        q = _norm_rope(x, xp, q_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot, HEAD_DIM, HAS_Q_NORM, dtype)
-        # the program whose range ends at the context's end takes the newest token (this step's)
-        # from qkv after the loop and stores it: the loop stops one token short for it. A row
-        # whose token is not stored (slot -1) attends to what the cache holds, as the composition.
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        owner = (end == ctx) & (ctx > 0) & (slot >= 0)
-        loop_end = tl.where(owner, end - 1, end)
-    else:
-        loop_end = end
-        q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
-
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
     q_kv = _in_kv_dtype(q, k_cache_ptr, q)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
     if V_TOKEN_MAJOR:  # full tiles without token masks (V's loads then vectorise along tokens), then the tail
-        full_end = start + (loop_end - start) // BLOCK_N * BLOCK_N
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, full_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), loop_end, bt_row, k_cache_ptr, v_cache_ptr,
+                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), end, bt_row, k_cache_ptr, v_cache_ptr,
                 kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                 scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
         # the tail in smaller masked tiles: one full-size masked tile outside the loop is not staged
         # through shared memory and held 184 registers a thread against 118 without it (sm_90)
-        for n0 in range(full_end, loop_end, TAIL_BLOCK_N):
+        for n0 in range(full_end, end, TAIL_BLOCK_N):
             m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), loop_end, bt_row, k_cache_ptr,
+                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), end, bt_row, k_cache_ptr,
                 v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
                 vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
     else:
-        for n0 in range(start, loop_end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, n0, loop_end, bt_row, k_cache_ptr, v_cache_ptr,
+                q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr,
                 kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                 scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, False)
-
-    if FUSED_PREP:
-        if owner:  # the newest token: k normed and rotated, v as projected, one more online-softmax step
-            one = tl.zeros([1], dtype=tl.int32)  # the token as a [1, BLOCK_D] row
-            new_mask = (one == 0)[:, None] & d_mask[None, :]
-            xk, xkp = _load_heads(qkv_row + (num_q_heads + kv_head) * HEAD_DIM + one[:, None], d, partner, new_mask)
-            k_new = cast_to_cache(_norm_rope(xk, xkp, k_norm_w_ptr, eps, cos, sin, d, partner, sign, is_rot,
-                                             HEAD_DIM, HAS_K_NORM, dtype), k_cache_ptr)
-            v_src = qkv_row + (num_q_heads + num_kv_heads + kv_head) * HEAD_DIM + one[:, None]
-            v_new = cast_to_cache(tl.load(v_src + d[None, :], mask=new_mask, other=0.0), v_cache_ptr)
-            if USE_DOT:  # the q the loop's scores used: its tl.dot takes q_kv, its sum (GQA 1) q
-                q_scores = q_kv
-            else:
-                q_scores = q
-            s_new = tl.sum(q_scores.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale_log2e  # [BLOCK_G]
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            if USE_DOT:  # the loop's P @ V takes p in the dtype K/V are widened to
-                p_new = _in_kv_dtype(p_new, k_cache_ptr, q).to(tl.float32)
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
-            m_i = m_new
-            page = slot // BLOCK_SIZE
-            in_page = slot % BLOCK_SIZE
-            k_dst = k_cache_ptr + page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-            v_dst = v_cache_ptr + page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-            tl.store(k_dst + one[:, None] + d[None, :], k_new, mask=new_mask)
-            tl.store(v_dst + one[:, None] + d[None, :] * vc_stride_d, v_new, mask=new_mask)
 
     out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if ONE_PASS:
@@ -488,16 +306,13 @@ def decode_num_splits(
     return max(1, min(max_num_splits, wanted, useful))
 
 
-def decode_block_n(num_splits: int, num_programs: int, cache_dtype: torch.dtype, v_token_major: bool = False) -> int:
+def decode_block_n(num_splits: int, cache_dtype: torch.dtype) -> int:
     """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
-    launches over an fp8 cache that is token-major (the engine's fp8 layout; run 35: 121.4 against 124.9
-    us at 256 rows x 600, 53.2 against 56.2 at 64 x 1,088) or has at least _FP8_WIDE_TILE_PROGRAMS
-    (batch x Hk) programs (head-major: runs 30-31)."""
+    launches over an fp8 cache (token-major V; run 35: 121.4 against 124.9 us at 256 rows x 600, 53.2
+    against 56.2 at 64 x 1,088)."""
     if num_splits > 1:
         return _DECODE_SPLIT_BLOCK_N
-    if cache_dtype == FP8_KV_DTYPE and (v_token_major or num_programs >= _FP8_WIDE_TILE_PROGRAMS):
-        return 2 * _DECODE_BLOCK_N
-    return _DECODE_BLOCK_N
+    return 2 * _DECODE_BLOCK_N if cache_dtype == FP8_KV_DTYPE else _DECODE_BLOCK_N
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -617,59 +432,16 @@ def paged_decode_attention_triton(
     batch, num_q_heads, head_dim = q.shape
     _check_attention_inputs(q, k_cache, v_cache)
     return _launch_decode(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, k_cache, v_cache,
-                          block_tables, context_lens, scale, None, max_num_splits=max_num_splits,
+                          block_tables, context_lens, scale, max_num_splits=max_num_splits,
                           workspace=workspace, out=out, block_n=block_n, counters=counters,
                           min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
                           num_splits=num_splits, tail_block_n=tail_block_n)
 
 
-def paged_decode_attention_qkv_composed(
-    qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
-    block_tables, context_lens, scale, num_q_heads, num_kv_heads, head_dim, *, prep, decode, **decode_kw,
-):
-    """The composition the fused decode launch replaces: `prep` (a qk_norm_rope_store: in place on
-    qkv, K/V into the cache), then `decode` (a paged_decode_attention, given `decode_kw`) of the
-    normed, rotated q."""
-    q, _, _ = prep(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
-                   num_q_heads, num_kv_heads, head_dim)
-    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, **decode_kw)
-
-
-# the torch path: the two references composed (the CPU engine and the oracle of the fused kernel)
-paged_decode_attention_qkv_ref = functools.partial(paged_decode_attention_qkv_composed, prep=qk_norm_rope_store_ref,
-                                                   decode=paged_decode_attention_ref)
-
-
-def paged_decode_attention_qkv_triton(
-    qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slot_mapping,
-    block_tables, context_lens, scale, num_q_heads, num_kv_heads, head_dim, *,
-    max_num_splits: int | None = None, workspace: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    block_n: int | None = None, counters: torch.Tensor | None = None, min_split_tokens: int | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """qk_norm_rope_store + paged decode attention in one launch, for decode steps (one token a
-    sequence, at position context_lens[b] - 1 of its block table). Same results: the cache gets the
-    same K/V bits, q is rounded as qk_norm_rope_store rounds it, and the output matches the
-    composition up to fp32 summation order. qkv's q and k parts are left as projected (the
-    composition updates them in place: read neither after the call). Keywords as
-    paged_decode_attention_triton, without its tuning knobs (num_warps, num_stages, num_splits, tail_block_n)."""
-    require_triton()
-    _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
-    batch = qkv.shape[0]
-    cos_sin = _check_prep_inputs(qkv, positions, cos_sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping,
-                                 num_kv_heads, head_dim)
-    prep = (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, float(eps))
-    return _launch_decode(qkv, (qkv.stride(0), head_dim), batch, num_q_heads, head_dim, k_cache, v_cache,
-                          block_tables, context_lens, scale, prep, max_num_splits=max_num_splits,
-                          workspace=workspace, out=out, block_n=block_n, counters=counters,
-                          min_split_tokens=min_split_tokens, num_warps=None, num_stages=None, pdl=pdl)
-
-
 def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
-                   scale, prep, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
+                   scale, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
                    num_stages, pdl, num_splits=None, tail_block_n=None):
-    """One _decode_split_kernel launch; `prep` (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping,
-    eps) makes it the fused variant reading the raw qkv row at q_src."""
+    """One _decode_split_kernel launch."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match q heads [{batch}, {num_q_heads}, {head_dim}]")
@@ -688,7 +460,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     elif not 1 <= num_splits <= max_num_splits:
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
     if block_n is None:
-        block_n = decode_block_n(num_splits, batch * num_kv_heads, k_cache.dtype, is_token_major(v_cache))
+        block_n = decode_block_n(num_splits, k_cache.dtype)
     if tail_block_n is None:
         tail_block_n = max(16, block_n // 2)
     elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
@@ -715,13 +487,6 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:
             raise ValueError(f"counters need {batch * num_kv_heads} int32 elements, "
                              f"got {counters.numel()} {counters.dtype}")
-    if prep is None:  # placeholders for the fused variant's pointers (never read)
-        positions = cos_sin = q_norm_w = k_norm_w = slot_mapping = q_src
-        eps, half, cos_sin_stride = 0.0, 1, 0
-    else:
-        positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps = prep
-        half, cos_sin_stride = cos_sin.shape[-1] // 2, cos_sin.stride(0)
-
     use_dot = group > 1
     block_g = max(16, next_pow2(group)) if use_dot else 1
     block_d = max(16, next_pow2(head_dim))
@@ -734,8 +499,6 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q_src, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse, counters,
-        positions, cos_sin, q_norm_w if q_norm_w is not None else q_src,
-        k_norm_w if k_norm_w is not None else q_src, slot_mapping, eps, cos_sin_stride,
         scale_log2e, num_splits, min_chunk,
         q_strides[0], q_strides[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -745,190 +508,7 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
         USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q_src.dtype),
         BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-        FUSED_PREP=prep is not None, HALF=half, HAS_Q_NORM=prep is not None and q_norm_w is not None,
-        HAS_K_NORM=prep is not None and k_norm_w is not None, V_TOKEN_MAJOR=is_token_major(v_cache),
+        V_TOKEN_MAJOR=is_token_major(v_cache),
         num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
-        # the fused variant keeps HF's rounding points in q/k (qkv_prep): no product contracted into an fma
-        enable_fp_fusion=prep is None,
-    )
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton: prefill / extend (varlen causal flash attention over the paged cache)
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _prefill_tile(
-    acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-    scale_log2e, d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-):
-    """Online-softmax update with keys n0..n0+BLOCK_N; CAUSAL_MASK only on diagonal tiles."""
-    if V_TOKEN_MAJOR:  # n0 is a multiple of BLOCK_N (both loops): lets V's loads vectorise along tokens
-        n0 = tl.multiple_of(n0, BLOCK_N)
-    tok = n0 + tl.arange(0, BLOCK_N)
-    t_mask = tok < ctx
-    page = _tile_pages(bt_row, tok, t_mask, ctx, BLOCK_SIZE, True, V_TOKEN_MAJOR)
-    in_page = tok % BLOCK_SIZE
-    kv_mask = t_mask[:, None] & d_mask[None, :]
-    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
-    k = _in_kv_dtype(tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), k_cache_ptr, q)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-    if CAUSAL_MASK:
-        s = tl.where((tok[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
-    if V_TOKEN_MAJOR:  # tiles before the diagonal are full: only the diagonal ones zero tokens past the end
-        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, CAUSAL_MASK)
-    else:
-        v = _widen_v_tile(tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0), kv_mask,
-                          v_cache_ptr, q)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
-    scale_log2e,
-    q_stride_t, q_stride_h,
-    kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-    bt_stride_b, out_stride_t, out_stride_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One program = (BLOCK_M queries of one sequence, one q head)."""
-    pdl_enter(USE_PDL)
-    m_block = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    m0 = m_block * BLOCK_M
-    if m0 >= q_len:
-        return
-
-    ctx = tl.load(context_lens_ptr + seq)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    r_mask = rows < q_len
-    q_pos = ctx - q_len + rows
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    q_tokens = (q_start + rows).to(tl.int64)
-    q_mask = r_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_tokens[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=q_mask, other=0.0)
-
-    q = _in_kv_dtype(q, k_cache_ptr, q)  # the tiles widen K/V to this q's dtype
-    kv_head = head // GROUP
-    bt_row = block_tables_ptr + seq * bt_stride_b
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys below the first query of this tile are visible to every row: no causal mask there.
-    # The first masked tile contains key (ctx - q_len + m0) <= every row's position, so each
-    # row sees a finite score before any fully masked tile (no NaN from -inf - -inf).
-    diag_start = (ctx - q_len + m0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)
-    for n0 in range(0, diag_start, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_TOKEN_MAJOR,
-        )
-    for n0 in range(diag_start, hi, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, q_pos, n0, ctx, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-            kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-            scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_TOKEN_MAJOR,
-        )
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + q_tokens[:, None] * out_stride_t + head * out_stride_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-_MAX_SHARED_BYTES = 232448  # H100/H200 opt-in shared memory per block
-
-
-def _prefill_config(max_seqlen_q: int, block_d: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Measured on H200 (bf16, Hq=32, Hk=8, D=128,
-    4K causal prefill): 128/128/8 warps/3 stages 438 us, 64/64/4/3 457 us, 128/64/8/2 516 us.
-    Shared memory holds Q plus `stages` K and V tiles; shrink until it fits."""
-    block_m = min(128 if elem_bytes == 2 and block_d <= 128 else 64, max(16, next_pow2(max_seqlen_q)))
-    block_n = 128 if block_m >= 128 else 64
-    num_warps = 8 if block_m >= 128 else 4
-    num_stages = 3 if elem_bytes == 2 else 2  # fp32 (3xTF32) needs extra operand buffers
-
-    def shared_bytes(n, stages):
-        return (block_m * block_d + stages * 2 * n * block_d) * elem_bytes
-
-    while shared_bytes(block_n, num_stages) > _MAX_SHARED_BYTES:
-        if num_stages > 2:
-            num_stages -= 1
-        elif block_n > 16:
-            block_n //= 2
-        else:
-            break
-    return block_m, block_n, num_warps, num_stages
-
-
-def paged_prefill_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """Varlen causal attention of the new tokens over the paged cache. `max_seqlen_q` is a host
-    int (>= every q_len) that sizes the grid; no GPU value is read on the host. block_m/block_n/
-    num_warps/num_stages are tuning knobs (defaults chosen for H200, bf16, D=128)."""
-    require_triton()
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
-    _check_attention_inputs(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q)
-    batch = context_lens.shape[0]
-    max_seqlen_q = int(max_seqlen_q)
-    if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
-        return out
-    block_d = max(16, next_pow2(head_dim))
-    default_m, default_n, default_warps, default_stages = _prefill_config(max_seqlen_q, block_d, q.element_size())
-    block_m, block_n = block_m or default_m, block_n or default_n
-    if min(block_m, block_n) < 16 or (block_m & (block_m - 1)) or (block_n & (block_n - 1)):
-        raise ValueError(f"block_m/block_n must be powers of two >= 16, got {block_m}/{block_n}")
-    grid = (cdiv(max_seqlen_q, block_m), num_q_heads, batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), V_TOKEN_MAJOR=is_token_major(v_cache),
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, **pdl_args(pdl),
     )
     return out

@@ -44,7 +44,11 @@ def bench_decode(results, quick):
 
 
 def _decode_case(batch, ctx, dev, dtype, hq, hk, d, s):
-    from .attention import alloc_decode_workspace, decode_num_splits, paged_decode_attention_triton
+    from metainfer.kernels.attention_decode import (
+        alloc_decode_workspace,
+        decode_num_splits,
+        paged_decode_attention_triton,
+    )
 
     kv, tables, lens = _paged(batch, ctx, hk, d, s, dtype, dev)
     q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
@@ -72,7 +76,7 @@ def bench_prefill(results, quick):
 
 
 def _prefill_case(batch, q_len, ctx, dev, dtype, hq, hk, d, s):
-    from .attention import paged_prefill_attention_triton
+    from metainfer.kernels.attention_prefill import paged_prefill_attention_triton
 
     kv, tables, lens = _paged(batch, ctx, hk, d, s, dtype, dev)
     q = torch.randn(batch * q_len, hq, d, dtype=dtype, device=dev)
@@ -98,7 +102,7 @@ def _prefill_case(batch, q_len, ctx, dev, dtype, hq, hk, d, s):
 
 def sweep_prefill(results):
     """Tile/warp/stage sweep of the prefill kernel (for choosing the launcher defaults)."""
-    from .attention import paged_prefill_attention_triton
+    from metainfer.kernels.attention_prefill import paged_prefill_attention_triton
 
     dev, dtype, hq, hk, d, s = "cuda", torch.bfloat16, 32, 8, 128, 16
     for batch, q_len, ctx in [(1, 4096, 4096), (1, 512, 4096)]:
@@ -120,7 +124,7 @@ def sweep_prefill(results):
 
 def sweep_decode(results):
     """block_n x max_num_splits sweep of the decode kernel."""
-    from .attention import paged_decode_attention_triton
+    from metainfer.kernels.attention_decode import paged_decode_attention_triton
 
     dev, dtype, hq, hk, d, s = "cuda", torch.bfloat16, 32, 8, 128, 16
     for batch, ctx in [(1, 1024), (1, 8192), (8, 4096)]:
@@ -140,10 +144,10 @@ def bench_small_ops(results, quick):
 
 
 def _small_ops_case(tokens):
-    from .activation import silu_and_mul_triton
-    from .kv_cache import store_kv_triton
-    from .rms_norm import fused_add_rms_norm_triton, rms_norm_triton
-    from .rotary import build_cos_sin_cache, rotary_neox_triton
+    from metainfer.kernels.activation import silu_and_mul_triton
+    from metainfer.kernels.kv_cache import store_kv_triton
+    from metainfer.kernels.rms_norm import fused_add_rms_norm_triton, rms_norm_triton
+    from metainfer.kernels.rotary import build_cos_sin_cache, rotary_neox_triton
 
     dev, dtype, results = "cuda", torch.bfloat16, []
     x = torch.randn(tokens, 4096, dtype=dtype, device=dev)
@@ -174,7 +178,8 @@ def _small_ops_case(tokens):
 
 def check_cuda_graph(results):
     """The decode launcher must be capturable: capture once, change context lens, replay."""
-    from .attention import alloc_decode_workspace, paged_decode_attention_ref, paged_decode_attention_triton
+    from metainfer.kernels.attention_decode import alloc_decode_workspace, paged_decode_attention_triton
+    from metainfer.kernels.attention_ref import paged_decode_attention_ref
 
     dev, dtype, hq, hk, d = "cuda", torch.bfloat16, 32, 8, 128
     kv, tables, lens = _paged(4, 1000, hk, d, 16, dtype, dev)

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from metainfer.kernels._triton import HAS_TRITON, tl, triton
+from metainfer.kernels.tuned_configs import load_tuned_configs
 
 # H200/H100 opt-in shared memory per block.
 _MAX_SHARED_BYTES = 232448
@@ -38,39 +39,40 @@ ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill"
            "skinny_gemm", "step_inputs")
 
 
-def _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
-    """The decode (plain and fused q/k prep) or prefill launches of one config."""
+def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
+    """The decode or prefill launches of one config."""
+    from metainfer.kernels import attention_decode, attention_prefill
+
     cases = []
     if op == "decode":
         q = torch.zeros(2, hq, head_dim, dtype=dtype)
         cases.append((f"decode {tag} splits<={n}",
                       lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
-                      attention.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
-                                                              pdl=pdl)))
-        # the fused q/k prep variant (Qwen3: both norms; a model without them)
-        qkv = torch.zeros(2, (hq + 2 * hk) * head_dim, dtype=dtype)
-        pos, slots = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
-        cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
-        for norm_w in (w, None):
-            cases.append((f"decode_qkv {tag} splits<={n} norm={norm_w is not None}",
-                          lambda pdl, qkv=qkv, c=cache, t=tables, lens=lens, n=n, a=(pos, cos_sin, norm_w,
-                                                                                     norm_w, 1e-6),
-                          h=(hq, hk, head_dim), slots=slots:
-                          attention.paged_decode_attention_qkv_triton(
-                              qkv, *a, c[0], c[1], slots, t, lens, 0.1, *h, max_num_splits=n, pdl=pdl)))
+                      attention_decode.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
+                                                                     pdl=pdl)))
     else:
         q = torch.zeros(5, hq, head_dim, dtype=dtype)
         cu = torch.zeros(3, dtype=torch.int32)
         cases.append((f"prefill {tag} max_seqlen_q={n}",
                       lambda pdl, q=q, c=cache, t=tables, lens=lens, cu=cu, n=n:
-                      attention.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
+                      attention_prefill.paged_prefill_attention_triton(q, c[0], c[1], cu, lens, t, n, 0.1, pdl=pdl)))
     return cases
 
 
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm, step_inputs
+    from metainfer.kernels import (
+        activation,
+        gemv,
+        kv_cache,
+        qkv_prep,
+        rms_norm,
+        rotary,
+        sampling,
+        skinny_gemm,
+        step_inputs,
+    )
 
     bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn  # fp8: kv_cache_dtype="fp8"
     cases = []
@@ -131,35 +133,22 @@ def _cases(op: str):
             lens = torch.zeros(2, dtype=torch.int32)
             tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}" + (f" cache {cache_dtype}" if cache_dtype != dtype
                                                                         else "")
-            # an fp8 cache with V head-major and token-major (the engine's fp8 layout)
-            layouts = [("", kv)] + ([(" v-token-major", (kv[0], kv_cache.token_major_v_cache(kv[1].clone())))]
-                                    if cache_dtype == fp8 else [])
-            for layout, cache in layouts:
-                cases += _attention_cases(op, attention, dtype, hq, hk, head_dim, n, tag + layout, cache, tables, lens,
-                                          fp32)
+            # an fp8 cache keeps V token-major (kernels/kv_cache.py)
+            cache = (kv[0], kv_cache.token_major_v_cache(kv[1].clone())) if cache_dtype == fp8 else kv
+            cases += _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32)
     elif op == "gemv":
         # the H200 table's configs (first weight tile preloaded) at the Qwen3-8B decode shapes, M = 1 and
         # 2 (the first case is also compiled with PDL: the preload's only effective combination); a ragged
         # K split and a bias; the plain loop
-        table = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
-        qkv, gate_up, down = table[(6144, 4096)], table[(24576, 4096)], table[(4096, 12288)]
+        table = gemv.parse_gemv_table(load_tuned_configs("NVIDIA H200")["gemv"])
+        qkv, down = table[(6144, 4096)], table[(4096, 12288)]
         for m, n, k, cfg in ((1, 6144, 4096, qkv), (2, 4096, 4096, table[(4096, 4096)]),
                              (1, 1000, 3000, gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2)),
                              (1, 6144, 4096, gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4))):
             x, w, b = torch.zeros(m, k, dtype=bf16), torch.zeros(n, k, dtype=bf16), torch.zeros(n, dtype=bf16)
             cases.append((f"gemv bf16 M={m} N={n} K={k} split={cfg.split_k} preload={cfg.preload}",
                           lambda pdl, x=x, w=w, b=b, cfg=cfg: gemv.gemv_triton(x, w, b, config=cfg, pdl=pdl)))
-        # the folded prologues at the H200 table's qkv / gate_up / down configs
         hidden, inter = 4096, 12288
-        nw = torch.ones(hidden, dtype=bf16)
-        for m, n, cfg in ((1, 6144, qkv), (2, 24576, gate_up)):
-            x, w = torch.zeros(m, hidden, dtype=bf16), torch.zeros(n, hidden, dtype=bf16)
-            cases.append((f"rms_norm_gemv bf16 M={m} N={n}",
-                          lambda pdl, x=x, w=w, cfg=cfg: gemv.rms_norm_gemv_triton(x, None, nw, 1e-6, w, config=cfg,
-                                                                                  pdl=pdl)))
-            cases.append((f"add_rms_norm_gemv bf16 M={m} N={n}",
-                          lambda pdl, x=x, w=w, cfg=cfg: gemv.rms_norm_gemv_triton(x, x.clone(), nw, 1e-6, w,
-                                                                                  config=cfg, pdl=pdl)))
         for m in (1, 2):
             gu, w = torch.zeros(m, 2 * inter, dtype=bf16), torch.zeros(hidden, inter, dtype=bf16)
             cases.append((f"silu_mul_gemv bf16 M={m} N={hidden} K={inter}",
@@ -195,7 +184,7 @@ def _cases(op: str):
     elif op == "skinny_gemm":
         # the H200 table's configs at 5 rows (the first also with PDL); the untuned DEFAULT_CONFIG at the
         # Qwen3-8B decode shapes at 8 and 64 rows (the automatic K split on the 4096-row ones), a bias
-        for (n, k, _), cfg in skinny_gemm.parse_skinny_table(skinny_gemm.TUNED_CONFIGS["NVIDIA H200"]).items():
+        for (n, k, _), cfg in skinny_gemm.parse_skinny_table(load_tuned_configs("NVIDIA H200")["skinny"]).items():
             x, w = torch.zeros(5, k, dtype=bf16), torch.zeros(n, k, dtype=bf16)
             cases.append((f"skinny_gemm bf16 M=5 N={n} K={k} H200 table",
                           lambda pdl, x=x, w=w, cfg=cfg: skinny_gemm.skinny_gemm_triton(x, w, config=cfg, pdl=pdl)))
@@ -212,11 +201,23 @@ def _cases(op: str):
 
 
 def _kernel_objects():
-    from . import activation, attention, gemv, kv_cache, qkv_prep, rms_norm, rotary, sampling, skinny_gemm, step_inputs
+    from metainfer.kernels import (
+        activation,
+        attention_decode,
+        attention_prefill,
+        gemv,
+        kv_cache,
+        qkv_prep,
+        rms_norm,
+        rotary,
+        sampling,
+        skinny_gemm,
+        step_inputs,
+    )
 
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
-        kv_cache._store_kv_kernel, attention._decode_split_kernel, attention._prefill_kernel,
+        kv_cache._store_kv_kernel, attention_decode._decode_split_kernel, attention_prefill._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
         sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel, step_inputs._step_inputs_kernel,
     ]

@@ -1,6 +1,6 @@
 """Skinny-GEMM sweep on CUDA: pick a SkinnyConfig per (decode weight shape, row bucket), against cuBLAS.
 
-    from metainfer.kernels.skinny_bench import sweep
+    from tools.tune_skinny import sweep
     res = sweep()              # JSON-able dict; res["table"]: "NxK/mBLOCK_M" -> config dict
 
 Why: run 20 (docs/PERFORMANCE.md) measured the untuned skinny GEMM (64 x 128 tiles, 4 stages) at
@@ -20,7 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .gemv_bench import (
+from metainfer.kernels.skinny_gemm import SkinnyConfig, skinny_block_m, skinny_gemm_triton, skinny_table_key
+from tools.tune_gemv import (
     QWEN3_8B_DECODE_COUNTS,
     QWEN3_8B_DECODE_SHAPES,
     REL_TOL,
@@ -31,7 +32,6 @@ from .gemv_bench import (
     _time_graph,
     decode_set_weights,
 )
-from .skinny_gemm import SkinnyConfig, skinny_block_m, skinny_gemm_triton, skinny_table_key
 
 _S = SkinnyConfig
 SWEEP_CONFIGS: tuple[SkinnyConfig, ...] = (
@@ -96,7 +96,7 @@ def decode_set(table: dict, rows=ROWS, shapes=QWEN3_8B_DECODE_SHAPES, counts=QWE
                device="cuda", replays: int = 5, dtype=torch.bfloat16) -> dict:
     """The whole decode set (every distinct weight, the model's order) at each row count: cuBLAS
     against the skinny GEMM with `table`'s config per (shape, BLOCK_M), shapes it lacks on cuBLAS."""
-    from .skinny_gemm import parse_skinny_table
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
 
     configs = parse_skinny_table(table)
     weights, order = decode_set_weights(shapes, counts, torch.Generator(device=device).manual_seed(13), device, dtype)
@@ -127,7 +127,7 @@ def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP
     config with the least time summed over that bucket's row counts, only where that sum beats
     cuBLAS's (a bucket entry may lose at one of its row counts: run 21's gate_up and down did at 16
     rows by 0.6% and 0.4%). `["shapes"]` keys are "name/rows M"; table keys "NxK/mBLOCK_M"."""
-    from .skinny_gemm import MAX_ROWS
+    from metainfer.kernels.skinny_gemm import MAX_ROWS
 
     if not rows or any(not 3 <= m <= MAX_ROWS for m in rows):
         raise ValueError(f"rows must lie in 3..{MAX_ROWS} (the engine uses the GEMV for 1-2), got {rows}")
