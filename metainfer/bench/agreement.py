@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from metainfer.attention import AttentionMetadata, forward_context
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.engine.sequence import Sequence
-from metainfer.attention import AttentionMetadata, forward_context
 from metainfer.loader import load_weights
 from metainfer.sampling_params import SamplingParams
 
