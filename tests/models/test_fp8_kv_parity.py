@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from metainfer.bench.agreement import use_fp8_kv_attention
 from metainfer.kernels.kv_cache import is_token_major
 from tests.helpers.engine_checks import generate_ids
 from tests.helpers.tiny_models import assert_matches_hf, hf_greedy, hf_reference
+from tools.agreement import use_fp8_kv_attention
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 24

@@ -5,10 +5,12 @@ fed the reference token and we compare next-token top-1 and logit cosine at ever
 Two engine paths are measured:
 
 - decode path (`teacher_forced_logits`): one paged prefill of the prompt, then one decode
-  step per position through `runner.execute` (CUDA graphs included when captured);
+  step per position through `runner.compute_logits` (CUDA graphs included when captured);
 - prefill path (`teacher_forced_prefill_logits`): all tokens in one paged prefill, every
-  position's logits kept (the runner returns only the last row, so this builds the attention
-  metadata itself, as the runner does, and calls the model directly).
+  position's logits kept (the runner returns only the sampling rows, so this builds the attention
+  metadata itself and calls the model directly).
+
+A tool (tools/gpu_suite, tools/agreement_study.py, the fp8 parity test): the package never imports it.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def teacher_forced_logits(llm, tokens: torch.Tensor, prompt_len: int, positions:
     batch, ours = ScheduledBatch([seq], is_prefill=True), []
     try:
         for step in range(positions):
-            ours.append(runner.execute(batch)[0].float())
+            ours.append(runner.compute_logits(batch)[0].float())
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.token_ids.append(int(tokens[prompt_len + step]))
             bm.append_slots(seq)
@@ -100,9 +102,10 @@ def teacher_forced_prefill_logits(llm, tokens: torch.Tensor, prompt_len: int, po
             block_tables=table[None].to(dev),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_seqlen_q=n,
+            positions=pos.to(dev),
         )
         with forward_context(meta):
-            hidden = runner.model(torch.tensor(ids, dtype=torch.long, device=dev), pos.to(dev))
+            hidden = runner.model(torch.tensor(ids, dtype=torch.long, device=dev))
         return runner.model.compute_logits(hidden[prompt_len - 1: prompt_len + positions - 1]).float()
     finally:
         bm.free_sequence(seq)

