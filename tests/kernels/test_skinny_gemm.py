@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from metainfer.kernels import select_ops
 from metainfer.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, linear_with_skinny, skinny_gemm_triton, skinny_split_k
+from tests.helpers.aot import run_aot_check
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES
-from tests.test_phase01_kernels import run_aot_check
 
 triton = pytest.importorskip("triton")
 
@@ -112,13 +112,14 @@ def test_linear_with_skinny_dispatches_by_rows():
 def test_select_ops_skinny_switch():
     """On by default where the GPU has a skinny table (the H200), wrapping the GEMV / cuBLAS linear;
     skinny_gemm=False or a GPU without a table leaves that linear as it is."""
-    from metainfer.kernels.skinny_gemm import TUNED_CONFIGS, parse_skinny_table
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
+    from metainfer.kernels.tuned_configs import load_tuned_configs
 
     plain = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200", skinny_gemm=False)
     skinny = select_ops("cpu", use_triton=True, gpu_name="NVIDIA H200")
     base = skinny.linear.keywords["base"]
     assert skinny.linear.func is linear_with_skinny
-    assert skinny.linear.keywords["table"] == parse_skinny_table(TUNED_CONFIGS["NVIDIA H200"])
+    assert skinny.linear.keywords["table"] == parse_skinny_table(load_tuned_configs("NVIDIA H200")["skinny"])
     assert base.func is plain.linear.func and base.keywords == plain.linear.keywords
     assert skinny.silu_mul_linear.keywords["unfused"].keywords["linear"] is skinny.linear  # M > 2 falls back to it
     other = select_ops("cpu", use_triton=True, gpu_name="some GPU")
@@ -173,7 +174,7 @@ def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
     set) with the GPU timing stubbed out: each timed call still runs once through the interpreter."""
     import json
 
-    import metainfer.kernels.skinny_bench as sb
+    import tools.tune_skinny as sb
     from metainfer.kernels.skinny_gemm import parse_skinny_table
 
     ticks = iter(range(10_000, 0, -1))  # later measurements look faster: cuBLAS loses, the last config wins
@@ -184,7 +185,7 @@ def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
         return float(next(ticks))
 
     monkeypatch.setattr(sb, "_time_graph", fake_time_graph)
-    monkeypatch.setattr("metainfer.kernels.gemv_bench._time_graph", fake_time_graph)
+    monkeypatch.setattr("tools.tune_gemv._time_graph", fake_time_graph)
     monkeypatch.setattr(sb, "_env", lambda device: {"gpu": "cpu"})
     configs = (SkinnyConfig(block_n=16, block_k=32, split_k=1), SkinnyConfig(block_n=32, block_k=16, split_k=2))
     shapes = {"a": (40, 64), "b": (24, 96)}
@@ -213,9 +214,18 @@ def test_a_row_does_not_depend_on_the_row_count(dtype):
 
 
 def test_shipped_skinny_tables_name_qwen3_8b_decode_shapes():
-    from metainfer.kernels.gemv_bench import QWEN3_8B_DECODE_SHAPES
-    from metainfer.kernels.skinny_gemm import TUNED_CONFIGS, parse_skinny_table
+    """Every shipped per-device JSON parses, and its skinny table names Qwen3-8B decode shapes."""
+    import glob
+    import json
+    import os
 
-    for gpu, table in TUNED_CONFIGS.items():
-        keys = parse_skinny_table(table)
+    from metainfer.kernels.skinny_gemm import parse_skinny_table
+    from metainfer.kernels.tuned_configs import CONFIG_DIR, load_tuned_configs
+    from tools.tune_gemv import QWEN3_8B_DECODE_SHAPES
+
+    files = glob.glob(os.path.join(CONFIG_DIR, "*.json"))
+    assert files
+    for path in files:
+        gpu = json.load(open(path))["device"]
+        keys = parse_skinny_table(load_tuned_configs(gpu)["skinny"])
         assert keys and {(n, k) for n, k, _ in keys} <= set(QWEN3_8B_DECODE_SHAPES.values()), gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import metainfer.kernels.gemv as gemv_mod
-import metainfer.kernels.gemv_bench as bench
+import tools.tune_gemv as bench
 from metainfer.kernels.gemv import (
     BUILTIN_CONFIGS,
     DEFAULT_CONFIG,
@@ -245,31 +245,23 @@ def test_sweep_plumbing_on_cpu(monkeypatch):
     assert "decode set (3 GEMVs" in report and "table:" in report
 
 
-def test_tuned_linear_picks_by_device_and_rows():
+def test_tuned_linear_binds_its_table_and_rows():
     from metainfer.kernels import gemv
 
     previous = gemv.get_gemv_configs()
-    assert gemv.tuned_linear("Some GPU without a table") is gemv.linear_ref
-    chosen = gemv.tuned_linear("NVIDIA H200")
-    assert chosen.func is gemv.linear_engine and chosen.keywords["pdl"] is False
-    assert {f"{n}x{k}" for n, k in chosen.keywords["table"]} == set(gemv.TUNED_CONFIGS["NVIDIA H200"])
-    # without PDL the no-PDL table (its launches measured faster there), with PDL the PDL table
-    assert chosen.keywords["table"] == gemv.parse_gemv_table(gemv.TUNED_CONFIGS_NO_PDL["NVIDIA H200"])
-    with_pdl = gemv.tuned_linear("NVIDIA H200", pdl=True)
-    assert with_pdl.keywords["table"] == gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
-    assert chosen.keywords["table"] != with_pdl.keywords["table"]
+    assert gemv.tuned_linear(None) is gemv.linear_ref and gemv.tuned_linear({}) is gemv.linear_ref
     # a given table keeps its launches; without PDL its preload is dropped
     given = {"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4, "preload": True}}
-    assert gemv.tuned_linear("NVIDIA H200", table=given).keywords["table"][(24, 64)].preload is False
-    assert gemv.tuned_linear("NVIDIA H200", table=given, pdl=True).keywords["table"][(24, 64)].preload is True
+    assert gemv.tuned_linear(given).keywords["table"][(24, 64)].preload is False
+    assert gemv.tuned_linear(given, pdl=True).keywords["table"][(24, 64)].preload is True
     assert gemv.get_gemv_configs() == previous  # the table travels with the linear, not process-wide
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(24, 64, generator=g)
-    with_shape = gemv.tuned_linear("NVIDIA H200", table={"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4}})
+    w, w_other = torch.randn(24, 64, generator=g), torch.randn(40, 64, generator=g)
+    with_shape = gemv.tuned_linear({"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4}})
     for m in (1, gemv.ENGINE_MAX_ROWS, gemv.ENGINE_MAX_ROWS + 1):  # Triton, Triton, cuBLAS/ATen
         x = torch.randn(m, 64, generator=g)
         torch.testing.assert_close(with_shape(x, w), linear_ref(x, w), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(chosen(x, w), linear_ref(x, w), rtol=1e-4, atol=1e-4)  # 24x64 not tuned: cuBLAS
+        torch.testing.assert_close(with_shape(x, w_other), linear_ref(x, w_other), rtol=1e-4, atol=1e-4)
 
 
 def test_engine_linear_launches_with_its_own_table(monkeypatch):
@@ -280,7 +272,7 @@ def test_engine_linear_launches_with_its_own_table(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(gemv_mod, "_gemv_kernel", rec)
     set_gemv_configs({(64, 512): GemvConfig(block_n=32, block_k=64, num_warps=2)})  # must be ignored
-    linear = gemv.tuned_linear("any", table={"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}})
+    linear = gemv.tuned_linear({"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}})
     x, w = torch.randn(1, 512), torch.randn(64, 512)
     linear(x, w)
     grid, kw = rec.launches[-1]
@@ -289,15 +281,14 @@ def test_engine_linear_launches_with_its_own_table(monkeypatch):
     w40 = torch.randn(40, 512)
     torch.testing.assert_close(linear(x, w40), linear_ref(x, w40))  # not in the bound table: cuBLAS/ATen
     assert len(rec.launches) == launches
-    gemv.tuned_linear("any", table={"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}}, pdl=True)(x, w)
+    gemv.tuned_linear({"64x512": {"block_n": 16, "block_k": 128, "num_warps": 4}}, pdl=True)(x, w)
     assert rec.launches[-1][1]["USE_PDL"] is True and rec.launches[-1][1]["launch_pdl"] is True
 
 
-def test_tuned_linear_without_a_no_pdl_table_uses_the_pdl_table_without_preload(monkeypatch):
-    from metainfer.kernels import gemv
+def test_select_ops_without_a_no_pdl_table_uses_the_pdl_table_without_preload(monkeypatch):
+    import metainfer.kernels as kernels
 
     table = {"24x64": {"block_n": 8, "block_k": 32, "num_warps": 4, "preload": True}}
-    monkeypatch.setitem(gemv.TUNED_CONFIGS, "A GPU with only a PDL table", table)
-    assert "A GPU with only a PDL table" not in gemv.TUNED_CONFIGS_NO_PDL
-    chosen = gemv.tuned_linear("A GPU with only a PDL table").keywords["table"]
+    monkeypatch.setattr(kernels, "load_tuned_configs", lambda name: {"gemv": table, "gemv_no_pdl": {}, "skinny": {}})
+    chosen = kernels.select_ops("cuda", gpu_name="A GPU with only a PDL table").linear.keywords["table"]
     assert chosen == {(24, 64): GemvConfig(block_n=8, block_k=32, num_warps=4, preload=False)}

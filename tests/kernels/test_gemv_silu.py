@@ -1,7 +1,6 @@
-"""GEMVs with a folded prologue (RMSNorm, residual-add + RMSNorm, SiLU-and-mul) against torch
-references: SiLU against the unfused activation reference then fp32 linear on its rounded output;
-the norms against the folded formula in fp64 (tight) and against the unfused path (whose normed
-activation is rounded twice: the output's tolerance)."""
+"""The GEMV with SiLU-and-mul folded into its x loads (the MLP's down projection at batch 1-2) against the
+unfused activation reference then an fp32 linear on its rounded output; the first-tile preload against
+the plain loop, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,9 +8,7 @@ import pytest
 import torch
 
 from metainfer.kernels.activation import silu_and_mul_ref
-from metainfer.kernels.gemv import GemvConfig, rms_norm_gemv_triton, silu_mul_gemv_triton
-from metainfer.kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
-
+from metainfer.kernels.gemv import GemvConfig, silu_mul_gemv_triton
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -20,7 +17,7 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3,
 TIGHT = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
          torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
 EPS = 1e-6
-# (config, N, K): even and ragged N/K, a K split (the norms run it unsplit), x loaded 1-D (BLOCK_K spans
+# (config, N, K): even and ragged N/K, a K split, x loaded 1-D (BLOCK_K spans
 # the warps) and 2-D
 CASES = [
     (GemvConfig(block_n=8, block_k=32, num_warps=4), 24, 64),
@@ -35,14 +32,6 @@ def _linear(x, w, b):
     return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
-def _folded_norm_linear(h, nw, w, b):
-    """y = (1/rms(h)) * (W @ (w_norm * h)) in fp64, rounded once: the kernel's formula."""
-    h64 = h.double()
-    inv = torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS)
-    y = torch.nn.functional.linear(h64 * nw.double(), w.double()) * inv
-    return (y if b is None else y + b.double()).to(h.dtype)
-
-
 def _data(m, n, k, dtype, seed, x_cols=None, bias=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, x_cols or k, generator=g) * 2
@@ -52,33 +41,6 @@ def _data(m, n, k, dtype, seed, x_cols=None, bias=False):
     b = torch.randn(n, generator=g) if bias else None
     to = lambda t: None if t is None else t.to(dtype).to(DEVICE)  # noqa: E731
     return to(x), to(res), to(nw), to(w), to(b)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_gemv_matches_unfused(dtype, m, case, with_residual):
-    cfg, n, k = CASES[case]
-    x, res, nw, w, b = _data(m, n, k, dtype, seed=case * 10 + m, bias=case == 1)
-    res_in = res.clone()
-    if with_residual:
-        normed, want_res = fused_add_rms_norm_ref(x, res.clone(), nw, EPS)
-        h = want_res
-        y, got_res = rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=cfg)
-        torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # round(x + r), exactly
-        assert got_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
-        torch.testing.assert_close(res, res_in, rtol=0, atol=0)  # the input residual is not touched
-    else:
-        normed, h = rms_norm_ref(x, nw, EPS), x
-        y, got_res = rms_norm_gemv_triton(x, None, nw, EPS, w, b, config=cfg)
-        assert got_res is x
-    assert y.dtype == dtype and y.shape == (m, n)
-    folded = _folded_norm_linear(h, nw, w, b).float()
-    torch.testing.assert_close(y.float(), folded, **TIGHT[dtype])  # the kernel's formula: 1-ulp rounding ties
-    torch.testing.assert_close(y.float(), _linear(normed, w, b).float(), **TOL[dtype])
-    if dtype != torch.float32:  # teeth: the unfused path's two roundings differ from the formula
-        assert not torch.equal(_linear(normed, w, b).float(), folded)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -95,10 +57,10 @@ def test_silu_mul_gemv_matches_unfused(dtype, m, case):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("prologue", ["none", "add_rms_norm", "silu_mul"])
+@pytest.mark.parametrize("prologue", ["none", "silu_mul"])
 def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue, monkeypatch):
     """GemvConfig.preload peels the first K-step (its weight tile loaded before the PDL wait): the same
-    products summed in the same order, so every output bit (and residual_out's) equals the plain
+    products summed in the same order, so every output bit equals the plain
     kernel's, with and without PDL, a K split, ragged N / K, and a single K-step (the loop empty after
     the peel: case 3's one 256-column tile)."""
     from dataclasses import replace
@@ -125,9 +87,7 @@ def test_preload_is_bitwise_equal_to_the_plain_loop(dtype, m, case, prologue, mo
         def run(c, pdl=pdl):
             if prologue == "none":
                 return (gemv_triton(x, w, b, config=c, pdl=pdl),)
-            if prologue == "silu_mul":
-                return (silu_mul_gemv_triton(x, w, b, config=c, pdl=pdl),)
-            return rms_norm_gemv_triton(x, res, nw, EPS, w, b, config=c, pdl=pdl)
+            return (silu_mul_gemv_triton(x, w, b, config=c, pdl=pdl),)
 
         seen.clear()
         plain, preloaded = run(cfg), run(pre)
@@ -142,11 +102,7 @@ def test_preload_must_be_a_bool():
 
 
 def test_prologue_argument_errors():
-    x, res, nw, w, _ = _data(1, 8, 64, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="norm_weight"):
-        rms_norm_gemv_triton(x, res, nw[:32], EPS, w)
-    with pytest.raises(ValueError, match="residual"):
-        rms_norm_gemv_triton(x, res[:, :32], nw, EPS, w)
+    x, _, _, w, _ = _data(1, 8, 64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="2K"):
         silu_mul_gemv_triton(x, w)  # gate_up must be twice the weight's K
 
@@ -172,58 +128,37 @@ def _mlp_spec():
 def test_select_ops_fuses_only_with_a_table():
     from metainfer.kernels import REF_OPS, fused_linear, gemv, select_ops
 
-    default = select_ops("cuda", gpu_name="NVIDIA H200")  # the activation folded, the norm apart
-    assert default.norm_linear.func is fused_linear.norm_linear_unfused
+    default = select_ops("cuda", gpu_name="NVIDIA H200")  # the activation folded into the down GEMV
     assert default.silu_mul_linear.func is fused_linear.silu_mul_linear_engine
-    fused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_norm=True)
-    assert fused.norm_linear.func is fused_linear.norm_linear_engine
-    assert fused.silu_mul_linear.func is fused_linear.silu_mul_linear_engine
     unfused = select_ops("cuda", gpu_name="NVIDIA H200", fuse_activation=False)
     assert unfused.silu_mul_linear.func is fused_linear.silu_mul_linear_unfused
-    assert unfused.norm_linear.func is fused_linear.norm_linear_unfused
-    # Triton GEMV (under the skinny GEMM's rows wrapper, the H200 default), norm apart
-    assert unfused.norm_linear.keywords["linear"].keywords["base"].func is gemv.linear_engine
+    # the Triton GEMV under the skinny GEMM's rows wrapper (the H200 default)
+    assert unfused.silu_mul_linear.keywords["linear"].keywords["base"].func is gemv.linear_engine
     cublas = select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={}, skinny_gemm=False)
-    assert cublas.linear is gemv.linear_ref and cublas.norm_linear.func is fused_linear.norm_linear_unfused
+    assert cublas.linear is gemv.linear_ref and cublas.silu_mul_linear.func is fused_linear.silu_mul_linear_unfused
     assert select_ops("cuda", gpu_name="NVIDIA H200", gemv_table={}).linear.keywords["base"] is gemv.linear_ref
-    assert REF_OPS.norm_linear.keywords["linear"] is REF_OPS.linear
     assert REF_OPS.silu_mul_linear.keywords["silu_and_mul"] is REF_OPS.silu_and_mul
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU model wiring test")
-@pytest.mark.parametrize("m", [1, 3])  # 1: the fused GEMVs; 3: above ENGINE_MAX_ROWS, the unfused kernels
-@pytest.mark.parametrize("first_layer", [True, False])
-def test_dense_mlp_and_qkv_with_folded_prologues_match_the_reference(monkeypatch, m, first_layer):
+@pytest.mark.parametrize("m", [1, 3])  # 1: the fused GEMV; 3: above ENGINE_MAX_ROWS, the unfused kernels
+def test_dense_mlp_with_the_folded_activation_matches_the_reference(monkeypatch, m):
     from metainfer.kernels import REF_OPS, fused_linear, select_ops
-    from metainfer.layers.linear import bind_kernel_linears
-    from metainfer.layers.norm import RMSNorm
     from metainfer.models.dense import DenseMLP
 
     launched = []
-    for name in ("rms_norm_gemv_triton", "silu_mul_gemv_triton"):
-        real = getattr(fused_linear, name)
-        monkeypatch.setattr(fused_linear, name,
-                            lambda *a, _real=real, _n=name, **k: launched.append(_n) or _real(*a, **k))
-    ops = select_ops("cpu", use_triton=True, gemv_table=TABLE, fuse_norm=True)
+    real = fused_linear.silu_mul_gemv_triton
+    monkeypatch.setattr(fused_linear, "silu_mul_gemv_triton", lambda *a, **k: launched.append(1) or real(*a, **k))
+    ops = select_ops("cpu", use_triton=True, gemv_table=TABLE)
     gen = torch.Generator().manual_seed(m)
-    mlps, norms = [], []
-    for variant in (REF_OPS, ops):
-        mlp, norm = DenseMLP(_mlp_spec(), variant, torch.float32), RMSNorm(HIDDEN, EPS, variant)
-        bind_kernel_linears(mlp, variant)
-        mlps.append(mlp)
-        norms.append(norm)
+    mlps = [DenseMLP(_mlp_spec(), variant, torch.float32) for variant in (REF_OPS, ops)]
     state = {k: torch.randn(v.shape, generator=gen) / 8 for k, v in mlps[0].state_dict().items()}
-    nw = 1 + 0.2 * torch.randn(HIDDEN, generator=gen)
-    for mlp, norm in zip(mlps, norms):
+    for mlp in mlps:
         mlp.load_state_dict(state)
-        norm.weight.data.copy_(nw)
     x = torch.randn(m, HIDDEN, generator=gen)
-    residual = None if first_layer else torch.randn(m, HIDDEN, generator=gen)
-    (want, want_res), (got, got_res) = [
-        mlp(x.clone(), None if residual is None else residual.clone(), norm) for mlp, norm in zip(mlps, norms)]
+    want, got = [mlp(x.clone()) for mlp in mlps]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
-    assert launched == (["rms_norm_gemv_triton", "silu_mul_gemv_triton"] if m == 1 else [])
+    assert launched == ([1] if m == 1 else [])
 
 
 def _mismatch(a, b) -> float:
@@ -233,28 +168,18 @@ def _mismatch(a, b) -> float:
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=8, block_k=32, num_warps=4),     # x loaded 1-D
                                  GemvConfig(block_n=4, block_k=1024, num_warps=1)])  # 2-D
-def test_prologue_operands_through_an_identity_weight(dtype, cfg):
+def test_silu_operand_through_an_identity_weight(dtype, cfg):
     """W = I makes y the GEMV's x operand itself (one nonzero product a row): the SiLU fold's operand
-    is silu_and_mul's output (in half precision element for element, but for rare ties), and the
-    folded norm's is w_norm * h * (1/rms) rounded once (not the unfused path's two roundings): the
-    formulas, not only a tolerance."""
+    is silu_and_mul's output (in half precision element for element, but for rare ties): the formula,
+    not only a tolerance."""
     k = 256
     eye = torch.eye(k, dtype=dtype, device=DEVICE)
-    gate_up, res, nw, _, _ = _data(2, k, k, dtype, seed=5, x_cols=2 * k)
+    gate_up, _, _, _, _ = _data(2, k, k, dtype, seed=5, x_cols=2 * k)
     act, ref = silu_mul_gemv_triton(gate_up, eye, config=cfg), silu_and_mul_ref(gate_up)
     if dtype == torch.float32:  # no rounding points: exp / division order only
         torch.testing.assert_close(act, ref, rtol=1e-6, atol=1e-6)
     else:  # the same rounded activation but for rare ties of exp
         assert _mismatch(act, ref) < 0.01
     once = (torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()).to(dtype)
-    x = gate_up[:, :k].contiguous()
-    y, h = rms_norm_gemv_triton(x, res, nw, EPS, eye, config=cfg)
-    h64 = h.double()
-    folded = (h64 * nw.double() * torch.rsqrt(h64.square().mean(-1, keepdim=True) + EPS)).to(dtype)
-    unfused = rms_norm_ref(h, nw, EPS)
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, folded, rtol=1e-6, atol=1e-6)
-    else:  # teeth: each alternative rounding is told apart
-        assert _mismatch(y, folded) < 0.02  # rare 1-ulp ties: 1/rms in fp32 against fp64
+    if dtype != torch.float32:  # teeth: a single rounding is told apart from silu_and_mul's two
         assert _mismatch(once, silu_and_mul_ref(gate_up)) > 0.05
-        assert _mismatch(unfused, folded) > 0.05 and _mismatch(y, unfused) > 0.05

@@ -29,20 +29,11 @@ def test_select_ops_binds_pdl_to_every_triton_launcher():
         assert isinstance(fn, functools.partial) and fn.keywords == {"pdl": True}, name
         assert fn.func is getattr(TRITON_OPS, name), name
     assert ops.linear.keywords["pdl"] is True and ops.linear.keywords["base"].keywords["pdl"] is True
-    assert ops.norm_linear.keywords["add_rms_norm"].keywords == {"pdl": True}  # the norm apart by default
-    # the decode step's q/k prep + attention: the two launchers composed by default, or the fused one
-    composed = ops.paged_decode_attention_qkv.keywords
-    assert composed["prep"].keywords == {"pdl": True} and composed["decode"].keywords == {"pdl": True}
-    fused = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_decode_prep=True).paged_decode_attention_qkv
-    assert fused.func is TRITON_OPS.paged_decode_attention_qkv and fused.keywords == {"pdl": True}
-    folded = select_ops("cuda", pdl=True, gpu_name="NVIDIA H200", fuse_norm=True)
-    for fused in (folded.norm_linear, ops.silu_mul_linear):  # the fused GEMVs, and their unfused fallback
-        gemv_table = ops.linear.keywords["base"].keywords["table"]  # the GEMV's, under the skinny GEMM's wrapper
-        assert fused.keywords["pdl"] is True and fused.keywords["table"] == gemv_table
-        unfused = fused.keywords["unfused"].keywords
-        assert unfused["linear"].keywords["pdl"] is True
-        assert all(unfused[k].keywords == {"pdl": True} for k in ("rms_norm", "add_rms_norm", "silu_and_mul")
-                   if k in unfused)
+    fused = ops.silu_mul_linear  # the SiLU-folded GEMV, and its unfused fallback
+    gemv_table = ops.linear.keywords["base"].keywords["table"]  # the GEMV's, under the skinny GEMM's wrapper
+    assert fused.keywords["pdl"] is True and fused.keywords["table"] == gemv_table
+    unfused = fused.keywords["unfused"].keywords
+    assert unfused["linear"].keywords["pdl"] is True and unfused["silu_and_mul"].keywords == {"pdl": True}
 
 
 def test_select_ops_without_pdl_leaves_launchers_unbound():
@@ -56,7 +47,7 @@ def test_select_ops_without_pdl_leaves_launchers_unbound():
 
 
 def test_every_launcher_takes_the_pdl_keyword():
-    for fn in [getattr(TRITON_OPS, name) for name in PDL_LAUNCHERS + ("paged_decode_attention_qkv",)] + [gemv_triton]:
+    for fn in [getattr(TRITON_OPS, name) for name in PDL_LAUNCHERS] + [gemv_triton]:
         param = inspect.signature(fn).parameters.get("pdl")
         assert param is not None and param.default is False, fn.__name__
 
@@ -105,18 +96,24 @@ def _decode_chain_inputs(batch: int) -> dict:
 
 
 def _decode_chain(ops, inp: dict) -> torch.Tensor:
-    """The kernel sequence of Qwen3 decode layers (as models/dense.py launches them: q/k norm,
-    rotary and the K/V store then attention, or with fuse_decode_prep in one launch; at batch 1-2
-    SiLU-and-mul, and with fuse_norm the norms, run inside the Triton GEMVs; at 5 as their own
-    kernels before the skinny GEMM (o_proj, gate_up, down on the H200 table) or cuBLAS (qkv))."""
+    """The kernel sequence of Qwen3 decode layers, as the dense model and the paged attention backend launch
+    them: the (add +) RMSNorm, the qkv GEMM, q/k norm + rotary + K/V store, decode attention, o_proj, the
+    norm, gate_up, and at batch 1-2 SiLU-and-mul inside the down GEMV; at 5 the activation as its own kernel
+    before the skinny GEMM (o_proj, gate_up, down on the H200 table) or cuBLAS (qkv)."""
     hidden, residual = inp["x"].clone(), None
     for w in inp["layers"]:
-        qkv, residual = ops.norm_linear(hidden, residual, w["w_in"], EPS, w["qkv"], None)
-        attn = ops.paged_decode_attention_qkv(qkv, inp["positions"], inp["cos_sin"], w["q_norm"], w["k_norm"], EPS,
-                                              w["k_cache"], w["v_cache"], inp["slots"], inp["tables"],
-                                              inp["context_lens"], D ** -0.5, HQ, HK, D)
+        if residual is None:
+            normed, residual = ops.rms_norm(hidden, w["w_in"], EPS), hidden
+        else:
+            normed, residual = ops.fused_add_rms_norm(hidden, residual, w["w_in"], EPS)
+        qkv = ops.linear(normed, w["qkv"], None)
+        q, _, _ = ops.qk_norm_rope_store(qkv, inp["positions"], inp["cos_sin"], w["q_norm"], w["k_norm"], EPS,
+                                         w["k_cache"], w["v_cache"], inp["slots"], HQ, HK, D)
+        attn = ops.paged_decode_attention(q, w["k_cache"], w["v_cache"], inp["tables"], inp["context_lens"],
+                                          D ** -0.5)
         hidden = ops.linear(attn.reshape(-1, HQ * D), w["o"])
-        gate_up, residual = ops.norm_linear(hidden, residual, w["w_post"], EPS, w["gate_up"], None)
+        normed, residual = ops.fused_add_rms_norm(hidden, residual, w["w_post"], EPS)
+        gate_up = ops.linear(normed, w["gate_up"], None)
         hidden = ops.silu_mul_linear(gate_up, w["down"], None)
     hidden, _ = ops.fused_add_rms_norm(hidden, residual, inp["layers"][0]["w_in"], EPS)
     return hidden
@@ -126,16 +123,14 @@ def _caches(inp: dict) -> list[torch.Tensor]:
     return [w[name].clone() for w in inp["layers"] for name in ("k_cache", "v_cache")]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available() and pdl_supported("cuda")),
                     reason="needs METAINFER_TEST_GPU=1 and a CUDA GPU of compute capability >= 9")
 @pytest.mark.parametrize("batch", [1, 2, 5])  # 1-2: the Triton GEMV; 5: the skinny GEMM and cuBLAS (qkv)
-# the shipped op set; the folded-norm GEMV (program 0 writes h); q/k prep inside the decode attention
-@pytest.mark.parametrize("fuse_norm, fuse_prep", [(False, False), (True, False), (False, True)],
-                         ids=["shipped", "fold-norm", "fused-decode-prep"])
-def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch, fuse_norm, fuse_prep):
+def test_pdl_chain_is_bitwise_equal_eager_and_in_a_graph(batch):
     name = torch.cuda.get_device_name()
-    plain = select_ops("cuda", gpu_name=name, fuse_norm=fuse_norm, fuse_decode_prep=fuse_prep)
-    pdl = select_ops("cuda", gpu_name=name, pdl=True, fuse_norm=fuse_norm, fuse_decode_prep=fuse_prep)
+    plain = select_ops("cuda", gpu_name=name)
+    pdl = select_ops("cuda", gpu_name=name, pdl=True)
     inp = _decode_chain_inputs(batch)
     initial = _caches(inp)
 

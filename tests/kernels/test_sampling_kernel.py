@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from metainfer.kernels.sampling import GumbelSampler, gumbel_sample_ref, sample_splits
-
 from tests.helpers.kernel_devices import DEVICE
 
 
@@ -110,9 +109,9 @@ def test_gumbel_sampler_argument_errors():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU sampler wiring test")
 def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
-    from metainfer.engine.sampler import Sampler
     from metainfer.engine.sequence import Sequence
     from metainfer.sampling_params import SamplingParams
+    from metainfer.worker.sampler import Sampler
 
     vocab = 40
     kernel = GumbelSampler(4, vocab, "cpu")
@@ -143,6 +142,6 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
 
 
 def test_aot_compile_sm90_sampling_kernel():
-    from tests.test_phase01_kernels import run_aot_check
+    from tests.helpers.aot import run_aot_check
 
     run_aot_check(["sampling"])

@@ -1,4 +1,4 @@
-"""Phase 1 numeric primitives: RMSNorm, fused add+RMSNorm, rotary (+ cos/sin cache), SiLU-and-mul.
+"""Elementwise kernels: RMSNorm, fused add+RMSNorm, rotary (+ cos/sin cache), SiLU-and-mul.
 
 Each torch reference is checked against an independent formula (float64 math, complex-number
 rotation, transformers' rope init functions) and, bit for bit in fp32/fp16/bf16, against HF
@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from metainfer.kernels import (
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
+from tests.helpers.aot import run_aot_check
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
 triton = pytest.importorskip("triton")
@@ -423,48 +423,35 @@ def test_import_without_triton_and_without_cuda_init():
         "    raise SystemExit('expected RuntimeError')\n"
         "print('ok')\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-def run_aot_check(ops: list[str]) -> str:
-    """Compile the given ops for sm_90 in a fresh process without TRITON_INTERPRET; returns its output."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as cache_dir:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITON_CACHE_DIR=cache_dir, TRITON_DEFAULT_FP_FUSION="1")
-        proc = subprocess.run([sys.executable, "-m", "metainfer.kernels.aot_check", *ops], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=300)
-    if proc.returncode == 2:
-        pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    return proc.stdout
-
-
-def test_aot_compile_sm90_phase01_kernels():
+@pytest.mark.slow
+def test_aot_compile_sm90_elementwise_kernels():
     run_aot_check(["rms_norm", "silu_and_mul", "rotary", "gemv"])
 
 
 def test_select_ops_gemm_by_gpu_name():
     from metainfer.kernels import gemv
+    from metainfer.kernels.tuned_configs import load_tuned_configs
 
     previous = gemv.get_gemv_configs()
     assert select_ops("cuda", gpu_name="A GPU without a tuned table").linear is gemv.linear_ref
     chosen = select_ops("cuda", gpu_name="NVIDIA H200").linear.keywords["base"]  # under the skinny GEMM's wrapper
     assert chosen.func is gemv.linear_engine
-    shipped = gemv.parse_gemv_table(gemv.TUNED_CONFIGS["NVIDIA H200"])
+    tuned = load_tuned_configs("NVIDIA H200")
+    shipped = gemv.parse_gemv_table(tuned["gemv"])
     assert any(cfg.preload for cfg in shipped.values())
     # without PDL: the no-PDL table (plain loop, no preload: nothing to hide it behind), same shapes
-    no_pdl_table = gemv.parse_gemv_table(gemv.TUNED_CONFIGS_NO_PDL["NVIDIA H200"])
+    no_pdl_table = gemv.parse_gemv_table(tuned["gemv_no_pdl"])
     assert not any(cfg.preload for cfg in no_pdl_table.values()) and set(no_pdl_table) == set(shipped)
     assert chosen.keywords == {"table": no_pdl_table, "pdl": False}
     no_pdl = select_ops("cuda", gpu_name="NVIDIA H200")
     assert no_pdl.silu_mul_linear.keywords["table"] is no_pdl.linear.keywords["base"].keywords["table"]
-    folded = select_ops("cuda", gpu_name="NVIDIA H200", fuse_norm=True)
-    assert folded.norm_linear.keywords["table"] == chosen.keywords["table"]  # the fused GEMVs drop it too
     with_pdl = select_ops("cuda", gpu_name="NVIDIA H200", pdl=True).linear.keywords["base"]
     assert with_pdl.keywords == {"table": shipped, "pdl": True}
     assert select_ops("cuda").linear is gemv.linear_ref  # no name: cuBLAS, and no CUDA call

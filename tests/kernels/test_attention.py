@@ -8,9 +8,6 @@ block-table lookup or an unmasked read shows up as a mismatch.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -25,100 +22,21 @@ from metainfer.kernels import (
     store_kv_ref,
     store_kv_triton,
 )
-from metainfer.kernels.attention import alloc_decode_counters
+from metainfer.kernels.attention_decode import alloc_decode_counters
+from tests.helpers.aot import run_aot_check
+from tests.helpers.attention_cases import (
+    DECODE_CONTEXTS,
+    PREFILL_SEQS,
+    make_paged_batch,
+    naive_attention,
+    prefill_inputs,
+)
+from tests.helpers.attention_cases import close as _close
+from tests.helpers.attention_cases import randn as _randn
+from tests.helpers.attention_cases import store_kv_inputs as _store_kv_inputs
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES
 
-ON_GPU = os.environ.get("METAINFER_TEST_GPU") == "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 triton = pytest.importorskip("triton")
-
-# Triton vs reference: fp16/bf16 add the rounding of softmax probabilities before P@V.
-ATTN_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
-
-
-def _randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
-
-
-def _close(actual, expected, dtype):
-    atol, rtol = ATTN_TOL[dtype]
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
-
-
-@dataclass
-class PagedBatch:
-    k_cache: torch.Tensor  # [N, S, Hk, D]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # int32 [B, M], padded with -1
-    context_lens: torch.Tensor  # int32 [B]
-    dense_k: list  # per sequence [L, Hk, D]
-    dense_v: list
-
-
-def make_paged_batch(context_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
-    """Random per-sequence K/V scattered (by a plain Python loop) into shuffled blocks of a cache
-    whose other slots hold garbage; block tables padded with -1 past each sequence's blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-length // block_size) for length in context_lens]
-    num_blocks = sum(blocks_needed) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
-    v_cache = (torch.randn(shape, generator=gen) * 100).to(dtype)
-    block_tables = torch.full((len(context_lens), max(blocks_needed) + 1), -1, dtype=torch.int32)
-    dense_k, dense_v = [], []
-    for b, length in enumerate(context_lens):
-        k = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(length, num_kv_heads, head_dim, generator=gen).to(dtype)
-        blocks = [order.pop() for _ in range(blocks_needed[b])]
-        block_tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        for pos in range(length):
-            k_cache[blocks[pos // block_size], pos % block_size] = k[pos]
-            v_cache[blocks[pos // block_size], pos % block_size] = v[pos]
-        dense_k.append(k)
-        dense_v.append(v)
-    to = dict(device=device)
-    return PagedBatch(k_cache.to(**to), v_cache.to(**to), block_tables.to(**to),
-                      torch.tensor(context_lens, dtype=torch.int32, device=device), dense_k, dense_v)
-
-
-def naive_attention(q, k, v, scale, first_pos):
-    """float64 softmax(q k^T * scale + causal mask) v with an explicit mask matrix; query i sits at
-    position first_pos + i. q [Lq, Hq, D], k/v [L, Hk, D]."""
-    num_q, num_heads, _ = q.shape
-    length, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    out = torch.zeros(num_q, num_heads, v.shape[-1], dtype=torch.float64)
-    mask = torch.zeros(num_q, length, dtype=torch.bool)
-    for i in range(num_q):
-        mask[i, : first_pos + i + 1] = True
-    for h in range(num_heads):
-        kh, vh = k[:, h // group].double(), v[:, h // group].double()
-        scores = (q[:, h].double() @ kh.T) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        out[:, h] = weights @ vh
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# store_kv
-# ----------------------------------------------------------------------------------------------
-
-
-def _store_kv_inputs(dtype, block_size, device, num_tokens=7, hk=2, head_dim=64):
-    """k/v as strided views into a fused qkv tensor, slots spread over blocks, two -1 pads."""
-    hq = 2 * hk
-    qkv = _randn(num_tokens, (hq + 2 * hk) * head_dim, dtype=dtype, device=device)
-    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(num_tokens, hk, head_dim)
-    v = qkv[:, (hq + hk) * head_dim :].view(num_tokens, hk, head_dim)
-    num_blocks = max(4, -(-num_tokens * 3 // block_size))
-    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(1))[:num_tokens]
-    slots[1] = slots[4] = -1
-    kv = _randn(2, num_blocks, block_size, hk, head_dim, dtype=dtype, seed=2, device=device)
-    return k, v, kv[0], kv[1], slots.to(torch.int32).to(device)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -149,7 +67,6 @@ def test_store_kv_triton_matches_ref(dtype, block_size):
 # decode
 # ----------------------------------------------------------------------------------------------
 
-DECODE_CONTEXTS = [0, 1, 17, 33, 70]  # empty row, single token, crossing 16/32-token blocks
 
 
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [
@@ -332,7 +249,7 @@ def test_decode_triton_repeated_launches_reuse_counters(dtype):
 def test_decode_triton_default_counters_are_shared_and_left_zeroed(monkeypatch):
     """Without counters= the launcher uses one zeroed buffer per device (grown when too small,
     the outgrown one kept alive for graphs that may point at it)."""
-    from metainfer.kernels import attention
+    from metainfer.kernels import attention_decode as attention
 
     tiny = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     monkeypatch.setitem(attention._SHARED_COUNTERS, torch.empty(0, device=DEVICE).device, tiny)  # cuda:0, not cuda
@@ -375,7 +292,7 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
     """No .item()/.tolist()/int()/bool() on tensors in the launchers (CUDA-graph capturable).
     The interpreter itself runs the kernels, so only the launcher bodies are checked: the kernel
     launch is stubbed out."""
-    from metainfer.kernels import attention
+    from metainfer.kernels import attention_decode, attention_prefill
 
     batch = make_paged_batch([5, 20], 16, 1, 64, torch.float32)
     q = _randn(2, 4, 64, device=DEVICE)
@@ -388,8 +305,8 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append((self.name, grid))
 
-    monkeypatch.setattr(attention, "_decode_split_kernel", FakeKernel("split"))
-    monkeypatch.setattr(attention, "_prefill_kernel", FakeKernel("prefill"))
+    monkeypatch.setattr(attention_decode, "_decode_split_kernel", FakeKernel("split"))
+    monkeypatch.setattr(attention_prefill, "_prefill_kernel", FakeKernel("prefill"))
 
     def forbidden(*_args, **_kwargs):
         raise AssertionError("host sync in a launcher")
@@ -409,24 +326,11 @@ def test_triton_launchers_do_not_sync_the_host(monkeypatch):
 # prefill / extend
 # ----------------------------------------------------------------------------------------------
 
-# (q_len, context_len) per sequence: plain prefill, prefix-cache hit / chunked prefill
-# (q_len < context_len, crossing block boundaries), a one-token extend.
-PREFILL_SEQS = [(17, 17), (5, 37), (1, 16), (20, 50)]
-
-
-def _prefill_inputs(seqs, group, hk, head_dim, block_size, dtype, device=DEVICE, seed=0):
-    batch = make_paged_batch([c for _, c in seqs], block_size, hk, head_dim, dtype, seed=seed, device=device)
-    q_lens = [q for q, _ in seqs]
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    q = _randn(sum(q_lens), group * hk, head_dim, dtype=dtype, seed=seed + 7, device=device)
-    return batch, q, cu, max(q_lens)
-
-
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [
     (1, 2, 64, 16), (4, 1, 128, 1), (8, 1, 64, 32),
 ])
 def test_prefill_ref_matches_naive(group, hk, head_dim, block_size):
-    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, torch.float32, "cpu")
+    batch, q, cu, max_q = prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, torch.float32, "cpu")
     scale = head_dim**-0.5
     out = paged_prefill_attention_ref(q, batch.k_cache, batch.v_cache, cu, batch.context_lens,
                                       batch.block_tables, max_q, scale)
@@ -448,7 +352,7 @@ PREFILL_KERNEL_CASES = [  # (group, hk, head_dim, block_size, dtype)
 @pytest.mark.parametrize("case", PREFILL_KERNEL_CASES, ids=_decode_case_id)
 def test_prefill_triton_matches_ref(case):
     group, hk, head_dim, block_size, dtype = case
-    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
+    batch, q, cu, max_q = prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
     args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, head_dim**-0.5)
     expected = paged_prefill_attention_ref(*args)
     out = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
@@ -460,13 +364,13 @@ def test_prefill_triton_matches_ref(case):
 def test_prefill_triton_default_tiles_and_empty_sequence(dtype):
     """Launcher-chosen tiles (BLOCK_M from max_seqlen_q) and a sequence with no new tokens."""
     seqs = [(3, 40), (0, 9), (33, 33)]
-    batch, q, cu, max_q = _prefill_inputs(seqs, 4, 1, 64, 16, dtype, seed=3)
+    batch, q, cu, max_q = prefill_inputs(seqs, 4, 1, 64, 16, dtype, seed=3)
     args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, 0.125)
     _close(paged_prefill_attention_triton(*args), paged_prefill_attention_ref(*args), dtype)
 
 
-def test_aot_compile_sm90_phase05_kernels():
-    from tests.test_phase01_kernels import run_aot_check
+@pytest.mark.slow
+def test_aot_compile_sm90_attention_kernels():
 
     run_aot_check(["store_kv", "decode", "prefill", "qk_prep"])
 
@@ -475,7 +379,7 @@ def test_decode_workspace_for_covers_every_split_launch_and_no_more():
     """The engine's one decode scratch (model_runner._bind_decode_workspace): for every batch up to
     the maximum, a default launch's split scratch fits; and it is the largest of those needs (so a
     256-sequence engine holds ~1 MB, not max_batch x 32 splits)."""
-    from metainfer.kernels.attention import decode_workspace_numel_for
+    from metainfer.kernels.attention_decode import decode_workspace_numel_for
 
     hq, hk, d, table = 32, 8, 128, 4096
     numel = decode_workspace_numel_for(256, hq, hk, d, table)
@@ -488,7 +392,7 @@ def test_decode_workspace_for_covers_every_split_launch_and_no_more():
 def test_decode_workspace_for_serves_every_batch_launch():
     """Every batch up to the maximum launches against the one buffer (the launcher refuses a
     workspace that is too small), with a long context in each batch so the launches split."""
-    from metainfer.kernels.attention import decode_workspace_numel_for
+    from metainfer.kernels.attention_decode import decode_workspace_numel_for
 
     hq, hk, head_dim, block_size, max_batch, width = 4, 2, 16, 16, 12, 1024
     workspace = torch.empty(decode_workspace_numel_for(max_batch, hq, hk, head_dim, width), device=DEVICE)
@@ -505,28 +409,3 @@ def test_decode_workspace_for_serves_every_batch_launch():
         except ValueError:
             refused.append(b)
     assert refused  # the size is tight
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_attention_layer_bound_workspace_is_used(dtype):
-    """Attention.bind_decode_workspace: the layer's decode launches write their partials there (a
-    split context), and the output still matches the reference."""
-    from metainfer.kernels import TRITON_OPS
-    from metainfer.kernels.attention import decode_workspace_numel_for
-    from metainfer.layers.attention import Attention, AttentionMetadata, forward_context
-
-    hq, hk, head_dim, block_size = 8, 2, 64, 16
-    batch = make_paged_batch([700, 5], block_size, hk, head_dim, dtype, seed=3)
-    tables = _pad_table(batch.block_tables, 1024, block_size)
-    layer = Attention(hq, hk, head_dim, head_dim**-0.5, TRITON_OPS)
-    layer.k_cache, layer.v_cache = batch.k_cache, batch.v_cache
-    workspace = torch.full((decode_workspace_numel_for(2, hq, hk, head_dim, 1024),), float("nan"), device=DEVICE)
-    layer.bind_decode_workspace(workspace)
-    q = _randn(2, hq, head_dim, dtype=dtype, seed=4, device=DEVICE)
-    meta = AttentionMetadata(False, torch.full((2,), -1, dtype=torch.int32, device=DEVICE), batch.context_lens,
-                             tables)
-    with forward_context(meta):
-        out = layer.attend(q)
-    want = paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, tables, batch.context_lens, head_dim**-0.5)
-    _close(out.view(2, hq, head_dim), want, dtype)
-    assert not bool(torch.isnan(workspace).all())  # the 700-token context split into this buffer

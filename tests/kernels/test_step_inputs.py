@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from metainfer.kernels.step_inputs import step_inputs_ref, step_inputs_triton
+from tests.helpers.aot import run_aot_check
 from tests.helpers.kernel_devices import DEVICE
 
 pytest.importorskip("triton")
@@ -47,9 +48,8 @@ def test_step_inputs_triton_names_a_bad_field():
         step_inputs_triton(ids, src, positions, sampled.int())
 
 
+@pytest.mark.slow
 def test_aot_compile_sm90_step_inputs():
     """The kernel compiles for sm_90 (with and without PDL) as one variant for every token count."""
-    from tests.test_phase01_kernels import run_aot_check
-
     out = run_aot_check(["step_inputs"])  # cases T = 1, 512, 8192, the first also with PDL
     assert "2 distinct kernels compiled" in out, out[-2000:]

@@ -1,10 +1,10 @@
 """fp8 KV cache (`kv_cache_dtype="fp8"`): float8_e4m3fn K/V with a unit scale, clamped to +-448.
 
-The writers (store_kv, qk_norm_rope_store, the fused decode) must put the same fp8 bits into the
+The writers (store_kv, qk_norm_rope_store) must put the same fp8 bits into the
 cache as the torch reference's cast; the readers (decode split / one-pass, prefill / extend) must
 attend over the widened fp8 values as the torch references do, and the references themselves
 must equal a float64 softmax over the dequantised K/V. (The engine with an fp8 cache:
-test_phase10_fp8_kv_parity.py.) On the CPU the kernels run in fp32 and fp16: the interpreter cannot
+tests/models/test_fp8_kv_parity.py.) On the CPU the kernels run in fp32 and fp16: the interpreter cannot
 run bf16, so bf16 q over an fp8 cache (the engine's GPU path, fp16 products) is checked only with
 METAINFER_TEST_GPU=1 (runs 25-26, before the GQA 1 / 8 fused cases were added).
 """
@@ -26,11 +26,7 @@ from metainfer.kernels import (
 )
 from metainfer.kernels._triton import tl
 from metainfer.kernels._triton import triton as triton_jit
-from metainfer.kernels.attention import (
-    decode_block_n,
-    paged_decode_attention_qkv_ref,
-    paged_decode_attention_qkv_triton,
-)
+from metainfer.kernels.attention_decode import decode_block_n
 from metainfer.kernels.kv_cache import (
     FP8_KV_DTYPE,
     FP8_MAX,
@@ -42,31 +38,27 @@ from metainfer.kernels.kv_cache import (
     token_major_copy,
     token_major_v_cache,
 )
-from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
-from tests.test_phase05_attention_kernels import (
+from tests.helpers.attention_cases import (
     DECODE_CONTEXTS,
     PREFILL_SEQS,
-    _close,
-    _prefill_inputs,
-    _randn,
-    _store_kv_inputs,
     make_paged_batch,
     naive_attention,
+    prefill_inputs,
 )
-from tests.test_phase05_decode_qkv import _case, _clone
+from tests.helpers.attention_cases import clone_args as _clone
+from tests.helpers.attention_cases import close as _close
+from tests.helpers.attention_cases import decode_step_case as _case
+from tests.helpers.attention_cases import randn as _randn
+from tests.helpers.attention_cases import store_kv_inputs as _store_kv_inputs
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 
 triton = pytest.importorskip("triton")
 
 
-def _in_layout(v_cache: torch.Tensor, token_major: bool) -> torch.Tensor:
-    """The same V values, head-major (as given) or in the fp8 engine's token-major layout."""
-    return token_major_copy(v_cache) if token_major else v_cache
-
-
-def _to_fp8(batch, token_major=False):
+def _to_fp8(batch):
     """The paged batch with fp8 caches; dense K/V replaced by the fp8 values they now hold."""
     batch.k_cache = to_cache_dtype(batch.k_cache, FP8_KV_DTYPE)
-    batch.v_cache = _in_layout(to_cache_dtype(batch.v_cache, FP8_KV_DTYPE), token_major)
+    batch.v_cache = token_major_copy(to_cache_dtype(batch.v_cache, FP8_KV_DTYPE))
     batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
     batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
     return batch
@@ -119,15 +111,14 @@ def test_check_cache_dtype_names_the_mismatch():
         check_cache_dtype(q16, torch.empty(0, dtype=FP8_KV_DTYPE), torch.empty(0, dtype=q16), "q")
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_store_kv_fp8_bits_equal_reference(dtype, block_size, token_major):
+def test_store_kv_fp8_bits_equal_reference(dtype, block_size):
     k, v, k_cache, v_cache, slots = _store_kv_inputs(dtype, block_size, DEVICE)
     k = k * 300  # some values beyond 448: they must saturate in both
     v = v * 300
     k_cache = to_cache_dtype(k_cache, FP8_KV_DTYPE)
-    v_cache = _in_layout(to_cache_dtype(v_cache, FP8_KV_DTYPE), token_major)
+    v_cache = token_major_copy(to_cache_dtype(v_cache, FP8_KV_DTYPE))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv_ref(k, v, k_ref, v_ref, slots)
     store_kv_triton(k, v, k_cache, v_cache, slots)
@@ -146,14 +137,13 @@ def test_decode_ref_fp8_matches_naive_over_dequantised_kv():
             torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("launch", [(1, 16), (3, 16), (32, 16)], ids=["one-pass", "split3", "split32"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 2, 128, 16), (8, 1, 64, 32)])
-def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, launch, token_major):
+def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, launch):
     max_num_splits, block_n = launch
     contexts = DECODE_CONTEXTS + [300]
-    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype), token_major)
+    batch = _to_fp8(make_paged_batch(contexts, block_size, hk, head_dim, dtype))
     q = _randn(len(contexts), group * hk, head_dim, dtype=dtype, seed=5, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
     expected = paged_decode_attention_ref(*args)
@@ -162,19 +152,19 @@ def test_decode_triton_fp8_matches_ref(group, hk, head_dim, block_size, dtype, l
     _close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("fp8", ["head-major", "token-major", None], ids=["fp8", "fp8-v-token-major", "model-dtype"])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
 @pytest.mark.parametrize("launch", [(1, 128, None), (1, 128, 16), (1, 16, None), (3, 32, None)],
                          ids=["one-pass-128", "one-pass-128-tail16", "one-pass-16", "split3"])
 def test_decode_forced_splits_and_wide_tiles_match_ref(fp8, launch):
-    """A forced split count and the 128-token tiles of wide fp8 launches: ragged contexts, a context
-    of one tile plus one token, block boundaries (block 16); over token-major V, tails of one to
-    eight masked tiles (tail_block_n 16; the default, 64, takes one or two)."""
+    """A forced split count and the 128-token tiles of fp8 launches: ragged contexts, a context of one
+    tile plus one token, block boundaries (block 16); over fp8's token-major V, tails of one to eight
+    masked tiles (tail_block_n 16; the default, 64, takes one or two)."""
     num_splits, block_n, tail_block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = DECODE_CONTEXTS + [block_n + 1, 255, 300]
     batch = make_paged_batch(contexts, 16, 2, 64, dtype)
     if fp8:
-        batch = _to_fp8(batch, fp8 == "token-major")
+        batch = _to_fp8(batch)
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
@@ -190,7 +180,7 @@ def test_decode_token_major_tails_of_16_token_tiles(group, block_size, launch):
     num_splits, block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = [1, 17, 70, 255, 300]
-    batch = _to_fp8(make_paged_batch(contexts, block_size, 2, 64, dtype), True)
+    batch = _to_fp8(make_paged_batch(contexts, block_size, 2, 64, dtype))
     q = _randn(len(contexts), 2 * group, 64, dtype=dtype, seed=9, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
@@ -199,7 +189,7 @@ def test_decode_token_major_tails_of_16_token_tiles(group, block_size, launch):
 
 
 def test_decode_tail_block_n_is_checked():
-    batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]), True)
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]))
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     for bad in (8, 48, 128):  # below 16, not a power of two, above block_n
@@ -213,48 +203,48 @@ def test_v_cache_layouts():
     assert v.shape == memory.shape and v.stride() == (2 * 64 * 16, 1, 64 * 16, 16)
     assert is_token_major(v) and not is_token_major(memory)
     check_v_cache_layout(v)
-    check_v_cache_layout(memory)
-    with pytest.raises(ValueError, match="v_cache strides"):
-        check_v_cache_layout(memory.transpose(2, 3))
+    with pytest.raises(ValueError, match="token-major"):  # fp8 V head-major: the layout that lost, refused
+        check_v_cache_layout(memory)
+    check_v_cache_layout(memory.to(torch.float16))  # a 16-bit cache is head-major
+    with pytest.raises(ValueError, match="head-major"):
+        check_v_cache_layout(token_major_v_cache(memory.to(torch.float16)))
+    check_v_cache_layout(torch.zeros(3, 1, 2, 64, dtype=FP8_KV_DTYPE))  # one token a block: both layouts
     v[1, 5, 1, 7] = 2.0  # token 5 of block 1, kv head 1, dim 7: memory [block, head, dim, token]
     assert memory.view(3, 2, 64, 16)[1, 1, 7, 5].item() == 2.0
 
 
-def test_launchers_reject_a_v_cache_in_neither_layout():
+def test_launchers_reject_a_head_major_fp8_v_cache():
     batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]))
-    bad_v = batch.v_cache.transpose(2, 3).contiguous().transpose(2, 3)  # [N, S, Hk, D] with Hk fastest
+    bad_v = batch.v_cache.contiguous()  # head-major fp8
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
-    with pytest.raises(ValueError, match="v_cache strides"):
+    with pytest.raises(ValueError, match="token-major"):
         paged_decode_attention_triton(q, batch.k_cache, bad_v, batch.block_tables, batch.context_lens, 0.125)
     k = torch.zeros(3, 2, 64, dtype=KERNEL_DTYPES[0], device=DEVICE)
-    with pytest.raises(ValueError, match="v_cache strides"):
+    with pytest.raises(ValueError, match="token-major"):
         store_kv_triton(k, k, batch.k_cache, bad_v, torch.zeros(3, dtype=torch.int32, device=DEVICE))
 
 
 def test_decode_block_n_rule():
-    """128-token tiles only for one-pass launches over fp8: token-major V, or many programs (run 30)."""
-    assert decode_block_n(1, 2048, FP8_KV_DTYPE) == 128
-    assert decode_block_n(1, 512, FP8_KV_DTYPE) == 64
-    assert decode_block_n(1, 512, FP8_KV_DTYPE, v_token_major=True) == 128
-    assert decode_block_n(3, 512, FP8_KV_DTYPE, v_token_major=True) == 32
-    assert decode_block_n(1, 2048, torch.bfloat16) == 64
-    assert decode_block_n(4, 2048, FP8_KV_DTYPE) == 32
+    """128-token tiles for one-pass launches over fp8 (token-major V, run 35), 64 over 16-bit, 32 split."""
+    assert decode_block_n(1, FP8_KV_DTYPE) == 128
+    assert decode_block_n(3, FP8_KV_DTYPE) == 32
+    assert decode_block_n(1, torch.bfloat16) == 64
+    assert decode_block_n(4, torch.bfloat16) == 32
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
-def test_decode_launcher_takes_the_tile_from_the_v_layout(monkeypatch, token_major):
-    """The launcher hands decode_block_n the V layout it was given: 16 one-pass programs over an fp8
-    cache take 128-token tiles only when V is token-major."""
-    import metainfer.kernels.attention as attention
+def test_decode_launcher_takes_the_tile_from_the_cache_dtype(monkeypatch):
+    """The launcher hands decode_block_n the cache dtype: one-pass programs over an fp8 cache take
+    128-token tiles."""
+    import metainfer.kernels.attention_decode as attention
 
     chosen = []
     monkeypatch.setattr(attention, "decode_block_n", lambda *a, **kw: chosen.append(decode_block_n(*a, **kw))
                         or chosen[-1])
-    batch = _to_fp8(make_paged_batch([5, 40], 16, 8, 64, KERNEL_DTYPES[0]), token_major)
+    batch = _to_fp8(make_paged_batch([5, 40], 16, 8, 64, KERNEL_DTYPES[0]))
     q = _randn(2, 32, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     out = paged_decode_attention_triton(*args, max_num_splits=1)
-    assert chosen == [128 if token_major else 64]
+    assert chosen == [128]
     _close(out, paged_decode_attention_ref(*args), KERNEL_DTYPES[0])
 
 
@@ -268,9 +258,8 @@ def _stale_slots(batch) -> torch.Tensor:
     return stale
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("launch", [(1, 128), (3, 32)], ids=["one-pass-128", "split3"])
-def test_decode_ignores_nan_in_stale_slots(token_major, launch):
+def test_decode_ignores_nan_in_stale_slots(launch):
     """A freed block keeps what its last owner wrote, NaN included (fp8 0x7f): slots past a row's end
     must add nothing, in the reference (the CPU engine's path) and in the kernel. The interpreter
     widens 0x7f to 480, not NaN, so on the CPU the kernel half checks finite garbage only; on the GPU
@@ -278,7 +267,7 @@ def test_decode_ignores_nan_in_stale_slots(token_major, launch):
     num_splits, block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = [1, 17, 70, 129, 300]
-    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype), token_major)
+    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype))
     stale = _stale_slots(batch).to(batch.k_cache.device)[:, :, None, None]
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=3, device=DEVICE)
     clean = [c.clone() for c in (batch.k_cache, batch.v_cache)]  # clone keeps V's layout
@@ -304,13 +293,12 @@ def test_decode_num_splits_override_is_bounded():
             paged_decode_attention_triton(*args, num_splits=bad)
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(1, 2, 64, 16), (4, 1, 128, 32), (8, 1, 64, 1)])
-def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype, token_major):
+def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_size, dtype):
     """Plain prefill, prefix-cache hits / chunked prefill (q_len < context) and a one-token extend."""
-    batch, q, cu, max_q = _prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
-    batch = _to_fp8(batch, token_major)
+    batch, q, cu, max_q = prefill_inputs(PREFILL_SEQS, group, hk, head_dim, block_size, dtype)
+    batch = _to_fp8(batch)
     args = (q, batch.k_cache, batch.v_cache, cu, batch.context_lens, batch.block_tables, max_q, head_dim**-0.5)
     expected = paged_prefill_attention_ref(*args)
     out = paged_prefill_attention_triton(*args, block_m=16, block_n=16)
@@ -321,12 +309,11 @@ def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_siz
         _close(expected[s:e], naive, dtype)
 
 
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype, token_major):
+def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
     a = _case([5, 17, 40], 4, 2, 64, 64, True, 16, dtype)
     a["k_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE)
-    a["v_cache"] = _in_layout(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE), token_major)
+    a["v_cache"] = token_major_copy(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE))
     names = ("qkv", "positions", "cos_sin", "q_norm_w", "k_norm_w", "eps", "k_cache", "v_cache", "slot_mapping",
              "num_q_heads", "num_kv_heads", "head_dim")
     ref, tri = _clone(a), _clone(a)
@@ -336,32 +323,3 @@ def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype, token_major):
         same = tri[name].view(torch.uint8) == ref[name].view(torch.uint8)
         assert same.float().mean().item() >= 0.999, name  # rare 1-ulp flips of the normed k before the cast
     assert torch.equal(tri["v_cache"].view(torch.uint8), ref["v_cache"].view(torch.uint8)), "v is cast as projected"
-
-
-FUSED_FP8_CASES = [  # (contexts, group, hk, head_dim, rot_dim, norm, block_size, unstored rows)
-    ([1, 17, 33, 70, 0], 4, 2, 64, 64, True, 16, ()),      # GQA 4, a padded row
-    ([5, 48, 129], 1, 2, 128, 128, False, 16, (1,)),       # GQA 1 (no dot), D 128, a row not stored
-    ([40, 3, 96], 8, 1, 128, 64, True, 32, ()),            # GQA 8, D 128, partial rotary
-]
-
-
-@pytest.mark.parametrize("token_major", [False, True], ids=["v-head-major", "v-token-major"])
-@pytest.mark.parametrize("launch", [(1, None), (3, None), (32, 16)], ids=["one-pass", "split3", "split32"])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("case", FUSED_FP8_CASES, ids=["g4-d64", "g1-d128-unstored", "g8-d128"])
-def test_fused_decode_fp8_matches_composed_reference(case, dtype, launch, token_major):
-    """The fused launch stores this step's K/V as fp8 and attends to the stored (rounded) k/v."""
-    max_num_splits, block_n = launch
-    *shape, unstored = case
-    a = _case(*shape, dtype, unstored=unstored)
-    a["k_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE)
-    a["v_cache"] = _in_layout(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE), token_major)
-    fused, ref = _clone(a), {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _clone(a).items()}
-    out = paged_decode_attention_qkv_triton(**fused, max_num_splits=max_num_splits, block_n=block_n,
-                                            min_split_tokens=16)
-    expected = paged_decode_attention_qkv_ref(**ref)
-    for name in ("k_cache", "v_cache"):
-        got, want = fused[name].cpu().view(torch.uint8), ref[name].view(torch.uint8)
-        assert (got == want).float().mean().item() >= 0.999, name
-    assert not torch.isnan(out).any()
-    _close(out, expected, dtype)

@@ -9,12 +9,9 @@ slot_mapping (or marked -1) must come back bit-identical.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from metainfer.config import ModelSpec
 from metainfer.kernels import (
     REF_OPS,
     TRITON_OPS,
@@ -26,10 +23,7 @@ from metainfer.kernels import (
     select_ops,
     store_kv_ref,
 )
-from metainfer.layers.attention import AttentionMetadata, forward_context
-from metainfer.layers.norm import RMSNorm
-from metainfer.models.dense import DenseAttention
-from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
 
 triton = pytest.importorskip("triton")
 
@@ -311,62 +305,3 @@ def test_kernel_ops_field():
     assert REF_OPS.qk_norm_rope_store is qk_norm_rope_store_ref
     assert TRITON_OPS.qk_norm_rope_store is qk_norm_rope_store_triton
     assert select_ops("cuda").qk_norm_rope_store is qk_norm_rope_store_triton
-
-
-def _spec(qk_norm: bool, rotary_factor: float) -> ModelSpec:
-    return ModelSpec(architecture="Qwen3ForCausalLM", model_type="qwen3", vocab_size=64, hidden_size=64,
-                     intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
-                     rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-                     tie_word_embeddings=False, qkv_bias=False, qk_norm=qk_norm,
-                     partial_rotary_factor=rotary_factor)
-
-
-@pytest.mark.parametrize("qk_norm,rotary_factor", [(True, 1.0), (False, 0.5)])
-@pytest.mark.skipif(ON_GPU, reason="CPU model wiring test (CPU tensors); on the GPU the suite's graphs section runs it")
-def test_dense_attention_uses_fused_op(qk_norm, rotary_factor):
-    """DenseAttention = one fused call + attend; same output and cache as the un-fused chain through
-    Attention.forward (kept for other callers), with the reference and with the Triton prep op."""
-    spec = _spec(qk_norm, rotary_factor)
-    gen = _gen(5)
-    ops_variants = [REF_OPS, dataclasses.replace(REF_OPS, qk_norm_rope_store=qk_norm_rope_store_triton)]
-    layers = [DenseAttention(spec, ops, torch.float32, 64) for ops in ops_variants]
-    state = {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in layers[0].state_dict().items()}
-    if qk_norm:
-        state["q_norm.weight"] = torch.rand(32, generator=gen) + 0.5
-        state["k_norm.weight"] = torch.rand(32, generator=gen) + 0.5
-    for layer in layers:
-        layer.load_state_dict(state, strict=False)
-    # one sequence of 5 prompt tokens in blocks 2 and 0 (block size 4), then one decode token
-    block_tables = torch.tensor([[2, 0]], dtype=torch.int32)
-
-    def i32(*values):
-        return torch.tensor(values, dtype=torch.int32)
-
-    steps = [
-        (AttentionMetadata(True, i32(8, 9, 10, 11, 0), i32(5), block_tables, i32(0, 5), 5), torch.arange(5)),
-        (AttentionMetadata(False, i32(1), i32(6), block_tables), torch.tensor([5])),
-    ]
-    hidden = [torch.randn(5, 64, generator=gen), torch.randn(1, 64, generator=gen)]
-    caches = [(torch.zeros(3, 4, 2, 32), torch.zeros(3, 4, 2, 32)) for _ in range(3)]
-    for layer, (kc, vc) in zip(layers, caches[:2]):
-        layer.attn.k_cache, layer.attn.v_cache = kc, vc
-    unfused_attn = layers[0].attn.__class__(4, 2, 32, 32 ** -0.5, REF_OPS)
-    unfused_attn.k_cache, unfused_attn.v_cache = caches[2]
-    ref_layer = layers[0]
-    input_norm = RMSNorm(64, 1e-6, REF_OPS)  # the layer's input norm, folded into qkv_proj
-    input_norm.weight.data = torch.rand(64, generator=gen) + 0.5
-    for (meta, positions), x in zip(steps, hidden):
-        with forward_context(meta):
-            outs = [layer(positions, x, None, input_norm)[0] for layer in layers]
-            # the old un-fused block, step by step through Attention.forward
-            q, k, v = ref_layer.qkv_proj(input_norm(x)).split([128, 64, 64], dim=-1)
-            if qk_norm:
-                q = rms_norm_ref(q.reshape(-1, 32), ref_layer.q_norm.weight, 1e-6).view(-1, 128)
-                k = rms_norm_ref(k.reshape(-1, 32), ref_layer.k_norm.weight, 1e-6).view(-1, 64)
-            q, k = rotary_neox_ref(positions, q.contiguous(), k.contiguous(), ref_layer.rotary_emb.cos_sin_cache, 32)
-            expected = ref_layer.o_proj(unfused_attn(q, k, v.contiguous()))
-        torch.testing.assert_close(outs[0], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(outs[1], expected, atol=1e-5, rtol=1e-5)
-    for kc, vc in caches[:2]:
-        torch.testing.assert_close(kc, caches[2][0], atol=1e-5, rtol=1e-5)
-        assert torch.equal(vc, caches[2][1])
