@@ -29,17 +29,25 @@ class PagedAttentionBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.kv_dtype, self.device = kv_dtype, device
+        self._table_tokens = -(-max_model_len // block_size) * block_size
+        self._max_num_seqs = max_num_seqs
+        self.decode_workspace: torch.Tensor | None = None
+        self.bind_ops(ops)
+        self._v_view = token_major_v_cache if kv_dtype == FP8_KV_DTYPE else (lambda memory: memory)
+        self.pool: torch.Tensor | None = None
+
+    def bind_ops(self, ops) -> None:
+        """The kernels; on the Triton path one split-KV scratch for every decode launch this engine can
+        make (sized before the KV pool, so the memory profile sees it), so no step allocates."""
         self._prep = ops.qk_norm_rope_store
         self._prefill = ops.paged_prefill_attention
         self._decode = ops.paged_decode_attention
         if ops.backend == "triton":
-            # one split-KV scratch for every decode launch this engine can make, sized before the KV pool
-            table_tokens = -(-max_model_len // block_size) * block_size
-            numel = decode_workspace_numel_for(max_num_seqs, num_heads, num_kv_heads, head_dim, table_tokens)
-            self.decode_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+            if self.decode_workspace is None:
+                numel = decode_workspace_numel_for(self._max_num_seqs, self.num_heads, self.num_kv_heads,
+                                                   self.head_dim, self._table_tokens)
+                self.decode_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
             self._decode = functools.partial(self._decode, workspace=self.decode_workspace)
-        self._v_view = token_major_v_cache if kv_dtype == FP8_KV_DTYPE else (lambda memory: memory)
-        self.pool: torch.Tensor | None = None
 
     def bytes_per_block(self, num_layers: int, block_size: int) -> int:
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
