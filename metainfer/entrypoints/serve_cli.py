@@ -1,4 +1,5 @@
-"""`metainfer serve`: the OpenAI-compatible server (see openai_server.py)."""
+"""`metainfer serve`: the OpenAI-compatible server (see the openai/ package); fastapi and uvicorn are
+imported only when the command runs, so the CLI works without the serve extra."""
 
 from __future__ import annotations
 
@@ -27,10 +28,8 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
-    import uvicorn
-
     from metainfer import LLM
-    from metainfer.entrypoints.openai_server import build_app
+    from metainfer.entrypoints.openai.api_server import serve
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit("give the model either as MODEL or as --model, not both")
@@ -42,13 +41,9 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     names = args.served_model_name or [args.model or kwargs["model"]]
     llm = LLM(**kwargs)
     try:
-        app = build_app(llm, served_model_names=names, api_key=args.api_key,
-                        max_queued_requests=args.max_queued_requests)
-        logging.getLogger("metainfer.server").info(
-            "serving %s on http://%s:%d (max_model_len %d)", names, args.host, args.port,
-            llm.llm_engine.config.max_model_len)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+        serve(llm, served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
+              max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+              access_log=not args.no_access_log)
     finally:
         llm.close()
     return 0

@@ -1,0 +1,168 @@
+"""Prometheus metrics of the server (`GET /metrics`, text format): vLLM's names under `metainfer:`.
+
+TTFT and end-to-end latency count from the moment the handler submits the request. The
+`metainfer:num_requests_running_max` gauge (peak batch) and the `metainfer:step_batch_size`
+histogram (requests progressed per engine step) are our own and show that requests were batched;
+`metainfer:request_aborted_total` counts requests aborted because their client went away.
+The engine thread writes, the HTTP thread renders; one lock keeps the two apart.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+
+from metainfer.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+class RequestTiming:
+    """What the latency histograms need to remember about one engine request."""
+
+    __slots__ = ("arrival", "last_time", "num_tokens")
+
+    def __init__(self, arrival: float):
+        self.arrival = arrival  # when the HTTP handler submitted it (time.monotonic, like the engine's)
+        self.last_time = 0.0
+        self.num_tokens = 0
+
+
+class ServerMetrics:
+    """Written by the engine thread, rendered by the HTTP thread (one lock)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.peak_running = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.success: collections.Counter[str] = collections.Counter()
+        self.aborted = 0
+        self.engine_errors = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.batch = Histogram(BATCH_BUCKETS)
+
+    # -- written by the engine thread ---------------------------------------------------------
+    def count_aborted(self, n: int) -> None:
+        with self.lock:
+            self.aborted += n
+
+    def count_engine_error(self) -> None:
+        with self.lock:
+            self.engine_errors += 1
+
+    def observe_outputs(self, outputs: list[RequestOutput], timings: dict[str, RequestTiming], now: float) -> None:
+        """TTFT, inter-token gaps, end-to-end latency and finish reasons of one step's outputs."""
+        with self.lock:
+            for out in outputs:
+                timing = timings.get(out.request_id)
+                if timing is not None:
+                    self._observe(out, timing, now)
+
+    def _observe(self, out: RequestOutput, timing: RequestTiming, now: float) -> None:
+        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        new = num_tokens - timing.num_tokens
+        if new > 0:
+            if timing.num_tokens == 0:
+                first = out.metrics.get("first_token_time")
+                self.ttft.observe((first if first is not None else now) - timing.arrival)
+            else:
+                gap = (now - timing.last_time) / new
+                for _ in range(new):
+                    self.itl.observe(gap)
+            timing.last_time, timing.num_tokens = now, num_tokens
+        if out.finished:
+            finished = out.metrics.get("finished_time")
+            self.e2e.observe((finished if finished is not None else now) - timing.arrival)
+            self.success[out.outputs[0].finish_reason or "unknown"] += 1  # per request, as vLLM counts
+
+    def publish(self, engine, batch_size: int | None = None) -> None:
+        """Copy the engine's gauges and counters; `batch_size`: requests progressed by the last step."""
+        running = engine.num_running()
+        with self.lock:
+            self.running, self.waiting, self.kv_usage = running, engine.num_waiting(), engine.kv_cache_usage()
+            self.prompt_tokens = engine.stats.get("prompt_tokens", 0)
+            self.generation_tokens = engine.stats.get("generation_tokens", 0)
+            self.preemptions = getattr(engine.scheduler, "num_preemptions", 0)
+            self.peak_running = max(self.peak_running, running, batch_size or 0)
+            if batch_size:
+                self.batch.observe(batch_size)
+
+    # -- read by the HTTP thread --------------------------------------------------------------
+    def render(self, model_name: str) -> str:
+        label = f'model_name="{_escape(model_name)}"'
+        out: list[str] = []
+
+        def head(name, kind, text):
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        def scalar(name, kind, value, text):
+            head(name, kind, text)
+            out.append(f"{name}{{{label}}} {_num(value)}")
+
+        def histogram(name, h: Histogram, text):
+            head(name, "histogram", text)
+            total = 0
+            for bound, count in zip(h.buckets + (float("inf"),), h.counts):
+                total += count
+                le = "+Inf" if bound == float("inf") else _num(bound)
+                out.append(f'{name}_bucket{{{label},le="{le}"}} {total}')
+            out.append(f"{name}_sum{{{label}}} {_num(h.sum)}")
+            out.append(f"{name}_count{{{label}}} {h.count}")
+
+        with self.lock:
+            scalar("metainfer:num_requests_running", "gauge", self.running, "Sequences in the engine's running batch.")
+            scalar("metainfer:num_requests_waiting", "gauge", self.waiting, "Sequences waiting to be scheduled.")
+            scalar("metainfer:kv_cache_usage_perc", "gauge", self.kv_usage,
+                   "Fraction of KV cache blocks in use (0 to 1).")
+            scalar("metainfer:num_requests_running_max", "gauge", self.peak_running,
+                   "Most requests running at once (or progressed in one step) since the server started.")
+            scalar("metainfer:prompt_tokens_total", "counter", self.prompt_tokens, "Prefill tokens computed.")
+            scalar("metainfer:generation_tokens_total", "counter", self.generation_tokens, "Tokens generated.")
+            scalar("metainfer:num_preemptions_total", "counter", self.preemptions,
+                   "Sequences preempted for KV space.")
+            head("metainfer:request_success_total", "counter", "Requests finished, by finish reason.")
+            for reason in sorted(set(self.success) | {"stop", "length"}):
+                out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
+                           f"{self.success[reason]}")
+            scalar("metainfer:request_aborted_total", "counter", self.aborted, "Requests aborted (client went away).")
+            scalar("metainfer:engine_errors_total", "counter", self.engine_errors, "Engine steps that raised.")
+            histogram("metainfer:time_to_first_token_seconds", self.ttft, "Time to first token.")
+            histogram("metainfer:inter_token_latency_seconds", self.itl, "Time between output tokens.")
+            histogram("metainfer:e2e_request_latency_seconds", self.e2e, "Arrival to finish, per request.")
+            histogram("metainfer:step_batch_size", self.batch, "Requests that progressed in one engine step.")
+        return "\n".join(out) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(value) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))

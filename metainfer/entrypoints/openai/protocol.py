@@ -1,0 +1,181 @@
+"""Request bodies of the OpenAI-compatible server (pydantic, strict types) and their checks.
+
+Strict mode: a string where a number belongs is an error (400), not a silent coercion; JSON
+integers are still accepted for float fields. Unknown fields are ignored, as OpenAI's own
+server does. vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, ...) are accepted in the body. Options we parse but do not implement
+are refused with a 400 naming them (`check_supported`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from metainfer.entrypoints.openai.errors import bad_request, from_engine_error, from_validation_error
+from metainfer.outputs import RequestOutput
+from metainfer.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+# chat_template_kwargs may not override how the template is called
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+# the optional sampling fields passed to SamplingParams only when the client set them
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty", "stop", "stop_token_ids")
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_request(body: bytes, model: type[Body]) -> Body:
+    """The raw body validated against `model`; a bad body is a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=self.ignore_eos,
+                                  min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                                  include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in _OPTIONAL_SAMPLING:
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            return SamplingParams(**kw)
+        except (ValueError, TypeError) as exc:
+            raise from_engine_error(exc) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per engine prompt: a text or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def check_supported(self) -> None:
+        if not self.prompts():
+            raise bad_request("prompt must not be empty", "prompt")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_calls, ...) are kept for the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        """Messages as plain dicts for the tokenizer's chat template (text parts joined)."""
+        out = []
+        for m in self.messages:
+            d = m.model_dump(exclude_none=True)
+            content = m.content
+            if isinstance(content, list):
+                content = "\n".join(p.text for p in content)
+            d["content"] = content if content is not None else ""
+            out.append(d)
+        return out
+
+
+def usage(finals: dict[str, RequestOutput]) -> dict:
+    """The `usage` object of a response: prompt and generated tokens over all its engine requests."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+    completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,177 @@
+"""What /v1/completions and /v1/chat/completions share: the model check, waiting for the final
+outputs (or the client's disconnect), text deltas for streaming, and the SSE framing.
+
+Streaming sends text as deltas of the engine's cumulative output. When stop strings are set, the
+last `len(longest stop) - 1` characters are held back until the request finishes, because the
+engine may cut them off when the stop string completes; so the streamed text always equals the
+non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from metainfer.entrypoints.openai.engine_loop import EngineError, EngineLoop, RequestGroup
+from metainfer.entrypoints.openai.errors import OpenAIError, engine_failed
+from metainfer.entrypoints.openai.protocol import usage
+from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.sampling_params import SamplingParams
+
+Finals = dict[str, RequestOutput]
+
+
+def check_model(served_model_names: list[str], model: str | None) -> str:
+    """The served name a request asked for (the first one when it names none); 404 otherwise."""
+    if model is None:
+        return served_model_names[0]
+    if model not in served_model_names:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                          "model_not_found")
+    return model
+
+
+class OpenAIServing:
+    """Base of the two endpoint classes: the LLM (its tokenizer), the engine loop and the served names."""
+
+    def __init__(self, llm, engine_loop: EngineLoop, served_model_names: list[str]):
+        self.llm = llm
+        self.tokenizer = llm.get_tokenizer()
+        self.engine_loop = engine_loop
+        self.served_model_names = served_model_names
+
+    def check_model(self, model: str | None) -> str:
+        return check_model(self.served_model_names, model)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    async def respond(self, request: Request, req, group: RequestGroup, *, base: str, model: str, obj: str,
+                      chunk_obj: str, chunks: Callable[[dict, Finals], AsyncIterator[dict]],
+                      choices: Callable[[Finals], list[dict]]) -> Response:
+        """The answer to one request: an SSE stream of `chunks(head, finals)` when it asked to stream,
+        else, once every engine request has finished, one JSON body with `choices(finals)`."""
+        created = int(time.time())
+        if req.stream:
+            head = {"id": base, "object": chunk_obj, "created": created, "model": model}
+            if req.include_usage:
+                head["usage"] = None  # OpenAI's chunks carry usage: null until the last one
+            finals: Finals = {}
+            return self._event_stream(group, chunks(head, finals), head, finals, req.include_usage)
+        try:
+            done = await _collect(group, request)
+        finally:
+            group.close()
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse({"id": base, "object": obj, "created": created, "model": model,
+                             "choices": choices(done), "usage": usage(done)})
+
+    async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool, want_tokens: bool,
+                     finals: Finals) -> AsyncIterator[tuple[CompletionOutput, int, str, int]]:
+        """What is new per choice since its last yield: (choice, index, text, first new token).
+
+        Text a stop string may still cut off (the last len(longest stop) - 1 characters) is held
+        back until the choice finishes; a finished choice is yielded once, with finish_reason."""
+        hold = max((len(s) for s in params.stop_strings), default=1) - 1
+        sent: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        async for out in group.outputs():
+            finals[out.request_id] = out
+            for c in out.outputs:
+                index = group.position[out.request_id] * n + c.index
+                if index in done:
+                    continue
+                finished = c.finish_reason is not None
+                start, first = sent.get(index, 0), sent_tokens.get(index, 0)
+                end = len(c.text) if finished else max(start, len(c.text) - hold)
+                text = c.text[start:end]
+                if echo and index not in sent:
+                    text = self.prompt_text(out) + text
+                if not text and not finished and not (want_tokens and len(c.token_ids) > first):
+                    continue
+                sent[index], sent_tokens[index] = end, len(c.token_ids)
+                if finished:
+                    done.add(index)
+                yield c, index, text, first
+
+    @staticmethod
+    def _event_stream(group: RequestGroup, chunks, head: dict, finals: Finals, include_usage: bool) -> _EventStream:
+        """SSE framing for both endpoints: the chunks, an error event if the engine failed, the
+        usage chunk (stream_options.include_usage), then [DONE]; the group is always released."""
+
+        async def events():
+            try:
+                try:
+                    async for obj in chunks:
+                        yield _sse(obj)
+                except EngineError as exc:
+                    yield _sse(engine_failed(exc).body())
+                else:
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": usage(finals)})
+                yield "data: [DONE]\n\n"
+            finally:
+                group.close()
+
+        return _EventStream(events(), group.close)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that always runs `on_close` (client gone, cancelled, or done)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(group: RequestGroup, request: Request) -> Finals | None:
+    """Wait for the final outputs; None if the client disconnected first."""
+    finals: Finals = {}
+
+    async def consume():
+        async for out in group.outputs():
+            if out.finished:
+                finals[out.request_id] = out
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (consumer, watcher):
+            if not task.done():
+                task.cancel()
+    if consumer in done:
+        exc = consumer.exception()
+        if exc is not None:
+            raise engine_failed(exc)
+        return finals
+    return None

@@ -1,0 +1,67 @@
+"""POST /v1/chat/completions: the tokenizer's chat template turns the messages into one prompt
+(applied on the engine thread, the tokenizer's only user), `n` choices."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from metainfer.entrypoints.openai.engine_loop import RequestGroup
+from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
+from metainfer.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: Request) -> Response:
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        model = self.check_model(req.model)
+        req.check_supported()
+        top_k = req.top_logprobs or 0
+        params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
+        conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
+        llm, add_generation_prompt = self.llm, req.add_generation_prompt
+
+        def prompt():  # runs on the engine thread (the tokenizer's only encoder)
+            ids = llm.apply_chat_template(conversation, template_kwargs, add_generation_prompt)
+            return {"prompt_token_ids": ids}
+
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        group = await self.engine_loop.submit([(base, prompt, params)])
+        return await self.respond(
+            request, req, group, base=base, model=model, obj="chat.completion", chunk_obj="chat.completion.chunk",
+            chunks=lambda head, finals: self._chunks(group, req, params, head, finals, top_k),
+            choices=lambda finals: self._choices(finals[base], req, top_k))
+
+    def _choices(self, out, req: ChatCompletionRequest, top_k: int) -> list[dict]:
+        return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": {"content": self.logprobs(c.token_ids, c.logprobs or [], top_k)} if req.logprobs else None,
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+
+    async def _chunks(self, group: RequestGroup, req: ChatCompletionRequest, params: SamplingParams, head: dict,
+                      finals: Finals, top_k: int):
+        for index in range(req.n):
+            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        async for c, index, text, first in self.pieces(group, req.n, params, False, req.logprobs, finals):
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self.logprobs(c.token_ids[first:], (c.logprobs or [])[first:], top_k)}
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            yield {**head, "choices": [choice]}
+
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int) -> list[dict]:
+        """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens."""
+        content = []
+        for tid, d in zip(token_ids, dicts):
+            text = self.token_text(tid)
+            ranked = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            content.append({"token": text, "logprob": d.get(tid), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": (s := self.token_text(t)), "logprob": lp,
+                                              "bytes": list(s.encode())} for t, lp in ranked]})
+        return content

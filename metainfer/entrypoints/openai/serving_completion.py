@@ -1,0 +1,66 @@
+"""POST /v1/completions: one engine request per prompt, `n` choices each, prompt-major indices."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from metainfer.entrypoints.openai.engine_loop import RequestGroup
+from metainfer.entrypoints.openai.protocol import CompletionRequest, parse_request
+from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
+from metainfer.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: Request) -> Response:
+        req = parse_request(await request.body(), CompletionRequest)
+        model = self.check_model(req.model)
+        req.check_supported()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        items = [(f"{base}-{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, params)
+                 for i, p in enumerate(req.prompts())]
+        group = await self.engine_loop.submit(items)
+        return await self.respond(
+            request, req, group, base=base, model=model, obj="text_completion", chunk_obj="text_completion",
+            chunks=lambda head, finals: self._chunks(group, req, params, head, finals),
+            choices=lambda finals: self._choices(group, req, finals))
+
+    def _choices(self, group: RequestGroup, req: CompletionRequest, finals: Finals) -> list[dict]:
+        choices = []
+        for rid in group.ids:
+            out = finals[rid]
+            prefix = self.prompt_text(out) if req.echo else ""
+            for c in out.outputs:
+                logprobs = (self.logprobs(c.token_ids, c.logprobs or [], len(prefix))
+                            if req.logprobs is not None else None)
+                choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + c.text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return choices
+
+    async def _chunks(self, group: RequestGroup, req: CompletionRequest, params: SamplingParams, head: dict,
+                      finals: Finals):
+        offsets: dict[int, int] = {}
+        want_logprobs = req.logprobs is not None
+        async for c, index, text, first in self.pieces(group, req.n, params, req.echo, want_logprobs, finals):
+            logprobs = None
+            if want_logprobs:
+                logprobs = self.logprobs(c.token_ids[first:], (c.logprobs or [])[first:], offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], text_offset: int) -> dict:
+        """Completions-style logprobs for some output tokens."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for tid, d in zip(token_ids, dicts):
+            text = self.token_text(tid)
+            tokens.append(text)
+            token_logprobs.append(d.get(tid))
+            top.append({self.token_text(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,105 @@
+"""POST /v1/completions through the official `openai` client: equal to `LLM.generate`, streamed or not,
+with its options (several prompts and n, token-id prompts, echo, logprobs, seeds, vLLM extras, stop strings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from metainfer import SamplingParams
+from tests.helpers.server import MODEL, greedy, metrics, wait_idle
+from tests.helpers.tiny_models import make_prompts
+
+
+def test_completions_match_llm(server, client, ref):
+    prompts = ["Hello world", "The capital of France is", "1, 2, 3, 4,"]
+    expected = ref.generate(prompts, greedy(12), use_tqdm=False)
+    m0 = metrics(server)
+    for prompt, exp in zip(prompts, expected):
+        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert full.choices[0].text == streamed == exp.outputs[0].text
+        assert full.choices[0].finish_reason == "length"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage.completion_tokens == 12
+        assert full.usage.prompt_tokens == usage.prompt_tokens == len(exp.prompt_token_ids)
+        assert full.usage.total_tokens == len(exp.prompt_token_ids) + 12
+    m = wait_idle(server)
+    assert m["metainfer:generation_tokens_total"] - m0["metainfer:generation_tokens_total"] == 6 * 12
+    assert m["metainfer:prompt_tokens_total"] > m0["metainfer:prompt_tokens_total"]
+    assert m["metainfer:time_to_first_token_seconds_count"] >= 6
+
+
+def test_completion_options(server, client, ref):
+    # a list of prompts with n=2: choices are prompt-major
+    prompts = ["Once upon a time", "def main():"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, temperature=0)
+    exp = ref.generate(prompts, greedy(6), use_tqdm=False)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    for c in r.choices:
+        assert c.text == exp[c.index // 2].outputs[0].text
+    assert r.usage.completion_tokens == 4 * 6
+    # token-id prompt, and echo
+    ids = make_prompts([9], vocab=512, seed=3)[0]
+    exp_ids = ref.generate({"prompt_token_ids": ids}, greedy(5), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert r.choices[0].text == exp_ids.text and r.usage.prompt_tokens == 9
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, echo=True)
+    plain = ref.generate("Hello world", greedy(5), use_tqdm=False)[0].outputs[0].text
+    assert r.choices[0].text == "Hello world" + plain
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    # logprobs, streamed and not
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True))
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == 6
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    # seeded sampling is reproducible and equals LLM with the same seed
+    a, b = (client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, temperature=1.0, seed=123)
+            for _ in range(2))
+    exp_seed = ref.generate("Hi", SamplingParams(temperature=1.0, seed=123, max_tokens=8), use_tqdm=False)[0]
+    assert a.choices[0].text == b.choices[0].text == exp_seed.outputs[0].text
+    # vLLM extras: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos
+    g = ref.generate("Tell me", greedy(8), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, temperature=1.0,
+                                  extra_body={"top_k": 1, "min_p": 0.1, "ignore_eos": True})
+    assert r.choices[0].text == g.text
+    r = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [g.token_ids[2]]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 3
+    assert r.choices[0].stop_reason == g.token_ids[2]
+    rep = ref.generate("Tell me", greedy(8, repetition_penalty=1.5), use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, temperature=0,
+                                  extra_body={"repetition_penalty": 1.5})
+    assert r.choices[0].text == rep.text
+    wait_idle(server)
+
+
+def test_stop_strings_stream_equals_full(server, client, ref):
+    """A stop string that completes mid-output: streamed text never shows the cut-off part."""
+    base = ref.generate("Stop here", greedy(24), use_tqdm=False)[0].outputs[0].text
+    stop = next((base[i:i + 3] for i in range(len(base) // 3, len(base) - 3)
+                 if base[i:i + 3].strip() and base.find(base[i:i + 3]) == i), None)
+    assert stop, base
+    exp = ref.generate("Stop here", greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert exp.finish_reason == "stop"
+    full = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0, stop=[stop])
+    chunks = list(client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0,
+                                            stop=[stop], stream=True))
+    assert full.choices[0].text == "".join(c.choices[0].text for c in chunks) == exp.text
+    assert full.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+    assert full.choices[0].stop_reason == stop
+    chat = [{"role": "user", "content": "Stop here"}]
+    c_full = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=24, temperature=0, stop=stop)
+    c_stream = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=24, temperature=0, stop=stop,
+                                              stream=True)
+    assert c_full.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in c_stream)
+    wait_idle(server)

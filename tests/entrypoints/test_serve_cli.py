@@ -1,0 +1,124 @@
+"""`metainfer bench serve` against the live server, and `metainfer serve` as a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from metainfer.bench import serve as bench_serve
+from tests.helpers.server import KEY, MODEL, free_port, wait_idle
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench_args(argv):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_serve_bench_parser(parser.add_subparsers(dest="bench_command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_bench_serve_reports_metrics(server, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = _bench_args(["--base-url", server.url, "--api-key", KEY, "--num-prompts", "8", "--input-len", "16",
+                        "--output-len", "6", "--max-concurrency", "4", "--request-rate", "100",
+                        "--metric-percentiles", "50,99", "--output-json", str(out)])
+    record = bench_serve.main(args)
+    table = capsys.readouterr().out
+    for label in ("Successful requests:", "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):",
+                  "P50 E2EL (ms):", "Output token throughput (tok/s):"):
+        assert label in table, table
+    saved = json.loads(out.read_text())
+    assert saved["completed"] == 8 and saved["failed"] == 0
+    assert saved["total_input_tokens"] == 8 * 16 and saved["total_output_tokens"] == 8 * 6
+    assert 1 <= saved["max_concurrent_requests"] <= 4
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99", "p50"):
+            assert saved[f"{stat}_{name}_ms"] >= 0
+    assert saved["mean_e2el_ms"] >= saved["mean_ttft_ms"] > 0
+    assert saved["request_throughput"] > 0 and saved["output_throughput"] > 0
+    assert record["model"] == MODEL
+    chat = bench_serve.main(_bench_args(["--base-url", server.url, "--api-key", KEY, "--endpoint",
+                                         "/v1/chat/completions", "--num-prompts", "2", "--input-len", "8",
+                                         "--output-len", "4", "--json", "--no-warmup"]))
+    assert chat["completed"] == 2 and chat["total_output_tokens"] == 8
+    wait_idle(server)
+
+
+def test_bench_serve_standalone_and_cli(server):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "metainfer.bench.serve", "--base-url", server.url, "--api-key", KEY,
+           "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["completed"] == 3
+    import importlib.util
+
+    if importlib.util.find_spec("metainfer.bench.cli") is None:
+        pytest.skip("metainfer.bench.cli is not there yet")
+    from metainfer.entrypoints import cli
+
+    assert cli.main(["bench", "serve", "--base-url", server.url, "--api-key", KEY, "--num-prompts", "2",
+                     "--input-len", "4", "--output-len", "2", "--no-warmup"]) == 0
+
+
+@pytest.mark.slow  # starts a second Python that loads the model
+def test_metainfer_serve_command(model_dir):
+    from metainfer.entrypoints import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+    port = free_port()
+    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", "--model", model_dir, "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--served-model-name", "tiny-cli", "--api-key", KEY,
+           "--max-queued-requests", "8", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list()] == ["tiny-cli"]
+        r = c.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode is not None
+
+
+def test_cli_imports_without_the_server_extras():
+    """`metainfer --help` and `metainfer serve --help` load neither fastapi nor uvicorn (the serve extra)."""
+    code = ("import sys\n"
+            "from metainfer.entrypoints import cli\n"
+            "for argv in (['--help'], ['serve', '--help']):\n"
+            "    try:\n"
+            "        cli.main(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
