@@ -1,42 +1,126 @@
-"""The device script's pure-Python parts run on the CPU, so a typo there cannot cost a GPU run:
-the summary table renders from every committed run's JSON (runs 20-28), and the sections the docs
-run exist."""
+"""The GPU suite's pure-Python parts on the CPU, so a typo there cannot cost a device run: the summary
+table renders from a synthetic result of every section (each key the table reads), from missing,
+errored and malformed sections, and the default run names sections that exist."""
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# every suite result from run 20 on (the earlier ones predate some of the table's keys), not the pytest logs
-RUNS = sorted(p for p in glob.glob(os.path.join(ROOT, "docs", "results", "gpu_run*.json"))
-              if os.path.basename(p)[len("gpu_run"):-len(".json")].isdigit()
-              and int(os.path.basename(p)[len("gpu_run"):-len(".json")]) >= 20)
+from tools.gpu_suite.__main__ import main, parse_args
+from tools.gpu_suite.sections import DEFAULT_SECTIONS, SECTIONS
+from tools.gpu_suite.table import render
 
 
-@pytest.fixture(scope="module")
-def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", os.path.join(ROOT, "scripts", "gpu_suite.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _lat(tok_s: float, **extra) -> dict:
+    return {"decode_tok_s": tok_s, **extra}
 
 
-@pytest.mark.parametrize("path", RUNS, ids=[os.path.basename(p) for p in RUNS])
-def test_table_renders_from_a_committed_run(suite, path):
-    suite.RESULTS.clear()
-    with open(path) as f:
-        suite.RESULTS.update(json.load(f))
-    table = suite.table()
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(rows) >= 2, table  # the header and at least one figure (run 37 has only the GPU tests' row)
+def full_results() -> dict:
+    bs1 = _lat(246.0, tpot_ms=4.06, roofline_tok_s=270.0, copy_bw_GBs=4300.0, bw_ratio=0.91, tpot_e2e_ms=4.1)
+    timeline = {"prefill": {"seconds": 3.1}, "decode_seconds": 20.5,
+                "decode": {"256": {"ms_per_step": 30.1, "steps": 400}}}
+    agree = {"top1": 0.98, "cos_mean": 0.9995}
+    return {
+        "env": {"gpu": "NVIDIA H200"},
+        "latency": {"startup_s": 21.0, "bs1": bs1, "ttft_1024": {"ttft_ms": 25.2}, "bs8": _lat(1800.0)},
+        "baseline": {"eager": _lat(30.0), "compile": _lat(120.0), "eager_bs8": _lat(220.0),
+                     "eager_ttft_1024": {"ttft_ms": 60.0}},
+        "throughput": {"output_tok_s": 9400.0, "elapsed_s": 25.0, "timeline": timeline,
+                       "kv_fp8": {"output_tok_s": 9900.0}},
+        "kv_fp8": {"bs1": _lat(240.0), "bs8": _lat(1750.0), "ttft_1024": {"ttft_ms": 26.0},
+                   "bs64_ctx1024": _lat(5000.0), "bs64_ctx1024_bf16_cache": _lat(4500.0)},
+        "kernels": {"rms_norm": {"ok": True}, "all_ok": True},
+        "graphs": {"graph": {"equal_to_eager": True}, "graph_kv_fp8": {"equal_to_eager": True},
+                   "exercised": {"prefix_hits": True, "preemptions": True, "fp8_changes_tokens": True}},
+        "agreement": {"top1_agreement": 0.98, "cosine_mean": 0.9995,
+                      "decode_kv_fp8": {"ours_vs_hf_bf16": agree, "ours_vs_hf_bf16_fp8_kv": agree,
+                                        "hf_bf16_fp8_kv_vs_hf_bf16": agree}},
+        "gpu_tests": {"returncode": 0, "summary": ["120 tests, 0 failed, 0 errors, 3 skipped"]},
+        "allreduce": {"returncode": 1, "summary": ["4 tests, 1 failed", "test_x"]},
+        "profile": {v: {"wall_ms_per_token": 4.0, "device_ms_per_token": 3.8, "gaps_ms_per_token": 0.2,
+                        "device_ms_per_token_by_kind": {"gemm": 3.0, "attention": 0.5}}
+                    for v in ("graph", "graph_no_pdl")},
+        "profile_batch": {"wall_ms_per_step": 30.0, "device_ms_per_step": 29.0},
+        "gemv": {"decode_set": {"cublas_ms": 4.0, "triton_ms": 3.6, "bytes": 1}},
+        "attn_sweep": {f"ctx{c}": {"shipped": {"us": 3.0}, "best": {"us": 2.9, "block_n": 32, "min_split": 64}}
+                       for c in (32, 96, 160, 1024)},
+        "attn_kv_dtype": {"b256_ctx600": {"mean_ctx": 600.0, "bf16_default": {"us": 50.0},
+                                          "fp8_default": {"us": 30.0}, "fp8_tail32": {"error": "x"}}},
+        "sampler": {"b1_t0.0": {"torch_ms": 0.1, "fused_ms": 0.02, "greedy_equal": True}},
+        "gemm_rows": {"m8": {"ms": 4.5, "skinny_ms": 4.1, "skinny_max_rel_err": 1e-3}, "m128": {"ms": 6.0}},
+        "skinny_sweep": {"decode_set": {"m16": {"cublas_ms": 4.8, "skinny_tuned_ms": 4.4,
+                                                "ratio_cublas_over_skinny": 1.09}}},
+        "ab": {"bs1": {"default": _lat(245.0)}, "rows": {"default": {f"bs{b}": _lat(900.0) for b in (4, 8, 16, 32)}},
+               "switches": {"default": {"bs1": _lat(245.0), "bs8": _lat(1800.0)}, "no_pdl": {"bs1": _lat(230.0)},
+                            "sync": {"error": "RuntimeError: boom"}}},
+        "section_seconds": {"latency": 60.0, "throughput": 70.0},
+    }
 
 
-def test_the_sections_the_docs_run_are_defined(suite):
-    sections = {name for name in dir(suite) if getattr(getattr(suite, name), "__name__", "") == "run"}  # @section
-    assert {"latency", "throughput", "ab", "kv_fp8", "attn_kv_dtype", "graphs", "agreement", "gpu_tests",
-            "profile", "profile_batch", "kernels", "baseline"} <= sections
+ROW_LABELS = [
+    "bs1 decode tok/s | 246.0", "(generate - TTFT)", "vs HF eager | 246.0 | 30.0", "vs HF compile",
+    "bs8 decode tok/s vs HF eager", "TTFT 1024 tokens (ms) | 25.2", "TTFT 1024 vs HF eager", "engine start",
+    "throughput output tok/s | 9400", "fp8 KV cache | 9900", "prefill s / decode s", "decode ms/step by seqs",
+    "fp8 KV cache: bs1 / bs8", "bs64 ctx 1024 decode tok/s: bf16 / fp8 cache | 4500 / 5000",
+    "kernels vs reference (bf16, 8B shapes) | all ok", "graph == eager greedy (+prefix, +preempt, +fp8 KV) | yes",
+    "teacher-forced top-1 / cosine vs HF bf16 | 0.980 / 0.99950", "agreement, fp8 KV cache vs HF bf16",
+    "fp8 KV: ours vs HF over fp8 K/V", "gpu_tests: pytest on the GPU | rc 0", "allreduce: pytest on the GPU | rc 1",
+    "bs1 decode step (graph)", "bs1 decode step (graph_no_pdl)", "256-seq decode step", "decode-set GEMVs",
+    "bs1 decode attention ctx 1024 (us) | shipped 3.00",
+    "decode attention b256_ctx600: bf16 / fp8 cache (us) | 50.0 / 30.0",
+    "sampler b1_t0.0", "decode set at 8 rows: cuBLAS / skinny GEMM (ms) | 4.500 / 4.100",
+    "decode set at 128 rows: cuBLAS / skinny GEMM (ms) | 6.000 / -", "tuned skinny GEMM (ms) | 4.800 / 4.400",
+    "ab bs1 tok/s, default | 245.0", "ab tok/s at bs 4 / 8 / 16 / 32, default | 900 / 900 / 900 / 900",
+    "ab switch default: tok/s | bs1 245.0, bs8 1800.0", "ab switch no_pdl", "ab switch sync | ERROR RuntimeError: boom",
+    "section seconds | latency 60, throughput 70 | total 130",
+]
+
+
+def test_every_row_renders_from_a_full_result():
+    table = render(full_results())
+    assert "table error" not in table, table
+    for label in ROW_LABELS:
+        assert label in table, (label, table)
+    assert all(line.startswith("|") and line.endswith("|") for line in table.splitlines()[1:]), table
+
+
+def test_graph_mismatch_and_failing_kernels_show():
+    results = full_results()
+    results["graphs"]["graph_kv_fp8"]["equal_to_eager"] = False
+    results["kernels"]["all_ok"] = False
+    table = render(results)
+    assert "+fp8 KV) | NO" in table and "8B shapes) | FAIL" in table
+
+
+def test_missing_errored_and_malformed_sections():
+    assert render({}).strip().splitlines() == ["| figure | ours | reference | ratio |", "|---|---|---|---|"]
+    results = {"latency": {"error": "RuntimeError: CUDA out of memory"}, "throughput": {"output_tok_s": 9000.0}}
+    table = render(results)
+    assert "| latency | ERROR RuntimeError: CUDA out of memory |" in table
+    assert "throughput output tok/s | 9000" in table
+    # a result of unexpected shape costs its own rows only
+    results["kv_fp8"] = {"bs1": {}}
+    table = render(results)
+    assert "| kv_fp8 | table error: KeyError" in table and "throughput output tok/s | 9000" in table
+
+
+def test_the_default_run_names_existing_sections():
+    assert DEFAULT_SECTIONS and set(DEFAULT_SECTIONS) <= set(SECTIONS)
+    assert all(callable(fn) and fn.__doc__ for fn in SECTIONS.values())
+    # the acceptance figures are in the default run; the tuning sweeps and studies are not
+    assert {"gpu_tests", "kernels", "graphs", "agreement", "latency", "throughput", "baseline", "profile"} <= \
+        set(DEFAULT_SECTIONS)
+    assert not {"gemv", "gemm_rows", "skinny_sweep", "attn_sweep", "attn_kv_dtype", "ab", "sampler",
+                "profile_batch"} & set(DEFAULT_SECTIONS)
+    assert parse_args([]).sections.split(",") == list(DEFAULT_SECTIONS)
+    with pytest.raises(SystemExit):
+        parse_args(["--sections", "latency,fused_decode_prep"])
+
+
+def test_print_table_reads_the_results_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "gpu_results.json").write_text(json.dumps(full_results()))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    main(["--print-table"])
+    assert "bs1 decode tok/s | 246.0" in capsys.readouterr().out

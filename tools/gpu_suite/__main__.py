@@ -1,0 +1,92 @@
+"""Every GPU check and benchmark in one call, for the device machine:
+
+    python -m tools.gpu_suite [--sections a,b,...] [--budget-s 540]
+
+Writes $OUT/gpu_results.json after every section (a run cut short keeps what it measured), the GPU
+tests' output, and prints a short table last ($OUT/table.md). Sections (tools/gpu_suite/sections.py):
+  default    latency, throughput, kernels, graphs, agreement, baseline, profile, gpu_tests
+  by name    kv_fp8, allreduce, profile_batch, the sweeps gemv / gemm_rows / skinny_sweep / attn_sweep /
+             attn_kv_dtype, sampler, ab (in-engine kernel A/B and the kill switches)
+--print-table renders $OUT/gpu_results.json again (CPU). The tokenizer comes from --tokenizer-dir
+(.gpu_assets/tokenizer, git-ignored: carry it to the device machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+from tools.gpu_suite.common import ROOT, error_of, out_dir
+from tools.gpu_suite.sections import DEFAULT_SECTIONS, SECTIONS
+from tools.gpu_suite.table import render
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    first, *rest = __doc__.splitlines()
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_suite", description=first, epilog="\n".join(rest),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--config", default=os.path.join(ROOT, "benchmarks", "configs", "qwen3-8b.json"))
+    p.add_argument("--tokenizer-dir", default=os.path.join(ROOT, ".gpu_assets", "tokenizer"))
+    p.add_argument("--baseline-modes", default="eager,compile")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="seconds the whole call may take; gpu_tests' timeout is what is left of it")
+    p.add_argument("--quick-below-s", type=float, default=200.0,
+                   help="with less than this left for gpu_tests, only the tests not marked slow run")
+    p.add_argument("--gpu-test-files", default="tests/kernels", help="comma list of test paths for gpu_tests")
+    p.add_argument("--gpu-test-marker", default="", help="pytest -m expression for gpu_tests (overrides the above)")
+    p.add_argument("--gpu-test-filter", default="", help="pytest -k expression for gpu_tests")
+    p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
+    args = p.parse_args(argv)
+    unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
+    if unknown:
+        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    return args
+
+
+def save(results: dict) -> None:
+    os.makedirs(out_dir(), exist_ok=True)
+    with open(os.path.join(out_dir(), "gpu_results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def run_section(name: str, args, results: dict) -> None:
+    """One section, timed; an exception is recorded and the run goes on (one broken section must not
+    hide the rest)."""
+    start = time.perf_counter()
+    print(f"\n=== {name} ===", flush=True)
+    try:
+        results[name] = SECTIONS[name](args, results)
+    except Exception as exc:
+        traceback.print_exc()
+        results[name] = error_of(exc)
+    results.setdefault("section_seconds", {})[name] = time.perf_counter() - start
+    save(results)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.print_table:
+        with open(os.path.join(out_dir(), "gpu_results.json")) as f:
+            print(render(json.load(f)))
+        return
+    import torch
+
+    from metainfer.bench.common import copy_bandwidth, environment
+
+    args.started = time.perf_counter()
+    results = {"env": environment()}
+    results["env"]["copy_bw_GBs"] = copy_bandwidth(torch.device("cuda")) / 1e9
+    for name in args.sections.split(","):
+        run_section(name, args, results)
+    table = render(results)
+    print(table)
+    with open(os.path.join(out_dir(), "table.md"), "w") as f:
+        f.write(table)
+
+
+if __name__ == "__main__":
+    main()

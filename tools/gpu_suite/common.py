@@ -1,0 +1,60 @@
+"""What every section shares: the repository root, the model folder, engine construction and release.
+
+A section is `fn(args, results) -> dict`: `args` the CLI namespace, `results` what the sections run
+before it returned (a tuning sweep's winners feed the A/B that follows it).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def out_dir() -> str:
+    """$OUT on the device machine (what comes back), else ./gpu_out."""
+    return os.environ.get("OUT", "gpu_out")
+
+
+def model_dir(args) -> str:
+    """A folder with the real config.json and the Qwen3 tokenizer files (the engines load dummy weights)."""
+    folder = os.path.join("/tmp", "metainfer-model")
+    os.makedirs(folder, exist_ok=True)
+    shutil.copy(args.config, os.path.join(folder, "config.json"))
+    copy_tokenizer(args.tokenizer_dir, folder)
+    return folder
+
+
+def copy_tokenizer(source: str | None, folder: str) -> None:
+    for name in TOKENIZER_FILES:
+        if source and os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(folder, name))
+
+
+def bench_llm(args, **kwargs):
+    """The suite's bf16 dummy-weight engine at the real config (max_model_len 4,096); `kwargs` are LLM
+    keywords (kill switches included: enable_pdl, enable_skinny_gemm, enable_fused_sampler)."""
+    from metainfer import LLM
+
+    return LLM(model_dir(args), **{"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, **kwargs})
+
+
+def release() -> None:
+    """Free what a dropped engine held: the next engine's memory profile must not count it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def error_of(exc: BaseException) -> dict:
+    return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def show(name: str, value) -> None:
+    print(name, json.dumps(value, indent=1, default=str), flush=True)

@@ -1,0 +1,140 @@
+"""Where a decode step's time goes: torch.profiler device time per kernel kind against wall time."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tools.gpu_suite.common import bench_llm, release, show
+
+KINDS = (("gemm", ("gemm", "gemv", "splitk", "cutlass", "sm90", "nvjet", "cublas")),
+         ("attention", ("decode", "prefill", "attn", "attention")),
+         ("norm/rotary/act", ("rms", "rotary", "silu", "norm", "qk_norm")),
+         ("memcpy", ("memcpy",)))
+
+
+def _device_ms(evt) -> float:
+    return (getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0) or 0) / 1e3
+
+
+def kernel_buckets(prof, per: int) -> dict[str, float]:
+    """Device ms per `per` (steps or tokens) by kernel kind (KINDS, else "other")."""
+    buckets: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = _device_ms(evt)
+        if t <= 0 or evt.key.startswith("cuda") or evt.key.startswith("aten::"):
+            continue
+        k = evt.key.lower()
+        kind = next((name for name, words in KINDS if any(w in k for w in words)), "other")
+        buckets[kind] = buckets.get(kind, 0) + t / per
+    return buckets
+
+
+def top_kernels(prof, per: int, n: int) -> list:
+    rows = [(e.key[:60], _device_ms(e) / per) for e in prof.key_averages() if not e.key.startswith("aten::")]
+    return sorted(rows, key=lambda kv: -kv[1])[:n]
+
+
+def _profiled(engine, steps: int):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    return prof
+
+
+def _wall_ms_per_step(engine, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def _drain(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def profile(args, results) -> dict:
+    """Batch-1 decode steps (graph, graph without PDL, eager): wall ms a token, device ms by kernel kind,
+    launches a token. Under PDL the profiler books a kernel's early-launch wait as its own time, so only
+    the PDL-off graph profile decomposes into kernels + gaps."""
+    from metainfer import SamplingParams
+
+    out, steps = {}, 32
+    for name, kw in {"graph": {}, "graph_no_pdl": {"enable_pdl": False}, "eager": {"enforce_eager": True}}.items():
+        llm = bench_llm(args, max_num_seqs=8, **kw)
+        engine = llm.llm_engine
+        engine.add_request("warm", {"prompt_token_ids": list(range(100, 132))},
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), stream=False)
+        _drain(engine)
+        engine.add_request("p", {"prompt_token_ids": list(range(200, 232))},
+                           SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True), stream=False)
+        for _ in range(4):  # prefill and the first decode steps stay out of the window
+            engine.step()
+        wall_ms = _wall_ms_per_step(engine, steps)
+        prof = _profiled(engine, steps)
+        buckets = kernel_buckets(prof, per=steps)
+        every = sorted(((e.key[:60], e.count / steps, round(_device_ms(e) / steps, 4))
+                        for e in prof.key_averages() if not e.key.startswith("aten::")), key=lambda r: -r[2])
+        device_ms = sum(buckets.values())
+        out[name] = {"decode_steps": steps, "wall_ms_per_token": wall_ms, "device_ms_per_token": device_ms,
+                     "gaps_ms_per_token": wall_ms - device_ms, "device_ms_per_token_by_kind": buckets,
+                     "top_kernels_ms_per_token": top_kernels(prof, steps, 12),
+                     "launches_per_token": sum(r[1] for r in every), "kernels_per_token": every}
+        show(name, out[name])
+        _drain(engine)
+        del llm, engine
+        release()
+    return out
+
+
+def profile_batch(args, results) -> dict:
+    """A step of 256 running sequences (context ~600), what the throughput bench runs most of the time:
+    the prefill (18 steps of 8,192 tokens; two profiled) and decode, wall ms a step against device ms
+    by kernel kind."""
+    from metainfer import SamplingParams
+
+    llm = bench_llm(args)
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+    for i in range(256):
+        engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, 10000, (576,), generator=g).tolist()},
+                           params, stream=False)
+
+    def prefilling(sched):
+        return bool(sched.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running)
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(2):
+        engine.step()
+    prof, steps = _profiled(engine, 2), 4
+    while prefilling(engine.scheduler):
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    prefill = {"steps": steps, "tokens": 256 * 576,
+               "wall_ms_per_step_incl_profiled": (time.perf_counter() - start) / steps * 1e3,
+               "device_ms_per_step_by_kind": kernel_buckets(prof, per=2),
+               "top_kernels_ms_per_step": top_kernels(prof, 2, 10)}
+    prefill["device_ms_per_step"] = sum(prefill["device_ms_per_step_by_kind"].values())
+    show("prefill", prefill)
+    for _ in range(4):
+        engine.step()
+    wall_ms = _wall_ms_per_step(engine, 16)
+    buckets = kernel_buckets(_profiled(engine, 8), per=8)
+    _drain(engine)
+    res = {"prefill": prefill, "running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
+           "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values())}
+    show("profile_batch", res)
+    del llm, engine
+    release()
+    return res

@@ -1,0 +1,188 @@
+"""Tuning sweeps and kernel studies (by name only, not in the default run): the GEMV and skinny GEMM
+sweeps, cuBLAS by rows, the decode attention launch parameters by context and KV dtype, the sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from tools.gpu_suite.common import error_of, show
+
+HQ, HK, D, BLOCK = 32, 8, 128, 16  # Qwen3-8B heads, the engine's block size
+TABLE_WIDTH = 4096 // BLOCK  # the latency engine's block-table width (max_model_len 4,096)
+
+
+def gemv(args, results) -> dict:
+    """Batch-1 GEMV sweep: Triton configs vs cuBLAS per decode shape, then the whole decode set with the
+    winners (the `ab` section runs them in the engine)."""
+    from tools.tune_gemv import format_report, sweep
+
+    res = sweep()
+    print(format_report(res), flush=True)
+    return res
+
+
+def gemm_rows(args, results) -> dict:
+    """The decode set through cuBLAS at 1..256 rows (how far from the weight-streaming floor the batches
+    between the GEMV and the compute-bound ones run), the untuned skinny GEMM beside it up to 64 rows."""
+    from tools.tune_gemv import cublas_by_rows
+
+    return cublas_by_rows()
+
+
+def skinny_sweep(args, results) -> dict:
+    """The skinny GEMM's configs per (decode shape, row bucket) against cuBLAS, then the decode set at
+    8-64 rows with the winning table (the `ab` section runs that table in the engine)."""
+    from tools.tune_skinny import sweep
+
+    res = sweep()
+    show("skinny_sweep", {"table": res["table"], "decode_set": res["decode_set"]})
+    return res
+
+
+def _tables(batch: int, blocks: int, dev) -> torch.Tensor:
+    """Each row its own `blocks` blocks, padded with -1 to the engine's table width."""
+    tables = torch.full((batch, TABLE_WIDTH), -1, device=dev, dtype=torch.int32)
+    tables[:, :blocks] = torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks)
+    return tables
+
+
+def _time_layers(call, caches) -> float:
+    """us a launch: one CUDA graph of `call` over every (distinct) layer cache."""
+    from tools.tune_gemv import time_graph
+
+    return time_graph([lambda c=c: call(c) for c in caches], 10) * 1e3 / len(caches)
+
+
+def attn_sweep(args, results) -> dict:
+    """Batch-1 decode attention at the bs1 bench's contexts per (block_n, min_split_tokens): one graph of
+    36 launches over distinct layer caches, PDL where supported. us a launch, against the shipped pair."""
+    import metainfer.kernels.attention_decode as attn
+    from metainfer.kernels import paged_decode_attention_ref, pdl_supported
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    pdl = pdl_supported(dev)
+    shipped = (attn._DECODE_SPLIT_BLOCK_N, attn._DECODE_MIN_SPLIT_TOKENS)  # bs1: a split launch
+    res = {"pdl": pdl, "table_width": TABLE_WIDTH, "shipped": shipped, "rows": []}
+    contexts = (32, 96, 160, 1024)  # the bs1 bench's contexts run 32..160
+    for ctx in contexts:
+        blocks = -(-ctx // BLOCK)
+        caches = [torch.randn(2, blocks, BLOCK, HK, D, device=dev, dtype=bf16) for _ in range(36)]
+        q = torch.randn(1, HQ, D, device=dev, dtype=bf16)
+        tables, lens = _tables(1, blocks, dev), torch.tensor([ctx], device=dev, dtype=torch.int32)
+        ref = paged_decode_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), tables[:, :blocks],
+                                         lens, D ** -0.5)
+        for block_n in (16, 32, 64):
+            for min_split in (32, 64, 128, 256):
+                def call(c, block_n=block_n, min_split=min_split, q=q, tables=tables, lens=lens):
+                    return attn.paged_decode_attention_triton(q, c[0], c[1], tables, lens, D ** -0.5, block_n=block_n,
+                                                              min_split_tokens=min_split, pdl=pdl)
+                err = (call(caches[0]).float() - ref).abs().max().item()
+                res["rows"].append({"ctx": ctx, "block_n": block_n, "min_split": min_split,
+                                    "us": round(_time_layers(call, caches), 3), "max_err": err})
+        del caches
+    for ctx in contexts:
+        rows = [r for r in res["rows"] if r["ctx"] == ctx]
+        res[f"ctx{ctx}"] = {"best": min(rows, key=lambda r: r["us"]),
+                            "shipped": next(r for r in rows if (r["block_n"], r["min_split"]) == shipped)}
+        show(f"ctx {ctx}", res[f"ctx{ctx}"])
+    totals: dict = {}
+    for r in res["rows"]:
+        if r["ctx"] <= 160:
+            totals[(r["block_n"], r["min_split"])] = totals.get((r["block_n"], r["min_split"]), 0) + r["us"]
+    best = min(totals, key=totals.get)
+    res["best_over_bench_contexts"] = {"block_n_min_split": best, "us_sum": totals[best],
+                                       "shipped_us_sum": totals[shipped]}
+    torch.cuda.empty_cache()
+    return res
+
+
+COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
+          ("block_n128", dict(block_n=128))]
+RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
+FP8_ONLY = [("tail32", dict(tail_block_n=32))]  # token-major V: the context's tail in 32-token tiles
+
+
+def _kv_dtype_cases() -> list:
+    """(batch, contexts, {cache: variants}): the throughput bench's big steps (256 / 128 x 600, 64 x
+    1,088), batch 1 at 160 (a split launch), 256 ragged rows (uniform in [100, 1,100], the bench's
+    spread) in random order and longest first (the scheduler's decode order)."""
+    uniform = {"bf16": COMMON, "fp8": COMMON + FP8_ONLY}
+    ragged = torch.randint(100, 1101, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    return [(256, [600] * 256, uniform), (128, [600] * 128, uniform), (64, [1088] * 64, uniform),
+            (1, [160], uniform), (256, ragged, {"bf16": RAGGED, "fp8": RAGGED + FP8_ONLY}),
+            (256, sorted(ragged, reverse=True), {"bf16": RAGGED[:1], "fp8": RAGGED[:1] + FP8_ONLY})]
+
+
+def attn_kv_dtype(args, results) -> dict:
+    """Decode attention alone over a bf16 and an fp8 KV cache (V token-major, the engine's fp8 layout),
+    launch variants (warps, stages, block_n, splits, tail tiles); us a launch over a graph of 8 launches
+    on distinct caches, and the KV read rate."""
+    from metainfer.kernels import FP8_KV_DTYPE, paged_decode_attention_ref, paged_decode_attention_triton
+    from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
+
+    dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
+    for batch, ctxs, case_variants in _kv_dtype_cases():
+        name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
+        name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""
+        per_seq = -(-max(ctxs) // BLOCK)
+        tables, lens = _tables(batch, per_seq, dev), torch.tensor(ctxs, device=dev, dtype=torch.int32)
+        q = torch.randn(batch, HQ, D, device=dev, dtype=bf16)
+        row = res.setdefault(name, {"mean_ctx": sum(ctxs) / batch})
+        for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
+            caches = []
+            for _ in range(8):
+                kv = to_cache_dtype(torch.randn(2, batch * per_seq, BLOCK, HK, D, device=dev, dtype=bf16), cache_dtype)
+                caches.append((kv[0], token_major_copy(kv[1]) if cache_name == "fp8" else kv[1]))
+            kv_bytes = sum(ctxs) * HK * D * 2 * caches[0][0].element_size()
+            ref = paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :per_seq], lens,
+                                             D ** -0.5)
+            for variant, kw in case_variants[cache_name]:
+                def call(c, kw=kw, q=q, tables=tables, lens=lens):
+                    return paged_decode_attention_triton(q, c[0], c[1], tables, lens, D ** -0.5, **kw)
+                key = f"{cache_name}_{variant}"
+                try:  # one failing variant must not lose the section's other rows
+                    err = (call(caches[0]).float() - ref).abs().max().item()
+                    us = _time_layers(call, caches)
+                except Exception as exc:
+                    row[key] = error_of(exc)
+                    print(f"{name} {key}: FAILED {exc}", flush=True)
+                    continue
+                row[key] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1), "max_err": err}
+                print(f"{name} {key}: {us:.2f} us, {kv_bytes / us / 1e3:.0f} GB/s, err {err:.2e}", flush=True)
+            del caches
+        torch.cuda.empty_cache()
+    return res
+
+
+def sampler(args, results) -> dict:
+    """The torch sampler against the one-pass Gumbel-max kernel on [B, 151936] bf16 logits (greedy and
+    temperature 0.6): ms a call (CUDA events, after a warm-up), and the greedy tokens compared."""
+    from metainfer.engine.sequence import Sequence
+    from metainfer.kernels.sampling import GumbelSampler
+    from metainfer.sampling_params import SamplingParams
+    from metainfer.worker.sampler import Sampler
+
+    vocab, res = 151936, {}
+    kernel = GumbelSampler(256, vocab, "cuda", warmup_dtype=torch.bfloat16)  # every variant compiled here
+    paths = {"torch": Sampler(vocab, (0,), "cuda"), "fused": Sampler(vocab, (0,), "cuda", fused=kernel)}
+    for batch in (1, 256):
+        logits = torch.randn(batch, vocab + 64, device="cuda", dtype=torch.bfloat16) * 3
+        for temperature in (0.0, 0.6):
+            seqs = [Sequence(f"r{i}", i, [1], SamplingParams(temperature=temperature, max_tokens=8))
+                    for i in range(batch)]
+            row, tokens = {}, {}
+            for name, path in paths.items():
+                for _ in range(3):
+                    path(logits, seqs)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    tokens[name] = path(logits, seqs).token_ids
+                end.record()
+                end.synchronize()
+                row[f"{name}_ms"] = round(start.elapsed_time(end) / 20, 4)
+            if temperature == 0.0:
+                row["greedy_equal"] = bool(torch.equal(tokens["torch"], tokens["fused"]))
+            res[f"b{batch}_t{temperature}"] = row
+            show(f"sampler b{batch} t{temperature}", row)
+    return res
