@@ -8,7 +8,7 @@ compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`
 Triton's own argument binder (same specialisation as a real launch).
 
 Usage (in a process WITHOUT TRITON_INTERPRET, ideally with a fresh TRITON_CACHE_DIR):
-    python -m metainfer.kernels.aot_check [--arch 90] [op ...]
+    python -m tools.aot_check [--arch 90] [op ...]
 ops: rms_norm silu_and_mul rotary store_kv decode prefill gemv qk_prep sampling skinny_gemm step_inputs
 (default: all).
 The first case of each op is compiled a second time with programmatic dependent launch (pdl=True).

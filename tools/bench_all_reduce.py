@@ -1,6 +1,6 @@
 """Latency of the TP all-reduce on N GPUs: custom one-shot / two-shot / as chosen vs NCCL, JSON out.
 
-    python -m metainfer.distributed.bench_all_reduce --world-size 2 --out all_reduce_tp2.json
+    python -m tools.bench_all_reduce --world-size 2 --out all_reduce_tp2.json
 
 Each rank joins a TP group through `init_tp_group` (so the factory makes its real choice),
 then for every message size (8 KiB to 8 MiB by default, bf16) it checks each path's sum

@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks on CUDA: time, achieved bandwidth/throughput, and a peer in the same run.
 
-    python -m metainfer.kernels.bench [--quick]
+    python -m tools.bench_kernels [--quick]
 
 Shapes are Qwen3-8B's per layer (Hq=32, Hk=8, D=128, H=4096, I=12288), bf16, block size 16.
 Peers: torch's fused SDPA on dense contiguous K/V (the same math without paging) and plain torch

@@ -1,8 +1,10 @@
 """Batch-1 GEMV sweep on CUDA: pick a GemvConfig per decode weight shape, against cuBLAS.
 
-    python -m metainfer.kernels.gemv_bench [--out gemv_sweep.json] [--quick]
+    python -m tools.tune_gemv [--out gemv_sweep.json] [--quick] [--write-config gemv|gemv_no_pdl]
 
-or from a script (on the GPU machine):
+`--write-config SECTION` merges the winners into this GPU's shipped table
+(metainfer/kernels/configs/<device>.json, the format `metainfer.kernels.tuned_configs` loads): the
+`gemv` section is the table used under PDL, `gemv_no_pdl` the one without. Or from a script (on the GPU):
 
     from tools.tune_gemv import sweep
     res = sweep()                                  # JSON-able dict
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -41,6 +44,7 @@ from metainfer.kernels.gemv import (
     linear_triton,
     set_gemv_configs,
 )
+from metainfer.kernels.tuned_configs import SECTIONS, config_path
 
 QWEN3_8B_DECODE_SHAPES: dict[str, tuple[int, int]] = {
     "qkv": (6144, 4096),
@@ -109,7 +113,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return err if math.isfinite(err) else float("inf")
 
 
-def _time_graph(calls, replays: int) -> float:
+def time_graph(calls, replays: int) -> float:
     """Median ms of one replay of a CUDA graph that runs `calls` in order."""
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
@@ -137,12 +141,30 @@ def _time_graph(calls, replays: int) -> float:
     return statistics.median(times)
 
 
+def write_tuned_section(device_name: str, section: str, table: dict, path: str | None = None) -> str:
+    """Merge `table` into `section` of the per-device JSON that `load_tuned_configs(device_name)` reads
+    (the other sections and the file's notes kept); returns the path written."""
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")
+    path = path or config_path(device_name)
+    doc = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    doc["device"] = device_name
+    doc[section] = {**(doc.get(section) or {}), **table}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    return path
+
+
 def _rotating_calls(fn, weights, calls: int):
     return [lambda w=weights[i % len(weights)]: fn(w) for i in range(calls)]
 
 
 def _measure(fn, weights, calls, replays, nbytes):
-    us = _time_graph(_rotating_calls(fn, weights, calls), replays) * 1e3 / calls
+    us = time_graph(_rotating_calls(fn, weights, calls), replays) * 1e3 / calls
     return {"us": round(us, 3), "gbps": round(nbytes / (us * 1e-6) / 1e9, 1)}
 
 
@@ -214,13 +236,13 @@ def _decode_set(shapes, counts, table, device, replays, dtype=torch.bfloat16) ->
         return [lambda nm=nm, i=i: fn(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order]
 
     res = {"launches": len(order), "bytes": total}
-    res["cublas_ms"] = _time_graph(calls(F.linear), replays)
-    res["triton_default_ms"] = _time_graph(calls(lambda x, w: gemv_triton(x, w, config=DEFAULT_CONFIG)), replays)
+    res["cublas_ms"] = time_graph(calls(F.linear), replays)
+    res["triton_default_ms"] = time_graph(calls(lambda x, w: gemv_triton(x, w, config=DEFAULT_CONFIG)), replays)
     previous = set_gemv_configs(table)
     try:
-        res["triton_best_ms"] = _time_graph(calls(linear_triton), replays)
+        res["triton_best_ms"] = time_graph(calls(linear_triton), replays)
         if pdl_supported(device):  # the same launches chained by programmatic dependent launch
-            res["triton_best_pdl_ms"] = _time_graph(calls(lambda x, w: gemv_triton(x, w, pdl=True)), replays)
+            res["triton_best_pdl_ms"] = time_graph(calls(lambda x, w: gemv_triton(x, w, pdl=True)), replays)
     finally:
         set_gemv_configs(previous)
     weights.clear()
@@ -260,7 +282,7 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g, device=device, dtype=dtype) for k in {s[1] for s in shapes.values()}}
         calls = [lambda nm=nm, i=i, xs=xs: F.linear(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order]
-        ms = _time_graph(calls, replays)
+        ms = time_graph(calls, replays)
         nbytes = sum(_gemv_bytes(*shapes[nm], m, elem) for nm, _ in order)
         flops = sum(2 * m * shapes[nm][0] * shapes[nm][1] for nm, _ in order)
         out[f"m{m}"] = {"ms": round(ms, 4), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1),
@@ -269,7 +291,7 @@ def cublas_by_rows(rows=(1, 2, 4, 8, 16, 32, 64, 128, 256), shapes=QWEN3_8B_DECO
             try:
                 skinny = [lambda nm=nm, i=i, xs=xs: skinny_gemm_triton(xs[shapes[nm][1]], weights[nm][i])
                           for nm, i in order]
-                sms = _time_graph(skinny, replays)
+                sms = time_graph(skinny, replays)
                 errs = [_rel_err(skinny_gemm_triton(xs[shapes[nm][1]], weights[nm][0]),
                                  F.linear(xs[shapes[nm][1]], weights[nm][0])) for nm in shapes]
                 out[f"m{m}"].update(skinny_ms=round(sms, 4), skinny_gbps=round(nbytes / (sms * 1e-3) / 1e9, 1),
@@ -395,6 +417,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK_CONFIGS)} configs instead of {len(SWEEP_CONFIGS)}")
     p.add_argument("--no-decode-set", action="store_true")
     p.add_argument("--time-budget", type=float, default=75.0, help="seconds (wall) for the config sweep")
+    p.add_argument("--write-config", choices=("gemv", "gemv_no_pdl"),
+                   help="merge the winners into this section of the GPU's kernels/configs JSON")
     args = p.parse_args(argv)
     res = sweep(configs=QUICK_CONFIGS if args.quick else SWEEP_CONFIGS, decode_set=not args.no_decode_set,
                 time_budget_s=args.time_budget)
@@ -402,6 +426,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    if args.write_config:
+        print("wrote", write_tuned_section(res["env"]["gpu"], args.write_config, res["table"]))
     return 0
 
 

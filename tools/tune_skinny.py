@@ -1,5 +1,10 @@
 """Skinny-GEMM sweep on CUDA: pick a SkinnyConfig per (decode weight shape, row bucket), against cuBLAS.
 
+    python -m tools.tune_skinny [--out skinny_sweep.json] [--time-budget 240] [--write-config]
+
+`--write-config` merges the table into the `skinny` section of this GPU's shipped JSON
+(metainfer/kernels/configs/<device>.json, read by `metainfer.kernels.tuned_configs`). From a script:
+
     from tools.tune_skinny import sweep
     res = sweep()              # JSON-able dict; res["table"]: "NxK/mBLOCK_M" -> config dict
 
@@ -7,13 +12,15 @@ Why: run 20 (docs/PERFORMANCE.md) measured the untuned skinny GEMM (64 x 128 til
 4.30 ms over the Qwen3-8B decode set at 8 rows against cuBLAS 4.46, but 4.57 / 5.33 ms at 32 / 64
 rows against 4.37 / 4.41: its tiles were guesses. The sweep times every config on every shape at
 the engine's graph row counts from 4 to 64 (one compile per BLOCK_M, the padded row count),
-with the GEMV sweep's method (kernels/gemv_bench.py: CUDA graphs of launches rotating over weight
+with the GEMV sweep's method (tools/tune_gemv.py: CUDA graphs of launches rotating over weight
 copies larger than the L2, median of replays), checks each against cuBLAS (relative L2 error),
 and then times the whole decode set at each row count with the best table next to cuBLAS.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import time
 
@@ -29,8 +36,9 @@ from tools.tune_gemv import (
     _gemv_bytes,
     _measure,
     _rel_err,
-    _time_graph,
     decode_set_weights,
+    time_graph,
+    write_tuned_section,
 )
 
 _S = SkinnyConfig
@@ -110,7 +118,7 @@ def decode_set(table: dict, rows=ROWS, shapes=QWEN3_8B_DECODE_SHAPES, counts=QWE
             return F.linear(x, w) if cfg is None else skinny_gemm_triton(x, w, config=cfg)
 
         def timed(fn, xs=xs):
-            return _time_graph([lambda nm=nm, i=i: fn(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order], replays)
+            return time_graph([lambda nm=nm, i=i: fn(xs[shapes[nm][1]], weights[nm][i]) for nm, i in order], replays)
 
         cublas_ms, skinny_ms = timed(F.linear), timed(tuned)
         out[f"m{m}"] = {"cublas_ms": round(cublas_ms, 4), "skinny_tuned_ms": round(skinny_ms, 4),
@@ -164,4 +172,25 @@ def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP
     return res
 
 
-__all__ = ["ROWS", "SWEEP_CONFIGS", "decode_set", "sweep", "sweep_shape"]
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--time-budget", type=float, default=240.0, help="seconds (wall) for the config sweep")
+    p.add_argument("--write-config", action="store_true",
+                   help="merge the table into the skinny section of the GPU's kernels/configs JSON")
+    args = p.parse_args(argv)
+    res = sweep(time_budget_s=args.time_budget)
+    print("table:", json.dumps(res["table"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.write_config:
+        print("wrote", write_tuned_section(res["env"]["gpu"], "skinny", res["table"]))
+    return 0
+
+
+__all__ = ["ROWS", "SWEEP_CONFIGS", "decode_set", "main", "sweep", "sweep_shape"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -220,7 +220,7 @@ def test_sweep_plumbing_on_cpu(monkeypatch):
             call()
         return float(next(ticks))  # later measurements look slower: the first config wins
 
-    monkeypatch.setattr(bench, "_time_graph", fake_time_graph)
+    monkeypatch.setattr(bench, "time_graph", fake_time_graph)
     monkeypatch.setattr(bench, "_env", lambda device: {"gpu": "cpu", "torch": torch.__version__, "triton": "-"})
     monkeypatch.setattr(bench, "_copy_gbps", lambda device, replays: 1000.0)
     configs = (GemvConfig(4, 32, 4), GemvConfig(8, 64, 4, split_k=2))
