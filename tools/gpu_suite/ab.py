@@ -4,12 +4,11 @@ of its own (LLM keywords)."""
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import replace
 
 import torch
 
-from tools.gpu_suite.common import bench_llm, error_of, release, show
+from tools.gpu_suite.common import bench_llm, release, show, variant
 
 QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD = "6144x4096", "4096x4096", "24576x4096", "4096x12288", "151936x4096"
 EIGHT_WARPS_8_ROWS, EIGHT_WARPS_16_ROWS = {"block_n": 8, "num_warps": 8}, {"block_n": 16, "num_warps": 8}
@@ -84,14 +83,6 @@ def ab(args, results) -> dict:
         del llm, runner, default
         release()
     for name, (kw, batch) in SWITCHES.items():
-        llm = None
-        try:
-            llm = bench_llm(args, **kw)
-            res["switches"][name] = _measure(llm, (batch,), 3)
-        except Exception as exc:
-            traceback.print_exc()
-            res["switches"][name] = error_of(exc)
+        res["switches"][name] = variant(args, lambda llm, batch=batch: _measure(llm, (batch,), 3), **kw)
         show(f"ab switch {name}", res["switches"][name])
-        del llm
-        release()
     return res

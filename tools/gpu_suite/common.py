@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+import traceback
 
 import torch
 
@@ -43,6 +44,26 @@ def bench_llm(args, **kwargs):
     from metainfer import LLM
 
     return LLM(model_dir(args), **{"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, **kwargs})
+
+
+def on_engine(args, measure, **kwargs):
+    """measure(llm) on a fresh suite engine (`bench_llm` keywords), released afterwards."""
+    llm = bench_llm(args, **kwargs)
+    try:
+        return measure(llm)
+    finally:
+        del llm
+        release()
+
+
+def variant(args, measure, **kwargs) -> dict:
+    """`on_engine` for an A/B variant: its exception becomes an error entry, so the figures measured
+    before it are kept."""
+    try:
+        return on_engine(args, measure, **kwargs)
+    except Exception as exc:
+        traceback.print_exc()
+        return error_of(exc)
 
 
 def release() -> None:

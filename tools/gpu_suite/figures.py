@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import time
-import traceback
 
 import torch
 
-from tools.gpu_suite.common import bench_llm, error_of, model_dir, release, show
+from tools.gpu_suite.common import bench_llm, model_dir, on_engine, release, show, variant
 
 
 def describe_linear(linear) -> str:
@@ -48,26 +47,16 @@ def throughput(args, results) -> dict:
     bf16 KV cache, then with the fp8 one (half the attention bytes)."""
     from metainfer.bench.throughput import run_throughput
 
-    llm = bench_llm(args)
-    try:
-        res = run_throughput(llm, progress=False)
-    finally:
-        del llm
-        release()
+    def brief(llm) -> dict:
+        full = run_throughput(llm, progress=False)
+        return {**{k: full[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")},
+                "decode_seconds": full["timeline"]["decode_seconds"]}
+
+    res = on_engine(args, lambda llm: run_throughput(llm, progress=False))
     show("throughput", res)
     for name, kw in {"kv_fp8": {"kv_cache_dtype": "fp8"}}.items():
-        llm = None
-        try:  # a failing variant must not lose the default's figures
-            llm = bench_llm(args, **kw)
-            other = run_throughput(llm, progress=False)
-            res[name] = {k: other[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
-            res[name]["decode_seconds"] = other["timeline"]["decode_seconds"]
-        except Exception as exc:
-            traceback.print_exc()
-            res[name] = error_of(exc)
+        res[name] = variant(args, brief, **kw)
         show(name, res[name])
-        del llm
-        release()
     return res
 
 
@@ -77,24 +66,19 @@ def kv_fp8(args, results) -> dict:
     sequence's blocks)."""
     from metainfer.bench.latency import run_latency
 
-    llm = bench_llm(args, kv_cache_dtype="fp8")
-    try:
-        res = {"bs1": run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3),
-               "ttft_1024": {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2,
-                                                    iters=5)["ttft_ms"]},
-               "bs8": run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2),
-               "bs64_ctx1024": run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1),
-               "num_kv_blocks": llm.llm_engine.runner.num_blocks}
-    finally:
-        del llm
-        release()
-    llm = bench_llm(args)
-    try:
-        res["bs64_ctx1024_bf16_cache"] = run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1)
-        res["bf16_cache"] = {"num_kv_blocks": llm.llm_engine.runner.num_blocks}
-    finally:
-        del llm
-        release()
+    def long_context(llm) -> dict:
+        return {"bs64_ctx1024": run_latency(llm, batch_size=64, input_len=1024, output_len=64, iters=1),
+                "num_kv_blocks": llm.llm_engine.runner.num_blocks}
+
+    def fp8(llm) -> dict:
+        return {"bs1": run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=3),
+                "ttft_1024": {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2,
+                                                     iters=5)["ttft_ms"]},
+                "bs8": run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2), **long_context(llm)}
+
+    res = on_engine(args, fp8, kv_cache_dtype="fp8")
+    bf16 = on_engine(args, long_context)  # the same long-context batch over the bf16 cache
+    res["bs64_ctx1024_bf16_cache"], res["bf16_cache"] = bf16["bs64_ctx1024"], {"num_kv_blocks": bf16["num_kv_blocks"]}
     show("kv_fp8", res)
     return res
 
