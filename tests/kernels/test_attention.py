@@ -167,7 +167,7 @@ def _live_splits(ctx, num_splits, block_n):
     return 0 if ctx == 0 else cdiv(ctx, cdiv(cdiv(ctx, num_splits), block_n) * block_n)
 
 
-@pytest.mark.parametrize("max_num_splits", [32, 24], ids=["splits32", "splits24"])
+@pytest.mark.parametrize("max_num_splits", [32, pytest.param(24, marks=pytest.mark.slow)], ids=["splits32", "splits24"])
 @pytest.mark.parametrize("case", MANY_SPLIT_CASES, ids=_decode_case_id)
 def test_decode_triton_many_splits_ragged(case, max_num_splits):
     group, hk, head_dim, block_size, dtype = case
@@ -209,7 +209,8 @@ def test_decode_default_min_split_keeps_short_contexts_in_one_split(dtype):
         assert bool(torch.isnan(workspace).all()) is not splits_used
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES[:1] + [pytest.param(d, marks=pytest.mark.slow)
+                                                       for d in KERNEL_DTYPES[1:]])
 def test_decode_triton_repeated_launches_reuse_counters(dtype):
     """Caller-owned workspace and counters reused across launches (as CUDA-graph replays do):
     identical results each time, counters back at zero after every launch, also when a later
@@ -389,6 +390,7 @@ def test_decode_workspace_for_covers_every_split_launch_and_no_more():
     assert decode_workspace_numel_for(256, hq, hk, d, 64) == 0  # 64-token tables: one tile, never a split
 
 
+@pytest.mark.slow
 def test_decode_workspace_for_serves_every_batch_launch():
     """Every batch up to the maximum launches against the one buffer (the launcher refuses a
     workspace that is too small), with a long context in each batch so the launches split."""

@@ -54,7 +54,8 @@ def test_silu_mul_gemv_matches_unfused(dtype, m, case):
     torch.testing.assert_close(y.float(), _linear(silu_and_mul_ref(gate_up), w, b).float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES[:1] + [pytest.param(d, marks=pytest.mark.slow)
+                                                       for d in KERNEL_DTYPES[1:]])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("prologue", ["none", "silu_mul"])

@@ -49,6 +49,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+@pytest.mark.slow  # 36-45 s a case interpreted; the fast tier samples in the other tests
 @pytest.mark.parametrize("vocab, hot, rows", [(6, [0, 1, 2, 3, 4, 5], 512), (2500, [5, 1200, 2400], 128)])
 def test_philox_draws_follow_softmax_over_temperature(vocab, hot, rows):
     """Rows share one distribution; 10 seeds x `rows` draws (5,120 over 6 tokens: a temperature of
@@ -141,6 +142,7 @@ def test_sampler_takes_the_kernel_only_for_plain_batches(monkeypatch):
     assert len(calls) == 2  # none of those is plain: the torch path
 
 
+@pytest.mark.slow
 def test_aot_compile_sm90_sampling_kernel():
     from tests.helpers.aot import run_aot_check
 

@@ -88,6 +88,7 @@ def test_skinny_gemm_rejects_bad_inputs():
         SkinnyConfig(block_n=48)
 
 
+@pytest.mark.slow
 def test_aot_compile_sm90_skinny_gemm():
     run_aot_check(["skinny_gemm"])
 
@@ -168,6 +169,7 @@ def test_select_ops_binds_a_skinny_table():
     assert untuned.linear.keywords["table"] == {(32, 64, 16): SkinnyConfig(block_n=16, block_k=32)}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors through the interpreter (run 22 ran it compiled: a test bug)")
 def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
     """skinny_bench.sweep's bookkeeping (verify, per-bucket pick, only where it beats cuBLAS, decode
