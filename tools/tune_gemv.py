@@ -159,6 +159,33 @@ def write_tuned_section(device_name: str, section: str, table: dict, path: str |
     return path
 
 
+def time_configs(out: dict, configs, launcher, weights, ref, calls, replays, nbytes, deadline=None,
+                 row_of=lambda cfg: {"config": cfg.to_dict()}) -> None:
+    """Check each config's launch (`launcher(cfg)`: w -> y) against `ref` and time the good ones over the
+    rotating `weights`; sets `out["configs"]` (a row each, failures recorded) and, against `out["cublas"]`,
+    `out["best"]` and `out["speedup_vs_cublas"]`. Configs not started by `deadline` are skipped."""
+    rows = []
+    for cfg in configs:
+        row = row_of(cfg)
+        if deadline is not None and time.perf_counter() > deadline:
+            rows.append({**row, "ok": False, "error": "skipped: time budget spent"})
+            continue
+        try:
+            fn = launcher(cfg)
+            row["rel_err"] = _rel_err(fn(weights[0]), ref)
+            row["ok"] = row["rel_err"] < REL_TOL
+            if row["ok"]:
+                row.update(_measure(fn, weights, calls, replays, nbytes))
+        except Exception as exc:  # a config the compiler or the device rejects: record it, go on
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        rows.append(row)
+    out["configs"] = rows
+    good = [r for r in rows if r.get("ok") and "us" in r]
+    if good:
+        out["best"] = min(good, key=lambda r: r["us"])
+        out["speedup_vs_cublas"] = round(out["cublas"]["us"] / out["best"]["us"], 3)
+
+
 def _rotating_calls(fn, weights, calls: int):
     return [lambda w=weights[i % len(weights)]: fn(w) for i in range(calls)]
 
@@ -197,29 +224,12 @@ def sweep_shape(n: int, k: int, configs=SWEEP_CONFIGS, device="cuda", calls: int
     out = {"n": n, "k": k, "bytes": nbytes, "weight_copies": copies}
     out["cublas"] = _measure(lambda w: F.linear(x, w), weights, calls, replays, nbytes)
     out["cublas"]["rel_err"] = _rel_err(F.linear(x, weights[0]), ref)
-    rows = []
-    for cfg in configs:
+    def row_of(cfg):
         plan = gemv_plan(1, n, k, cfg, elem)
-        row = {"config": cfg.to_dict(), "programs": plan.grid[0] * plan.grid[1]}
-        if deadline is not None and time.perf_counter() > deadline:
-            row.update(ok=False, error="skipped: time budget spent")
-            rows.append(row)
-            continue
-        try:
-            fn = lambda w, cfg=cfg: gemv_triton(x, w, config=cfg)  # noqa: E731
-            row["rel_err"] = _rel_err(fn(weights[0]), ref)
-            row["ok"] = row["rel_err"] < REL_TOL
-            if row["ok"]:
-                row.update(_measure(fn, weights, calls, replays, nbytes))
-        except Exception as exc:  # a config the compiler or the device rejects: record it, go on
-            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        rows.append(row)
-    out["configs"] = rows
-    good = [r for r in rows if r.get("ok") and "us" in r]
-    if good:
-        best = min(good, key=lambda r: r["us"])
-        out["best"] = best
-        out["speedup_vs_cublas"] = round(out["cublas"]["us"] / best["us"], 3)
+        return {"config": cfg.to_dict(), "programs": plan.grid[0] * plan.grid[1]}
+
+    time_configs(out, configs, lambda cfg: lambda w: gemv_triton(x, w, config=cfg), weights, ref, calls, replays,
+                 nbytes, deadline, row_of)
     del weights
     torch.cuda.empty_cache()
     return out

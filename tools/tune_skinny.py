@@ -35,8 +35,8 @@ from tools.tune_gemv import (
     _env,
     _gemv_bytes,
     _measure,
-    _rel_err,
     decode_set_weights,
+    time_configs,
     time_graph,
     write_tuned_section,
 )
@@ -74,27 +74,8 @@ def sweep_shape(n: int, k: int, m: int, configs=SWEEP_CONFIGS, device="cuda", ca
     nbytes = _gemv_bytes(n, k, m, elem)
     ref = F.linear(x, weights[0])
     out = {"n": n, "k": k, "m": m, "cublas": _measure(lambda w: F.linear(x, w), weights, calls, replays, nbytes)}
-    rows = []
-    for cfg in configs:
-        row = {"config": cfg.to_dict()}
-        if deadline is not None and time.perf_counter() > deadline:
-            rows.append({**row, "ok": False, "error": "skipped: time budget spent"})
-            continue
-        try:
-            def fn(w, cfg=cfg):
-                return skinny_gemm_triton(x, w, config=cfg)
-            row["rel_err"] = _rel_err(fn(weights[0]), ref)
-            row["ok"] = row["rel_err"] < REL_TOL
-            if row["ok"]:
-                row.update(_measure(fn, weights, calls, replays, nbytes))
-        except Exception as exc:  # a config the compiler or the device rejects: record it, go on
-            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        rows.append(row)
-    out["configs"] = rows
-    good = [r for r in rows if r.get("ok") and "us" in r]
-    if good:
-        out["best"] = min(good, key=lambda r: r["us"])
-        out["speedup_vs_cublas"] = round(out["cublas"]["us"] / out["best"]["us"], 3)
+    time_configs(out, configs, lambda cfg: lambda w: skinny_gemm_triton(x, w, config=cfg), weights, ref, calls,
+                 replays, nbytes, deadline)
     del weights
     torch.cuda.empty_cache()
     return out
