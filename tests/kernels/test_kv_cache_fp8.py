@@ -6,7 +6,7 @@ attend over the widened fp8 values as the torch references do, and the reference
 must equal a float64 softmax over the dequantised K/V. (The engine with an fp8 cache:
 tests/models/test_fp8_kv_parity.py.) On the CPU the kernels run in fp32 and fp16: the interpreter cannot
 run bf16, so bf16 q over an fp8 cache (the engine's GPU path, fp16 products) is checked only with
-METAINFER_TEST_GPU=1 (runs 25-26, before the GQA 1 / 8 fused cases were added).
+METAINFER_TEST_GPU=1 (runs 25-26).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def test_select_ops_binds_a_skinny_table():
 @pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors through the interpreter (run 22 ran it compiled: a test bug)")
 def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
-    """skinny_bench.sweep's bookkeeping (verify, per-bucket pick, only where it beats cuBLAS, decode
+    """tools.tune_skinny.sweep's bookkeeping (verify, per-bucket pick, only where it beats cuBLAS, decode
     set) with the GPU timing stubbed out: each timed call still runs once through the interpreter."""
     import json
 
