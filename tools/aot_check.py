@@ -39,6 +39,15 @@ ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill"
            "skinny_gemm", "step_inputs")
 
 
+def _kv_cache(blocks: int, block: int, hk: int, head_dim: int, dtype: torch.dtype):
+    """(k_cache, v_cache) of zeros as the engine lays them out: an fp8 cache keeps V token-major
+    (kernels/kv_cache.py), a 16-bit one head-major."""
+    from metainfer.kernels import FP8_KV_DTYPE, token_major_v_cache
+
+    kv = torch.zeros(2, blocks, block, hk, head_dim, dtype=dtype)
+    return (kv[0], token_major_v_cache(kv[1].clone())) if dtype == FP8_KV_DTYPE else (kv[0], kv[1])
+
+
 def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
     """The decode or prefill launches of one config."""
     from metainfer.kernels import attention_decode, attention_prefill
@@ -108,7 +117,7 @@ def _cases(op: str):
             qkv = torch.zeros(4, (4 * hk + 2 * hk) * head_dim, dtype=dtype)
             k = qkv[:, 4 * hk * head_dim : 5 * hk * head_dim].view(4, hk, head_dim)
             v = qkv[:, 5 * hk * head_dim :].view(4, hk, head_dim)
-            cache = torch.zeros(2, 3, block, hk, head_dim, dtype=cache_dtype)
+            cache = _kv_cache(3, block, hk, head_dim, cache_dtype)
             slots = torch.zeros(4, dtype=torch.int32)
             cases.append((f"store_kv {dtype} cache {cache_dtype} Hk={hk} D={head_dim} S={block}",
                           lambda pdl, k=k, v=v, c=cache, s=slots:
@@ -128,13 +137,11 @@ def _cases(op: str):
                        (bf16, 32, 8, 128, 16, 16, fp8), (bf16, 32, 8, 128, 16, 2048, fp8)]
         for dtype, hq, hk, head_dim, block, n, *cache_dtype in configs:
             cache_dtype = cache_dtype[0] if cache_dtype else dtype
-            kv = torch.zeros(2, 4, block, hk, head_dim, dtype=cache_dtype)
+            cache = _kv_cache(4, block, hk, head_dim, cache_dtype)
             tables = torch.zeros(2, 4096 // block, dtype=torch.int32)
             lens = torch.zeros(2, dtype=torch.int32)
             tag = f"{dtype} Hq={hq} Hk={hk} D={head_dim} S={block}" + (f" cache {cache_dtype}" if cache_dtype != dtype
                                                                         else "")
-            # an fp8 cache keeps V token-major (kernels/kv_cache.py)
-            cache = (kv[0], kv_cache.token_major_v_cache(kv[1].clone())) if cache_dtype == fp8 else kv
             cases += _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32)
     elif op == "gemv":
         # the H200 table's configs (first weight tile preloaded) at the Qwen3-8B decode shapes, M = 1 and
@@ -157,7 +164,7 @@ def _cases(op: str):
         for dtype, tokens, hq, hk, head_dim, cache_dtype in ((bf16, 1, 32, 8, 128, bf16), (bf16, 64, 32, 8, 128, bf16),
                                                              (fp32, 3, 4, 2, 64, fp32), (bf16, 64, 32, 8, 128, fp8)):
             qkv = torch.zeros(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
-            cache = torch.zeros(2, 4, 16, hk, head_dim, dtype=cache_dtype)
+            cache = _kv_cache(4, 16, hk, head_dim, cache_dtype)
             pos, slots = torch.zeros(tokens, dtype=torch.int64), torch.zeros(tokens, dtype=torch.int32)
             cos_sin, w = torch.zeros(64, head_dim, dtype=fp32), torch.ones(head_dim, dtype=dtype)
             cases.append((f"qk_norm_rope_store {dtype} cache {cache_dtype} T={tokens} Hq={hq} Hk={hk} D={head_dim}",
