@@ -31,8 +31,9 @@ def _elementwise(compare, dev, dt):
     w = torch.randn(HIDDEN, device=dev, dtype=dt)
     compare("rms_norm", TRITON_OPS.rms_norm(x, w, 1e-6), REF_OPS.rms_norm(x, w, 1e-6))
     r1 = torch.randn_like(x)
+    r2 = r1.clone()  # before the Triton call, which adds into r1 in place
     y1, res1 = TRITON_OPS.fused_add_rms_norm(x.clone(), r1, w, 1e-6)
-    y2, res2 = REF_OPS.fused_add_rms_norm(x.clone(), r1.clone(), w, 1e-6)
+    y2, res2 = REF_OPS.fused_add_rms_norm(x.clone(), r2, w, 1e-6)
     compare("fused_add_rms_norm", y1, y2)
     compare("fused_add_residual", res1, res2)
     g = torch.randn(4096, 2 * INTER, device=dev, dtype=dt)

@@ -35,6 +35,7 @@ def latency(args, results) -> dict:
         runner = llm.llm_engine.runner
         res.update(linear=describe_linear(runner.ops.linear), num_kv_blocks=runner.num_blocks,
                    graph_batch_sizes=runner.graph_batch_sizes)
+        del runner  # a live reference keeps the model and the KV pool: the next engine would find no memory
     finally:
         del llm
         release()
