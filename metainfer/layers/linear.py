@@ -67,11 +67,6 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param, loaded, shard_id=None, name=""):
-        default_weight_loader(param, loaded, name)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks; no communication."""
 
