@@ -138,17 +138,3 @@ def hf_logits(hf_model, tokens: torch.Tensor, prompt_len: int, positions: int) -
     with torch.inference_mode():
         out = hf_model(tokens[None, : prompt_len + positions].to(device)).logits
     return out[0, prompt_len - 1: prompt_len + positions - 1].float()
-
-
-@torch.inference_mode()
-def teacher_forced(llm, hf_model, prompt_len: int = 32, positions: int = 256, seed: int = 0) -> dict:
-    """Both engine paths against one HF model (already holding the engine's weights)."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = llm.llm_engine.spec.vocab_size
-    tokens = torch.randint(0, min(vocab, 10000), (prompt_len + positions,), generator=g)
-    ref = hf_logits(hf_model, tokens, prompt_len, positions)
-    decode = compare(teacher_forced_logits(llm, tokens, prompt_len, positions), ref)
-    prefill = compare(teacher_forced_prefill_logits(llm, tokens, prompt_len, positions), ref)
-    return {"positions": positions, "prompt_len": prompt_len, "decode": decode, "prefill": prefill,
-            "top1_agreement": decode["top1"], "cosine_mean": decode["cos_mean"],
-            "cosine_min": decode["cos_min"]}

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             seen[key] = label
             shared = compiled.metadata.shared
             status = "ok" if shared <= _MAX_SHARED_BYTES else "FAIL shared memory"
-            hf_rounding = name in _HF_ROUNDING_KERNELS or kw.get("FUSED_PREP", False)
+            hf_rounding = name in _HF_ROUNDING_KERNELS
             if hf_rounding and re.search(r"\bfma\.rn\.(bf16|f16)\b", compiled.asm.get("ptx", "")):
                 status = "FAIL half-precision fma (a rounding point contracted away)"
             failures += status != "ok"

@@ -8,8 +8,7 @@
 
     from tools.tune_gemv import sweep
     res = sweep()                                  # JSON-able dict
-    from metainfer.kernels.gemv import set_gemv_configs
-    set_gemv_configs(res["table"])                 # before the engine captures its CUDA graphs
+    # res["table"]: "NxK" -> config, the format of a configs/<device>.json section (the engine reads those)
 
 Timing: every measurement is a CUDA graph of `calls` back-to-back launches that rotate over
 several copies of the weight (at least 3, and at least `rotate_bytes` in all), so no weight is

@@ -1,6 +1,7 @@
 """The attention backend interface: how an attention layer reaches its KV cache and kernels.
 
-A backend is chosen once, when the engine is built (`select_attention_backend`), and shared by every
+A backend is chosen once, when the engine is built (models/registry.py: `build_attention_backend`), and
+shared by every
 attention layer of the model. It owns four jobs, so that a model file calls `self.attn(q, k, v)` and
 knows nothing about caches or kernels:
   metadata  `build_metadata`: the step's packed int fields -> the AttentionMetadata its kernels read;
@@ -16,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from metainfer.attention.metadata import AttentionMetadata
+from metainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 
 
 class AttentionBackend(ABC):
@@ -45,5 +46,20 @@ class AttentionBackend(ABC):
         """Drop the pool (the memory profile allocates a trial one first)."""
 
     @abstractmethod
+    def store(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's K/V into `layer`'s cache at meta.slot_mapping; returns the query to attend with
+        (a backend may transform it on the way, e.g. the paged one's fused q/k norm and rotary)."""
+
+    @abstractmethod
+    def prefill(self, layer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of a prefill/extend step's new tokens over the cache (theirs already stored)."""
+
+    @abstractmethod
+    def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of one query token per sequence over its cache (this step's K/V already stored)."""
+
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's K/V into `layer`'s cache, then attend; reads the current forward context."""
+        """store, then prefill or decode, under the current forward context (the step's metadata)."""
+        meta = get_attention_metadata()
+        q = self.store(layer, q, k, v, meta)
+        return self.prefill(layer, q, meta) if meta.is_prefill else self.decode(layer, q, meta)

@@ -16,7 +16,6 @@ import functools
 import torch
 
 from metainfer.attention.backend import AttentionBackend
-from metainfer.attention.metadata import get_attention_metadata
 from metainfer.kernels import FP8_KV_DTYPE, decode_workspace_numel_for, token_major_v_cache
 
 
@@ -64,19 +63,22 @@ class PagedAttentionBackend(AttentionBackend):
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.pool = None
 
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k and v [T, Hk*D]: column slices of one packed [T, (Hq+2Hk)*D] projection (the
-        store reads them in place and rotates q in place). Returns [T, Hq*D]."""
-        meta = get_attention_metadata()
+    def store(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """q [T, Hq*D], k and v [T, Hk*D]: column slices of one packed [T, (Hq+2Hk)*D] projection (read in
+        place; q and k are normed and rotated in place). Stores K/V; returns q [T, Hq, D] normed and rotated."""
         qkv = _packed(q, k, self.q_size, self.q_size + 2 * self.kv_size)
         q, _, _ = self._prep(qkv, meta.positions, layer.cos_sin, layer.q_norm_weight, layer.k_norm_weight,
                              layer.eps, layer.k_cache, layer.v_cache, meta.slot_mapping,
                              self.num_heads, self.num_kv_heads, self.head_dim)
-        if meta.is_prefill:
-            out = self._prefill(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.context_lens,
-                                meta.block_tables, meta.max_seqlen_q, layer.scale)
-        else:
-            out = self._decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens, layer.scale)
+        return q
+
+    def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        out = self._prefill(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.context_lens,
+                            meta.block_tables, meta.max_seqlen_q, layer.scale)
+        return out.reshape(-1, self.q_size)
+
+    def decode(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        out = self._decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens, layer.scale)
         return out.reshape(-1, self.q_size)
 
 

@@ -18,16 +18,19 @@ ENV_OVERRIDES: dict[str, tuple[str, dict[str, bool]]] = {
     "METAINFER_DISABLE_PDL": ("enable_pdl", {"0": True, "1": False}),
     "METAINFER_SKINNY_GEMM": ("enable_skinny_gemm", {"0": False, "1": True}),
     "METAINFER_FUSED_SAMPLER": ("enable_fused_sampler", {"0": False, "1": True}),
-    "METAINFER_DISABLE_CUSTOM_ALL_REDUCE": ("enable_custom_all_reduce", {"0": True, "1": False}),
+    # this one kept its older, lenient spelling (it predates the registry)
+    "METAINFER_DISABLE_CUSTOM_ALL_REDUCE": ("enable_custom_all_reduce", {
+        **dict.fromkeys(("0", "false", "no", "off"), True), **dict.fromkeys(("1", "true", "yes", "on"), False)}),
 }
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
-    """{EngineConfig field: value} for every override variable that is set (and non-empty)."""
+    """{EngineConfig field: value} for every override variable that is set (and non-empty). A set variable
+    wins over the field's keyword (it is how a benchmark flips a switch without code)."""
     environ = os.environ if environ is None else environ
     out = {}
     for name, (field_name, values) in ENV_OVERRIDES.items():
-        raw = environ.get(name, "")
+        raw = environ.get(name, "").strip().lower()
         if raw == "":
             continue
         if raw not in values:

@@ -22,7 +22,7 @@ Both kernels add the ranks' values in rank order (0, 1, ..., N-1), so every rank
 bit-identical sums, which TP needs (ranks must not drift apart).
 
 One-shot threshold (bytes, chosen per world size; a first guess from the reads each shape
-costs, to be replaced by the numbers of `bench_all_reduce.py` on the multi-GPU machine):
+costs, to be replaced by the numbers of `tools/bench_all_reduce.py` on the multi-GPU machine):
 world 2: 1 MiB (one-shot reads what two-shot reads, with one barrier fewer), world 4: 512
 KiB, world >= 8: 256 KiB (one-shot reads 7 x bytes: two-shot wins past a few hundred KiB).
 The buffer is 8 MiB: a Qwen3-8B decode batch of 1,024 tokens in bf16; prefill goes to NCCL.

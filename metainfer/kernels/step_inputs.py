@@ -1,4 +1,4 @@
-"""A step's token ids and positions from its packed int32 staging fields (engine/model_runner.py).
+"""A step's token ids and positions from its packed int32 staging fields (worker/step_inputs.py).
 
 Contract: `step_inputs(ids i32[T], src i32[T], positions i32[T], sampled i64[S]) -> (input_ids i64[T],
 positions i64[T])` with input_ids[t] = sampled[src[t]] where src[t] >= 0 (a PENDING token of async

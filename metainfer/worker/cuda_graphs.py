@@ -26,9 +26,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner, capture: bool):
-        """`runner`: the ModelRunner (its model, kernels, staging, backend and sampled ids). Without
+        """`runner`: the ModelRunner whose model, kernels, staging, backend and sampled ids the graphs read
+        (taken here, not the runner itself: no reference cycle keeps a dropped engine's memory). Without
         `capture` (CPU, enforce_eager) nothing is captured and max_batch is 0: every step runs eagerly."""
-        self.runner = runner
+        self.model, self.step_inputs, self.attn_backend = runner.model, runner.ops.step_inputs, runner.attn_backend
+        self.staging, self.sampled_ids = runner.staging, runner.sampled_ids
+        self.block_size, self.table_width = runner.block_size, runner.max_blocks_per_seq
+        self.max_num_seqs = runner.config.max_num_seqs
         self.max_batch = 0
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -40,15 +44,13 @@ class DecodeGraphs:
         """Hidden states [len(batch.seqs), H] of a decode batch of at most max_batch rows."""
         n = len(batch.seqs)
         bucket = self._bucket_of[n]
-        r = self.runner
-        layout = pack_step(batch, bucket, r.staging.next_host_buffer(), r.block_size, r.max_blocks_per_seq)
-        r.staging.upload(layout.size)  # the captured graph reads its inputs there
+        layout = pack_step(batch, bucket, self.staging.next_host_buffer(), self.block_size, self.table_width)
+        self.staging.upload(layout.size)  # the captured graph reads its inputs there
         self.graphs[bucket].replay()
         return self.hidden[bucket][:n]
 
     def _capture(self) -> None:
-        r = self.runner
-        self.batch_sizes = graph_batch_sizes(r.config.max_num_seqs)
+        self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
         pool = None
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
@@ -66,15 +68,13 @@ class DecodeGraphs:
     def _idle_views(self, bs: int) -> dict[str, torch.Tensor]:
         """The staging buffer's views for a `bs`-row decode step, filled with rows that store and attend
         to nothing (ids 0, slot -1, context 0, tables -1)."""
-        r = self.runner
-        views = graph_layout(bs, r.max_blocks_per_seq).views(r.staging.device_buffer)
+        views = graph_layout(bs, self.table_width).views(self.staging.device_buffer)
         for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1), ("context_lens", 0),
                             ("tables", -1)):
             views[name].fill_(value)
         return views
 
     def _forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
-        r = self.runner
-        ids, positions = r.ops.step_inputs(views["ids"], views["src"], views["positions"], r.sampled_ids)
-        with forward_context(r.attn_backend.build_metadata(False, views, positions, 1)):
-            self.hidden[bs] = r.model(ids)
+        ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+        with forward_context(self.attn_backend.build_metadata(False, views, positions, 1)):
+            self.hidden[bs] = self.model(ids)

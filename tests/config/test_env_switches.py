@@ -61,6 +61,9 @@ def test_fields_and_overrides_reach_select_ops(folder, recorded, monkeypatch, kw
 
 def test_overrides_parse_only_their_values():
     assert env_overrides({}) == {}
+    # the custom all-reduce's variable keeps its older lenient spelling
+    for value, enabled in (("0", True), ("off", True), (" False ", True), ("1", False), ("yes", False), ("ON", False)):
+        assert env_overrides({"METAINFER_DISABLE_CUSTOM_ALL_REDUCE": value}) == {"enable_custom_all_reduce": enabled}
     assert env_overrides({"METAINFER_DISABLE_CUSTOM_ALL_REDUCE": "1", "METAINFER_SKINNY_GEMM": ""}) == {
         "enable_custom_all_reduce": False}
     with pytest.raises(ConfigError, match="METAINFER_FUSED_SAMPLER"):
@@ -69,7 +72,7 @@ def test_overrides_parse_only_their_values():
 
 @pytest.mark.parametrize("name, value", [("METAINFER_SKINNY_GEMM", "2"), ("METAINFER_DISABLE_PDL", "true"),
                                          ("METAINFER_FUSED_SAMPLER", "no"),
-                                         ("METAINFER_DISABLE_CUSTOM_ALL_REDUCE", "yes")])
+                                         ("METAINFER_DISABLE_CUSTOM_ALL_REDUCE", "maybe")])
 @pytest.mark.parametrize("engine", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
 def test_unknown_values_are_rejected_before_anything_is_built(folder, monkeypatch, name, value, engine):
     """A typo is a ConfigError naming the variable, before any build or TP worker: an A/B run would otherwise

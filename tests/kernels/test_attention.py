@@ -1,4 +1,4 @@
-"""Phase 5 attention kernels: KV store, paged decode (split-KV), paged prefill/extend.
+"""Attention kernels: KV store, paged decode (split-KV), paged prefill/extend.
 
 References are checked against a naive float64 attention over dense per-sequence K/V with a
 materialised causal mask; Triton kernels (interpreted on CPU, fp32/fp16) against the references.

@@ -1,4 +1,4 @@
-"""Triton skinny GEMM (interpreted on CPU) against torch's F.linear; config table; sweep plumbing."""
+"""The Triton GEMV (interpreted on CPU) against torch's F.linear; config table; sweep plumbing."""
 
 from __future__ import annotations
 

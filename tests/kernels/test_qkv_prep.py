@@ -1,4 +1,4 @@
-"""Phase 5 fused attention-input op: q/k per-head RMSNorm -> neox rotary -> paged K/V store.
+"""The fused attention-input op: q/k per-head RMSNorm -> neox rotary -> paged K/V store.
 
 `qk_norm_rope_store_ref` is checked for exact equality against the explicit chain of the three
 un-fused references (as the dense attention block used to call them); the Triton kernel

@@ -1,4 +1,4 @@
-"""Phase 5 skinny GEMM (tensor cores, a few to 64 rows): against F.linear in float64.
+"""Skinny GEMM (tensor cores, a few to 64 rows): against F.linear in float64.
 
 Interpreted on the CPU (fp32, fp16), compiled on the GPU with bf16 too: ragged row counts around
 the padded MMA width, N and K off the tile sizes, explicit and automatic K splits, a bias, and

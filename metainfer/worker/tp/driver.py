@@ -51,7 +51,7 @@ log = logging.getLogger("metainfer")
 
 class _Workers:
     """Worker processes, their pipes and this process's membership of the TP group. Held apart
-    from TPModelRunner so that the finalizer does not keep the runner alive."""
+    from TPDriver so that the finalizer does not keep the driver alive."""
 
     def __init__(self):
         self.procs, self.conns, self.store, self.in_group = [], [], None, False
