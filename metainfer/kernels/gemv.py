@@ -82,18 +82,10 @@ class GemvConfig:
 # The first untuned kernel of the team's design notes (8 rows x 1,024 columns, 8 warps): 3.91 TB/s overall.
 DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=1, split_k=1)
 
-# Qwen3-8B decode shapes (N, K). Until `tools.tune_gemv.sweep()` has been run on the target GPU these
-# are guesses: the defaults where the grid has thousands of programs; for the two 4096-row
-# shapes (512 programs of 8 rows for 132 SMs) fewer rows a program or a K split.
-BUILTIN_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (6144, 4096): DEFAULT_CONFIG,                                     # qkv
-    (4096, 4096): GemvConfig(block_n=4, block_k=1024, num_warps=4),   # o_proj
-    (24576, 4096): DEFAULT_CONFIG,                                    # gate_up
-    (4096, 12288): GemvConfig(block_n=8, block_k=1024, num_warps=8, split_k=2),  # down
-    (151936, 4096): DEFAULT_CONFIG,                                   # lm_head
-}
-
-_configs: dict[tuple[int, int], GemvConfig] = dict(BUILTIN_CONFIGS)
+# The process-wide table `gemv_triton` / `linear_triton` read without a config: empty (DEFAULT_CONFIG for every
+# shape) until a tool installs a sweep's table. The engine never reads it: its linear carries the GPU's tuned
+# table from kernels/configs/ (`tuned_linear`).
+_configs: dict[tuple[int, int], GemvConfig] = {}
 
 # Rows up to which the engine's linear uses the Triton GEMV. Measured on the H200 (docs/
 # PERFORMANCE.md, run 3, 4096x4096): Triton wins at M=1 (11.3 vs 13.9 us) and M=2 (11.8 vs 13.7),
@@ -125,11 +117,11 @@ def parse_gemv_table(table: Mapping) -> dict[tuple[int, int], GemvConfig]:
 
 def set_gemv_configs(table: Mapping | None) -> dict[tuple[int, int], GemvConfig]:
     """Install the process-wide table that `gemv_triton` and `linear_triton` read when no config is
-    given, replacing the current one; None restores BUILTIN_CONFIGS. Everything is validated before
+    given, replacing the current one; None empties it. Everything is validated before
     anything is installed. Returns the previous table. (The engine does not read it: its linear
     carries its own table, see `tuned_linear`.) A CUDA graph keeps the launches it recorded."""
     global _configs
-    new = dict(BUILTIN_CONFIGS) if table is None else parse_gemv_table(table)
+    new = {} if table is None else parse_gemv_table(table)
     previous, _configs = _configs, new
     return previous
 
@@ -433,7 +425,7 @@ def tuned_linear(table: Mapping | None, pdl: bool = False):
 
 
 __all__ = [
-    "BUILTIN_CONFIGS", "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS",
+    "DEFAULT_CONFIG", "ENGINE_MAX_ROWS", "MAX_ROWS",
     "GemvConfig", "GemvPlan",
     "gemv_config", "gemv_plan", "gemv_triton", "get_gemv_configs", "linear_engine", "linear_ref", "linear_triton",
     "parse_gemv_table", "parse_shape_key", "set_gemv_configs", "tuned_linear",

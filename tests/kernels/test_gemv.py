@@ -10,7 +10,6 @@ import torch
 import metainfer.kernels.gemv as gemv_mod
 import tools.tune_gemv as bench
 from metainfer.kernels.gemv import (
-    BUILTIN_CONFIGS,
     DEFAULT_CONFIG,
     GemvConfig,
     gemv_config,
@@ -141,7 +140,7 @@ def test_config_table_changes_the_launch(monkeypatch):
 
     previous = set_gemv_configs({(64, 512): GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=3,
                                                         split_k=2)})
-    assert previous == BUILTIN_CONFIGS
+    assert previous == {}  # nothing installed by default: DEFAULT_CONFIG everywhere
     linear_triton(x, w)  # the engine's entry point reads the same table
     grid, kw = rec.launches[-1]
     assert (grid, kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"], kw["SPLIT_K"]) == \
@@ -159,7 +158,7 @@ def test_config_table_changes_the_launch(monkeypatch):
     assert rec.launches[-1][0] == (8, 1) and rec.launches[-1][1]["BLOCK_K"] == 64
 
     set_gemv_configs(None)
-    assert get_gemv_configs() == BUILTIN_CONFIGS and gemv_config(64, 512) == DEFAULT_CONFIG
+    assert get_gemv_configs() == {} and gemv_config(64, 512) == DEFAULT_CONFIG
 
 
 def test_config_table_numerics_through_linear_triton():
@@ -195,10 +194,15 @@ def test_invalid_table_entries_raise(table):
     assert get_gemv_configs() == before  # nothing installed from a rejected table
 
 
-def test_builtin_table_is_valid():
-    assert set_gemv_configs(dict(BUILTIN_CONFIGS)) is not None
-    for (n, k), cfg in BUILTIN_CONFIGS.items():
-        assert gemv_config(n, k) == cfg and gemv_plan(1, n, k).grid[0] * cfg.block_n >= n
+def test_shipped_h200_table_is_valid():
+    """The H200's shipped GEMV tables (kernels/configs/) install and plan a grid covering every row."""
+    from metainfer.kernels.tuned_configs import load_tuned_configs
+
+    for section in ("gemv", "gemv_no_pdl"):
+        table = load_tuned_configs("NVIDIA H200")[section]
+        assert table and set_gemv_configs(table) is not None
+        for (n, k), cfg in get_gemv_configs().items():
+            assert gemv_config(n, k) == cfg and gemv_plan(1, n, k, cfg).grid[0] * cfg.block_n >= n
 
 
 def test_linear_dispatch_by_rows():
@@ -244,7 +248,7 @@ def test_sweep_plumbing_on_cpu(monkeypatch):
     assert ds["launches"] == 3 and ds["bytes"] == 2 * res["shapes"]["a"]["bytes"] + res["shapes"]["b"]["bytes"]
     assert {"cublas_ms", "triton_best_ms", "triton_default_ms", "floor_ms", "ratio_cublas_over_triton_best"} <= set(ds)
     assert [r["m"] for r in res["multi_row"]] == [1, 2, 3, 4] and all(r["ok"] for r in res["multi_row"])
-    assert get_gemv_configs() == BUILTIN_CONFIGS  # the sweep does not leave its table installed
+    assert get_gemv_configs() == {}  # the sweep does not leave its table installed
     set_gemv_configs(res["table"])
     assert gemv_config(20, 64) == configs[0]
     report = bench.format_report(res)
