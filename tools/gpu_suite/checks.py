@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 
@@ -147,7 +148,7 @@ def graphs(args, results) -> dict:
 
     from metainfer import LLM, SamplingParams
 
-    folder = "/tmp/metainfer-small"
+    folder = os.path.join(tempfile.gettempdir(), "metainfer-small")
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -185,7 +186,7 @@ def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filte
     from pytest's JUnit XML; the whole output is kept in $OUT/gpu_tests_output.txt."""
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                METAINFER_SHARED_GPU_TIMEOUT="60")
-    junit = os.path.join("/tmp", "metainfer-gpu-tests.xml")
+    junit = os.path.join(tempfile.gettempdir(), "metainfer-gpu-tests.xml")
     if os.path.exists(junit):
         os.remove(junit)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}",

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+import tempfile
 import traceback
 
 import torch
@@ -25,7 +26,7 @@ def out_dir() -> str:
 
 def model_dir(args) -> str:
     """A folder with the real config.json and the Qwen3 tokenizer files (the engines load dummy weights)."""
-    folder = os.path.join("/tmp", "metainfer-model")
+    folder = os.path.join(tempfile.gettempdir(), "metainfer-model")
     os.makedirs(folder, exist_ok=True)
     shutil.copy(args.config, os.path.join(folder, "config.json"))
     copy_tokenizer(args.tokenizer_dir, folder)
