@@ -1,0 +1,59 @@
+"""Torch references of the mixture-of-experts kernels: the CPU engine's path and the tests' oracle.
+
+Contracts (docs/CONTRACTS.md, "MoE"):
+- `route_topk(router_logits f32[T,E], top_k, method, n_group, topk_group, renormalize, scaling)
+  -> (weights f32[T,K], ids i32[T,K])`: softmax over the E experts in fp32, then top-k: `greedy` over all
+  experts, or `group_limited_greedy` (DeepSeek-V2): the experts split into `n_group` equal groups, a group
+  scored by its best expert, top-k taken only inside the `topk_group` best groups. `renormalize`
+  (norm_topk_prob) divides the K weights by their sum; `scaling` (routed_scaling_factor) multiplies them
+  after that (transformers' DeepSeek-V2 applies it always; its router ignores norm_topk_prob, which is
+  false in every DeepSeek-V2 config).
+- `fused_moe(x[T,H], w13[E,2N,H], w2[E,H,N], weights f32[T,K], ids i32[T,K]) -> y[T,H]` (x's dtype):
+  y[t] = sum_k weights[t,k] * w2[e] @ (silu(g) * u), (g, u) = split(w13[e] @ x[t]), e = ids[t,k]. Rows
+  0..N-1 of w13[e] are the gate projection, N..2N-1 the up projection (transformers' fused layout).
+  Rounding: each GEMM's output is rounded to x's dtype (as a grouped GEMM writes it), the activation
+  product too; the K weighted terms are summed in fp32 and rounded once. Ids outside [0, E) contribute
+  nothing (a rank that holds a slice of the experts: none here, experts are sharded by N).
+The Triton kernels: kernels/fused_moe.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, method: str = "greedy", n_group: int = 1,
+                   topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0):
+    scores = router_logits.float().softmax(dim=-1)
+    if method == "group_limited_greedy":
+        num_tokens, num_experts = scores.shape
+        grouped = scores.view(num_tokens, n_group, num_experts // n_group)
+        best_groups = grouped.max(dim=-1).values.topk(topk_group, dim=-1).indices
+        keep = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, best_groups, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(num_tokens, num_experts)
+    elif method != "greedy":
+        raise ValueError(f"unknown top-k method {method!r} (greedy, group_limited_greedy)")
+    weights, ids = scores.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    num_experts, n2, _ = w13.shape
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for expert in torch.unique(ids).tolist():
+        if not 0 <= expert < num_experts:
+            continue
+        token_idx, slot = torch.where(ids == expert)
+        gate_up = F.linear(x[token_idx], w13[expert])
+        hidden = (F.silu(gate_up[:, : n2 // 2].float()) * gate_up[:, n2 // 2:].float()).to(x.dtype)
+        y = F.linear(hidden, w2[expert])
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
