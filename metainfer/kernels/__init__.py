@@ -29,6 +29,13 @@ from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_r
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
+from .mla_ref import (
+    mla_decode_attention_ref,
+    mla_prefill_attention_ref,
+    rotary_interleaved_ref,
+    store_latent_ref,
+)
+from .moe_ref import fused_moe_ref, route_topk_ref
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
@@ -53,6 +60,15 @@ class KernelOps:
     qk_norm_rope_store: Callable
     # a step's int64 token ids and positions from its packed int32 staging fields (kernels/step_inputs.py)
     step_inputs: Callable
+    # MoE (kernels/moe_ref.py, fused_moe.py): softmax top-k routing; the fused experts
+    route_topk: Callable = route_topk_ref
+    fused_moe: Callable = fused_moe_ref
+    # MLA (kernels/mla_ref.py, mla_attention.py): interleaved rope, latent store, latent attention
+    rotary_interleaved: Callable = rotary_interleaved_ref
+    store_latent: Callable = store_latent_ref
+    mla_decode_attention: Callable = mla_decode_attention_ref
+    mla_prefill_attention: Callable = mla_prefill_attention_ref
+    mla_decode_workspace_numel: Callable | None = None
     linear: Callable = linear_ref
     backend: str = "torch"
     pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
@@ -103,9 +119,14 @@ TRITON_OPS = with_linear(KernelOps(
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
 
+# ops that have only their torch reference so far (no `pdl` argument): route_topk
+_REF_ONLY = ("route_topk", "fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention",
+             "mla_prefill_attention")
+
 # The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
 _PDL_OPS = tuple(f.name for f in fields(KernelOps)
-                 if f.name not in ("linear", "backend", "pdl", "silu_mul_linear", "gumbel_sampler"))
+                 if f.name not in ("linear", "backend", "pdl", "silu_mul_linear", "gumbel_sampler",
+                                   "mla_decode_workspace_numel", *_REF_ONLY))
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,

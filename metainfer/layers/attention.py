@@ -33,3 +33,37 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(self, q, k, v)
+
+
+class LatentAttention(nn.Module):
+    """MLA's attention layer (models/deepseek_v2.py): `self.attn(q, latent, None)` with q [T, Hr, Dn+R]
+    and latent [T, L+R] (normed c, then k_pe not yet rotated). Holds the latent cache view and
+    references to the rotary cache and to kv_b_proj, whose per-head halves the backend applies absorbed:
+    kv_b_proj.weight [Hr*(Dn+Dv), L] read as [Hr, Dn+Dv, L] -> w_uk [Hr, Dn, L], w_uv [Hr, Dv, L]."""
+
+    def __init__(self, backend, scale: float, rotary, kv_b_proj, num_heads: int, qk_nope_head_dim: int,
+                 v_head_dim: int):
+        super().__init__()
+        self.backend, self.scale = backend, scale
+        self.num_heads, self.qk_nope_head_dim, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
+        self._refs = (rotary, kv_b_proj)
+        self.latent_cache = torch.empty(0)  # a view into the backend's pool (backend.allocate)
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        return self._refs[0].cos_sin_cache
+
+    def _kv_b(self) -> torch.Tensor:
+        weight = self._refs[1].weight
+        return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, weight.shape[-1])
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        return self._kv_b()[:, : self.qk_nope_head_dim]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        return self._kv_b()[:, self.qk_nope_head_dim:]
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, v: None = None) -> torch.Tensor:
+        return self.backend.forward(self, q, latent, v)

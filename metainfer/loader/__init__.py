@@ -1,8 +1,11 @@
 """Weight sources (safetensors, GGUF, dummy) -> (name, tensor) pairs -> the model's loaders.
 
 `load_weights` is the one place that maps checkpoint names onto parameters: it renames
-fused projections through the model's `packed_modules_mapping`, calls each parameter's
-`weight_loader`, and names every missing, unexpected or mis-shaped tensor.
+per-expert tensors through the model's `map_checkpoint_name` (MoE: onto the stacked expert
+weights) and fused projections through its `packed_modules_mapping`, calls each parameter's
+`weight_loader`, and names every missing, unexpected or mis-shaped tensor. A parameter with
+`expected_shards` (the stacked experts) is complete when every shard id is loaded; its loader
+may return the shard ids one tensor filled (a fused [E, ...] checkpoint tensor fills them all).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def load_model_weights(model: nn.Module, config) -> None:
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
+    map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     ignored = getattr(model, "ignored_checkpoint_keys", ())
     tied = getattr(getattr(model, "spec", None), "tie_word_embeddings", False)
     expected = _expected_shards(params, mapping)
@@ -39,9 +43,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if any(fragment in name for fragment in ignored) or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = name, None
+        target, shard_id = map_name(name) or (name, None)
         for fragment, (fused, sid) in mapping.items():
-            if f".{fragment}." in name:
+            if target == name and f".{fragment}." in name:
                 target, shard_id = name.replace(f".{fragment}.", f".{fused}."), sid
                 break
         param = params.get(target)
@@ -51,9 +55,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             default_weight_loader(param, tensor.to(param.dtype), name)
+            filled = None
         else:
-            loader(param, tensor.to(param.dtype), shard_id, name=name)
-        loaded.add((target, shard_id))
+            filled = loader(param, tensor.to(param.dtype), shard_id, name=name)
+        loaded.update((target, sid) for sid in (filled if filled is not None else (shard_id,)))
     if unexpected:
         raise ValueError(f"unexpected tensor(s) in checkpoint: {', '.join(unexpected[:8])}")
     missing = sorted(_describe(p, s, mapping) for p, s in expected - loaded)
@@ -67,7 +72,10 @@ def _expected_shards(params: dict, mapping: dict) -> set[tuple[str, object]]:
     for fused, sid in mapping.values():
         shards_of.setdefault(fused, []).append(sid)
     expected = set()
-    for name in params:
+    for name, param in params.items():
+        if getattr(param, "expected_shards", None) is not None:
+            expected.update((name, sid) for sid in param.expected_shards)
+            continue
         fused = next((f for f in shards_of if f".{f}." in name), None)
         if fused is None:
             expected.add((name, None))
@@ -80,6 +88,9 @@ def _describe(param_name: str, shard_id, mapping: dict) -> str:
     """Name a missing shard the way the checkpoint would name it."""
     if shard_id is None:
         return param_name
+    if isinstance(shard_id, tuple):  # (expert, part) of a stacked expert weight
+        return param_name.replace(".experts.gate_up_proj", "").replace(".experts.down_proj", "") \
+            + f".experts.{shard_id[0]}.{shard_id[1]}_proj.weight"
     for fragment, (fused, sid) in mapping.items():
         if sid == shard_id and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{fragment}.")

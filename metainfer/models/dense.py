@@ -2,6 +2,7 @@
 
 Qwen3 = per-head q/k RMSNorm, no qkv bias; Qwen2 = qkv bias; Llama = neither (rope
 scaling "llama3" handled by the rotary cache). All use neox rotary, GQA and SwiGLU.
+`DenseAttention` is also Qwen3-MoE's attention (models/qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from torch import nn
 
 from metainfer.config import ModelSpec
 from metainfer.layers.attention import Attention
-from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from metainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from metainfer.layers.linear import QKVParallelLinear, RowParallelLinear
+from metainfer.layers.mlp import GatedMLP
 from metainfer.layers.norm import RMSNorm
 from metainfer.layers.rotary import RotaryEmbedding
+from metainfer.models.decoder import CausalLM, DecoderLayer
 
 
 class DenseAttention(nn.Module):
@@ -31,7 +33,7 @@ class DenseAttention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
         # the backend applies q/k norm (Qwen3) and rotary inside its K/V store (attention/paged.py)
-        self.attn = Attention(attn_backend, d ** -0.5, self.rotary_emb, getattr(self, "q_norm", None),
+        self.attn = Attention(attn_backend, spec.attention_scale, self.rotary_emb, getattr(self, "q_norm", None),
                               getattr(self, "k_norm", None), spec.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -39,82 +41,15 @@ class DenseAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, dtype):
-        super().__init__()
-        i = spec.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [i, i], bias=False, dtype=dtype, ops=ops)
-        self.down_proj = RowParallelLinear(i, spec.hidden_size, bias=False, dtype=dtype, ops=ops)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU-and-mul is applied by down_proj.forward_gated (folded into its GEMV where the op set says so)."""
-        return self.down_proj.forward_gated(self.gate_up_proj(x))
-
-
-class DenseDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, max_position: int):
-        super().__init__()
-        self.self_attn = DenseAttention(spec, ops, attn_backend, dtype, max_position)
-        self.mlp = DenseMLP(spec, ops, dtype)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, dtype)
-
-    def forward(self, hidden, residual):
-        """Residual flow: residual carries the un-normed stream (None before the first layer: the
-        embedding is the stream); hidden is the block output. The fused add+norm hands back both."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class DenseModel(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, max_position: int):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype)
-        self.layers = nn.ModuleList(DenseDecoderLayer(spec, ops, attn_backend, dtype, max_position)
-                                    for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, dtype)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Positions reach the attention backend through the forward context (AttentionMetadata)."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class DenseForCausalLM(nn.Module):
-    # HF checkpoint name fragment -> (fused parameter fragment, shard id)
+class DenseForCausalLM(CausalLM):
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+        **CausalLM.packed_modules_mapping,
     }
-    # checkpoint tensors that are legitimately not parameters here
-    ignored_checkpoint_keys = ("rotary_emb.inv_freq",)
 
-    def __init__(self, spec: ModelSpec, ops, attn_backend=None, dtype=torch.float32, max_position: int | None = None):
-        """`attn_backend` None builds a model for shape and loading checks only (it cannot attend)."""
-        super().__init__()
-        max_position = max(max_position or 0, spec.max_position_embeddings)
-        self.spec = spec
-        self.model = DenseModel(spec, ops, attn_backend, dtype, max_position)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, ops)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def make_layer(self, index: int) -> DecoderLayer:
+        spec, ops, dtype = self.spec, self.ops, self.dtype
+        return DecoderLayer(DenseAttention(spec, ops, self.attn_backend, dtype, self.max_position),
+                            GatedMLP(spec.hidden_size, spec.intermediate_size, ops, dtype), spec, ops, dtype)

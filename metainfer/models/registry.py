@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from metainfer.attention import PagedAttentionBackend
+from metainfer.attention import MLABackend, PagedAttentionBackend
 from metainfer.config import ConfigError, EngineConfig, ModelSpec
 from metainfer.distributed.parallel_state import get_tp_size
+from metainfer.models.deepseek_v2 import DeepseekV2ForCausalLM
 from metainfer.models.dense import DenseForCausalLM
+from metainfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_FAMILIES = {"dense": DenseForCausalLM}
+_FAMILIES = {"dense": DenseForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM}
 
 
 def model_class(spec: ModelSpec):
@@ -19,10 +21,15 @@ def model_class(spec: ModelSpec):
 
 def build_attention_backend(config: EngineConfig, ops):
     """The family's attention backend, with this rank's heads: Hq / tp query heads and Hk / tp KV heads
-    (one replicated KV head per rank when Hk < tp: layers/linear.py, QKVParallelLinear)."""
+    (one replicated KV head per rank when Hk < tp: layers/linear.py, QKVParallelLinear); MLA: heads / tp
+    query heads over the replicated latent."""
     spec, tp = config.spec, get_tp_size()
-    if spec.family == "dense":
+    common = dict(kv_dtype=config.torch_kv_cache_dtype, device=config.torch_device, max_num_seqs=config.max_num_seqs,
+                  max_model_len=config.max_model_len, block_size=config.block_size)
+    if spec.is_mla:
+        return MLABackend(ops, spec.num_heads // tp, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim,
+                          **common)
+    if spec.family in ("dense", "qwen3_moe"):
         return PagedAttentionBackend(ops, spec.num_heads // tp, max(1, spec.num_kv_heads // tp), spec.head_dim,
-                                     config.torch_kv_cache_dtype, config.torch_device, config.max_num_seqs,
-                                     config.max_model_len, config.block_size)
+                                     **common)
     raise ConfigError(f"no attention backend for architecture {spec.architecture!r}")

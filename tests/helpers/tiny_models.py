@@ -31,9 +31,27 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_fre
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 64,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+# DeepSeek-V2 at toy dims: MLA (latent 32 + rope 8, 4 heads of 16 + 8 / value 16), 8 routed experts of
+# 32, top-2, 1 shared expert, layer 0 dense (first_k_dense_replace)
+DEEPSEEK = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None, n_routed_experts=8,
+                n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
+# Qwen3-MoE at toy dims: 8 experts of 32, top-2 renormalised; layer 1 dense (mlp_only_layers)
+QWEN3_MOE = dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+
+
 def tiny_config(arch: str, **overrides):
     import transformers as tf
 
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2Config(**{**BASE, **DEEPSEEK, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 1e4}, **overrides})
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**{**BASE, **QWEN3_MOE, "rope_parameters": dict(ROPE), **overrides})
     kw = {**BASE, "rope_parameters": dict(ROPE), **overrides}
     if arch == "qwen3":
         kw.setdefault("head_dim", 16)
@@ -51,7 +69,8 @@ def build_tiny_model(folder: str, arch: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
-    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM}[arch]
+    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "llama": tf.LlamaForCausalLM,
+           "deepseek_v2": tf.DeepseekV2ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[arch]
     model = cls(config).eval()
     with torch.no_grad():  # norm weights away from 1, so a swapped or unloaded norm shows
         for name, param in model.named_parameters():

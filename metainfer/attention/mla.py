@@ -1,0 +1,94 @@
+"""Multi-head latent attention (DeepSeek-V2) over a paged latent cache.
+
+Cache per layer: `[num_blocks, block_size, L + R]` (L = kv_lora_rank, R = qk_rope_head_dim), views of one
+pool `[layers, N, S, L + R]` in the KV dtype (the model's, or fp8 with a unit scale like the dense cache):
+one vector per token for all heads, so DeepSeek-V2-Lite keeps 27 x 576 x 2 = 31,104 bytes a token in bf16.
+
+A step: `store` rotates q_pe and k_pe (interleaved pairs, in place) and writes [c, k_pe] at the slots;
+`decode` and `prefill` run absorbed: q_lat = q_nope @ W_UK per head (a batched GEMM), attention of
+[q_lat, q_pe] over the cached [c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py),
+then out = o_lat @ W_UV^T per head (a batched GEMM) -> [T, Hr * Dv] for o_proj.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from metainfer.attention.backend import AttentionBackend
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, Dn] @ w_uk [H, Dn, L] per head -> q_lat [T, H, L] (a strided view of [H, T, L])."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def value_up(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, L] @ w_uv [H, Dv, L]^T per head -> [T, H * Dv]."""
+    out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, Dv]
+    return out.transpose(0, 1).reshape(o_lat.shape[0], -1)
+
+
+class MLABackend(AttentionBackend):
+    name = "mla"
+
+    def __init__(self, ops, num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int,
+                 kv_dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int,
+                 block_size: int):
+        """num_heads: this rank's heads (heads / tp); the latent is the same on every rank."""
+        self.num_heads, self.kv_lora_rank, self.rope_dim, self.nope_dim = num_heads, kv_lora_rank, rope_dim, nope_dim
+        self.kv_dtype, self.device = kv_dtype, device
+        self._table_tokens = -(-max_model_len // block_size) * block_size
+        self._max_num_seqs = max_num_seqs
+        self.decode_workspace: torch.Tensor | None = None
+        self.pool: torch.Tensor | None = None
+        self.bind_ops(ops)
+
+    def bind_ops(self, ops) -> None:
+        """The kernels; on the Triton path one split-KV scratch for every decode launch this engine can make
+        (sized before the KV pool, so the memory profile sees it), so no step allocates."""
+        self._rope = ops.rotary_interleaved
+        self._store = ops.store_latent
+        self._prefill = ops.mla_prefill_attention
+        self._decode = ops.mla_decode_attention
+        if ops.backend == "triton":
+            if self.decode_workspace is None:
+                numel = ops.mla_decode_workspace_numel(self._max_num_seqs, self.num_heads, self.kv_lora_rank,
+                                                       self._table_tokens)
+                self.decode_workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+            self._decode = functools.partial(self._decode, workspace=self.decode_workspace)
+
+    def bytes_per_block(self, num_layers: int, block_size: int) -> int:
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        return num_layers * block_size * (self.kv_lora_rank + self.rope_dim) * elem
+
+    def allocate(self, layers: list, num_blocks: int, block_size: int) -> None:
+        shape = (len(layers), num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.latent_cache = self.pool[i]
+
+    def release(self, layers: list) -> None:
+        for layer in layers:
+            layer.latent_cache = torch.empty(0)
+        self.pool = None
+
+    def store(self, layer, q: torch.Tensor, latent: torch.Tensor, v, meta) -> torch.Tensor:
+        """q [T, Hr, Dn+R] and latent [T, L+R]: rope on q[..., Dn:] and latent[:, L:] in place, then the
+        latent into the cache. Returns q."""
+        self._rope(meta.positions, q[..., self.nope_dim:], latent[:, self.kv_lora_rank:], layer.cos_sin)
+        self._store(latent, layer.latent_cache, meta.slot_mapping)
+        return q
+
+    def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
+        o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
+                              meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
+        return value_up(o_lat, layer.w_uv)
+
+    def decode(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
+        o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
+                             meta.context_lens, layer.scale)
+        return value_up(o_lat, layer.w_uv)

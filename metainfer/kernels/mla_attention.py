@@ -1,0 +1,523 @@
+"""Triton kernels of DeepSeek-V2's multi-head latent attention (MLA) over the paged latent cache.
+
+Why separate kernels from the dense ones: in the absorbed form every head attends to the same cached
+vector per token ([c, k_pe], L + R values; the values are c itself), so a program takes all heads (or a
+block of them) of a sequence and runs them as the M dimension of tl.dot, reading each cache tile once for
+all heads. A program per (sequence, head) would read the cache H times.
+
+Contracts (the torch references: mla_ref.py; docs/CONTRACTS.md, "MLA"):
+- `store_latent_triton(latent[T,L+R], cache[N,S,L+R], slot_mapping i32[T])`: scatter, slot -1 skipped,
+  fp8 clamps and casts (kv_cache.cast_to_cache).
+- `rotary_interleaved_triton(positions[T], q_pe[T,H,R], k_pe[T,R], cos_sin[P,R])`: in place, one launch
+  for both; pairs (2i, 2i+1) rotated by frequency i in fp32, rounded once.
+- `mla_decode_attention_triton(q_lat[B,H,L], q_pe[B,H,R], cache, block_tables, context_lens, scale)`:
+  split-KV decode (stage 1: (sequence, split, head block) programs with an online softmax over the
+  split's tokens; stage 2: merge of the live splits). The split count comes from host-known values only
+  (batch, heads, the block table's width), so the two launches can be captured in a CUDA graph with a
+  workspace sized once by `mla_decode_workspace_numel`.
+- `mla_prefill_attention_triton(q_lat[T,H,L], q_pe[T,H,R], cache, cu_seqlens_q, context_lens,
+  block_tables, max_seqlen_q, scale)`: causal, the q_len new tokens of sequence b are the last of its
+  context_lens[b] cached ones (prefill, prefix hit and chunked prefill alike). A program holds BLOCK_M
+  query tokens x BLOCK_H heads as the rows of its tiles (about 64 rows: the [rows, L] fp32 accumulator is
+  the register budget at L = 512).
+q_lat / q_pe may be strided views (any strides; Triton specialises a unit stride). Math in fp32; an fp8
+cache is widened exactly to q's dtype as it is loaded; outputs in q_lat's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .attention_decode import LOG2E, _dot_precision
+from .kv_cache import FP8_KV_DTYPE, cast_to_cache
+
+# Decode split rule (H200: 132 SMs). Stage 1 aims at ~2 programs per SM; a split covers at least
+# _MLA_MIN_SPLIT_TOKENS tokens (its fp32 partial [H, L] costs as much traffic as ~30 cached tokens of
+# bf16 latent, so much shorter splits would spend more on partials than on the cache) and at most
+# _MLA_MAX_SPLITS splits (the merge's BLOCK_S).
+_MLA_TARGET_PROGRAMS = 264
+_MLA_MIN_SPLIT_TOKENS = 64
+_MLA_MAX_SPLITS = 64
+_MLA_DECODE_BLOCK_N = 32
+
+
+def _check_cache(cache: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, L, R) of a latent cache that matches the queries."""
+    if cache.dim() != 3:
+        raise ValueError(f"the latent cache must be [N, S, L+R], got shape {tuple(cache.shape)}")
+    if cache.stride(-1) != 1:
+        raise ValueError("the latent cache must have a unit last stride")
+    lat, rope = q_lat.shape[-1], q_pe.shape[-1]
+    if cache.shape[2] != lat + rope:
+        raise ValueError(f"cache width {cache.shape[2]} != L {lat} + R {rope}")
+    if q_lat.shape[:-1] != q_pe.shape[:-1]:
+        raise ValueError(f"q_lat {tuple(q_lat.shape)} and q_pe {tuple(q_pe.shape)} differ in tokens/heads")
+    if q_lat.dtype != q_pe.dtype or cache.dtype not in (q_lat.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"q {q_lat.dtype}/{q_pe.dtype} and cache {cache.dtype}: the cache holds q's dtype or fp8")
+    if rope < 16 or lat < 16:
+        raise ValueError(f"L={lat} and R={rope} must be >= 16 (tl.dot's K)")
+    return cache.shape[1], lat, rope
+
+
+# ----------------------------------------------------------------------------------------------
+# store
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_latent_kernel(latent_ptr, cache_ptr, slot_ptr, lat_stride_t, c_stride_b, c_stride_s, width,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program = one token: cache[slot // S, slot % S, :] = cast(latent[t, :]); slot -1 skipped."""
+    pdl_enter(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        w = tl.arange(0, BLOCK_W)
+        mask = w < width
+        x = tl.load(latent_ptr + token * lat_stride_t + w, mask=mask)
+        dst = (slot // BLOCK_SIZE) * c_stride_b + (slot % BLOCK_SIZE) * c_stride_s + w
+        tl.store(cache_ptr + dst, cast_to_cache(x, cache_ptr), mask=mask)
+
+
+def store_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                        pdl: bool = False) -> None:
+    """latent [T, L+R] (a row-strided view allowed, unit last stride) into cache [N, S, L+R]."""
+    require_triton()
+    num_tokens, width = latent.shape
+    if cache.dim() != 3 or cache.shape[2] != width:
+        raise ValueError(f"cache {tuple(cache.shape)} does not match latent {tuple(latent.shape)}")
+    if cache.dtype not in (latent.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"latent {latent.dtype} and cache {cache.dtype}: the cache holds latent's dtype or fp8")
+    if latent.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("latent and cache must have a unit last stride")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != [{num_tokens}]")
+    if num_tokens == 0:
+        return
+    block_w = next_pow2(width)
+    _store_latent_kernel[(num_tokens,)](
+        latent, cache, slot_mapping, latent.stride(0), cache.stride(0), cache.stride(1), width,
+        BLOCK_SIZE=cache.shape[1], BLOCK_W=block_w, num_warps=max(1, min(4, block_w // 256)), **pdl_args(pdl),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# interleaved rope (q_pe and k_pe in one launch)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_pairs(ptr, offs, stride_r, cos, sin, mask):
+    """Rotate the pairs (x[2i], x[2i+1]) at ptr + offs in place: fp32 math, one rounding."""
+    even_ptr = ptr + offs
+    odd_ptr = even_ptr + stride_r
+    even = tl.load(even_ptr, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(odd_ptr, mask=mask, other=0.0).to(tl.float32)
+    dtype = ptr.dtype.element_ty
+    tl.store(even_ptr, (even * cos - odd * sin).to(dtype), mask=mask)
+    tl.store(odd_ptr, (even * sin + odd * cos).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_interleaved_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_sin_ptr,
+    q_stride_t, q_stride_h, q_stride_r, k_stride_t, k_stride_r, cs_stride_p, num_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program = one token: its H q_pe rows and its k_pe row."""
+    pdl_enter(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * cs_stride_p + i, mask=i_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cs_stride_p + HALF + i, mask=i_mask, other=0.0)
+    h = tl.arange(0, BLOCK_H)
+    q_offs = token * q_stride_t + h[:, None] * q_stride_h + (2 * i)[None, :] * q_stride_r
+    _rotate_pairs(q_ptr, q_offs, q_stride_r, cos[None, :], sin[None, :], (h < num_heads)[:, None] & i_mask[None, :])
+    _rotate_pairs(k_ptr, token * k_stride_t + 2 * i * k_stride_r, k_stride_r, cos, sin, i_mask)
+
+
+def rotary_interleaved_triton(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
+                              cos_sin: torch.Tensor, *, pdl: bool = False):
+    """DeepSeek's interleaved rope on q_pe [T, H, R] and k_pe [T, R] (strided views) in place; returns both."""
+    require_triton()
+    num_tokens, num_heads, rot = q_pe.shape
+    if k_pe.shape != (num_tokens, rot) or cos_sin.shape[-1] != rot or rot % 2:
+        raise ValueError(f"q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, cos_sin {tuple(cos_sin.shape)}: "
+                         "need [T,H,R], [T,R], [P,R] with R even")
+    if cos_sin.dtype != torch.float32 or cos_sin.stride(-1) != 1:
+        raise ValueError("cos_sin must be fp32 with a unit last stride")
+    if q_pe.dtype != k_pe.dtype:
+        raise ValueError(f"q_pe {q_pe.dtype} and k_pe {k_pe.dtype} differ")
+    if num_tokens == 0:
+        return q_pe, k_pe
+    half = rot // 2
+    block_half, block_h = next_pow2(half), next_pow2(num_heads)
+    _rotary_interleaved_kernel[(num_tokens,)](
+        positions, q_pe, k_pe, cos_sin,
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1), cos_sin.stride(0),
+        num_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
+        num_warps=max(1, min(4, block_h * block_half // 256)), **pdl_args(pdl),
+        enable_fp_fusion=False,  # the reference's rounding: fp32 products and sums, no fma contraction
+    )
+    return q_pe, k_pe
+
+
+# ----------------------------------------------------------------------------------------------
+# shared tile step: scores of a row block against BLOCK_N cached tokens, online softmax, P @ c
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_tile(
+    q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible, bt_row, cache_ptr, c_stride_b, c_stride_s,
+    scale_log2e, offs_l, offs_r,
+    KV_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """(m_i, l_i, acc) after the tokens `tok` ([BLOCK_N]): t_mask says which tokens exist (loads),
+    `visible` ([rows, BLOCK_N], used when MASKED) which scores count. The latent tile is loaded once and
+    serves both q_lat @ c^T and P @ c; k_pe is a second, narrow tile."""
+    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    rows = page * c_stride_b + (tok % BLOCK_SIZE).to(tl.int64) * c_stride_s
+    c = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=t_mask[:, None], other=0.0).to(q_lat.dtype)
+    kpe = tl.load(cache_ptr + rows[:, None] + KV_LORA + offs_r[None, :], mask=t_mask[:, None],
+                  other=0.0).to(q_lat.dtype)
+    s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+    s = tl.dot(q_pe, tl.trans(kpe), s, input_precision=DOT_PRECISION)
+    s = s * scale_log2e
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # rows with nothing visible yet keep m = -inf: exp2(-inf - -inf) would be NaN, so their alpha is 1
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------------------------
+# decode: stage 1 (sequence, split, head block), stage 2 merge
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_range(ctx, split, num_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """(start, end, live) of a split: the context cut into num_splits chunks of a BLOCK_N multiple
+    (at least min_chunk); splits 0 .. live-1 are non-empty (live is 0 for an empty context)."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
+    live = tl.cdiv(ctx, chunk)
+    start = split * chunk
+    return start, tl.minimum(start + chunk, ctx), live
+
+
+@triton.jit(do_not_specialize=["bt_stride_b"])
+def _mla_decode_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits, min_chunk, num_heads,
+    ql_stride_b, ql_stride_h, ql_stride_l, qp_stride_b, qp_stride_h, qp_stride_r,
+    c_stride_b, c_stride_s, bt_stride_b, out_stride_b, out_stride_h,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Stage 1. One program = (sequence, split, block of BLOCK_H heads) over the split's tokens.
+    A context that fits one split (or ONE_PASS) is written to out by split 0 (zeros for an empty
+    context); otherwise each live split writes its normalised partial [heads, L] and log2-sum-exp."""
+    pdl_enter(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    h_block = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    start, end, live = _split_range(ctx, split, num_splits, min_chunk, BLOCK_N)
+    if split >= tl.maximum(live, 1):
+        return
+
+    h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = h < num_heads
+    offs_l = tl.arange(0, KV_LORA)
+    offs_r = tl.arange(0, ROPE)
+    q_lat = tl.load(q_lat_ptr + seq * ql_stride_b + h[:, None] * ql_stride_h + offs_l[None, :] * ql_stride_l,
+                    mask=h_mask[:, None], other=0.0)
+    q_pe = tl.load(q_pe_ptr + seq * qp_stride_b + h[:, None] * qp_stride_h + offs_r[None, :] * qp_stride_r,
+                   mask=h_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, KV_LORA], tl.float32)
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :], bt_row, cache_ptr,
+                                  c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
+                                  KV_LORA, BLOCK_SIZE, True, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if ONE_PASS or live <= 1:
+        tl.store(out_ptr + seq * out_stride_b + h[:, None] * out_stride_h + offs_l[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        row = (seq * num_heads + h) * num_splits + split  # workspace row, per head
+        tl.store(part_out_ptr + row[:, None] * KV_LORA + offs_l[None, :], out, mask=h_mask[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, num_splits, min_chunk, num_heads,
+    out_stride_b, out_stride_h,
+    KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Stage 2. One program = (sequence, head): out = sum_s 2^(lse_s - max) part_s / sum_s 2^(lse_s - max)
+    over the live splits; sequences that fit one split were written by stage 1."""
+    pdl_enter(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + seq)
+    _, _, live = _split_range(ctx, 0, num_splits, min_chunk, BLOCK_N)
+    if live <= 1:
+        return
+    base = (seq * num_heads + head) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    lse_max = tl.max(tl.load(part_lse_ptr + base + s, mask=s < live, other=float("-inf")), axis=0)
+    offs_l = tl.arange(0, KV_LORA)
+    acc = tl.zeros([KV_LORA], tl.float32)
+    total = 0.0
+    for i in range(0, live):
+        w_i = tl.exp2(tl.load(part_lse_ptr + base + i) - lse_max)
+        total += w_i
+        acc += w_i * tl.load(part_out_ptr + (base + i) * KV_LORA + offs_l)
+    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + offs_l,
+             (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def mla_decode_num_splits(batch: int, num_heads: int, max_context_tokens: int,
+                          block_n: int = _MLA_DECODE_BLOCK_N) -> int:
+    """Splits of a default decode launch, from host values only (never context_lens' contents):
+    enough (sequence, split, head block) programs for ~2 per SM of an H200, each split at least
+    _MLA_MIN_SPLIT_TOKENS tokens, at most _MLA_MAX_SPLITS. 1 means one pass (no workspace)."""
+    head_blocks = cdiv(num_heads, _decode_block_h(num_heads))
+    min_tokens = cdiv(_MLA_MIN_SPLIT_TOKENS, block_n) * block_n
+    by_context = max(1, cdiv(max(int(max_context_tokens), 1), min_tokens))
+    by_grid = max(1, _MLA_TARGET_PROGRAMS // max(1, batch * head_blocks))
+    return min(by_context, by_grid, _MLA_MAX_SPLITS)
+
+
+def _decode_block_h(num_heads: int) -> int:
+    """Heads a decode program takes: all of them up to 32 (tl.dot's M is padded to >= 16)."""
+    return min(32, max(16, next_pow2(num_heads)))
+
+
+def _decode_workspace_numel(batch: int, num_heads: int, kv_lora_rank: int, num_splits: int) -> int:
+    return 0 if num_splits <= 1 else batch * num_heads * num_splits * (kv_lora_rank + 1)
+
+
+def mla_decode_workspace_numel(max_batch: int, num_heads: int, kv_lora_rank: int, max_context_tokens: int) -> int:
+    """fp32 elements of the one workspace that serves every default decode launch of batch <= max_batch
+    over block tables of <= max_context_tokens tokens: max over b of b * H * splits(b) * (L + 1), where
+    splits(b) = mla_decode_num_splits(b, H, max_context_tokens) (0 where no launch splits)."""
+    return max((_decode_workspace_numel(b, num_heads, kv_lora_rank,
+                                        mla_decode_num_splits(b, num_heads, max_context_tokens))
+                for b in range(1, max_batch + 1)), default=0)
+
+
+def mla_decode_attention_triton(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_split_tokens: int | None = None,
+) -> torch.Tensor:
+    """Split-KV MLA decode -> o [B, H, L]. num_splits defaults to mla_decode_num_splits(B, H, table width
+    in tokens); a split launch needs `workspace` (fp32, >= B*H*splits*(L+1): mla_decode_workspace_numel
+    sizes one for the engine; allocated here when None). No GPU value is read on the host.
+    block_n / num_warps / num_stages / min_split_tokens (the fewest tokens a split covers, rounded up to
+    block_n) are tuning knobs (defaults 32 / 4 (8 for head blocks over 16) / 2 / 64)."""
+    require_triton()
+    batch, num_heads, kv_lora = q_lat.shape
+    block_size, _, rope = _check_cache(cache, q_lat, q_pe)
+    block_n = block_n or _MLA_DECODE_BLOCK_N
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if kv_lora & (kv_lora - 1) or rope & (rope - 1):
+        raise ValueError(f"L={kv_lora} and R={rope} must be powers of two")
+    if num_splits is None:
+        num_splits = mla_decode_num_splits(batch, num_heads, block_tables.shape[1] * block_size, block_n)
+    elif not 1 <= num_splits <= _MLA_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MLA_MAX_SPLITS}], got {num_splits}")
+    if out is None:
+        out = torch.empty(batch, num_heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+    if batch == 0:
+        return out
+    one_pass = num_splits == 1
+    if one_pass:
+        part_out = part_lse = out  # unused
+    else:
+        numel = _decode_workspace_numel(batch, num_heads, kv_lora, num_splits)
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q_lat.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
+            raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
+        rows = batch * num_heads * num_splits
+        part_out, part_lse = workspace[: rows * kv_lora], workspace[rows * kv_lora: rows * (kv_lora + 1)]
+    block_h = _decode_block_h(num_heads)
+    min_split = _MLA_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
+    min_chunk = cdiv(min_split, block_n) * block_n
+    scale_log2e = float(scale) * LOG2E
+    _mla_decode_kernel[(batch, num_splits, cdiv(num_heads, block_h))](
+        q_lat, q_pe, cache, block_tables, context_lens, out, part_out, part_lse,
+        scale_log2e, num_splits, min_chunk, num_heads,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=one_pass,
+        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or (4 if block_h <= 16 else 8),
+        num_stages=num_stages or 2,
+        **pdl_args(pdl),
+    )
+    if not one_pass:
+        _mla_merge_kernel[(batch, num_heads)](
+            context_lens, out, part_out, part_lse, num_splits, min_chunk, num_heads, out.stride(0), out.stride(1),
+            KV_LORA=kv_lora, BLOCK_N=block_n, BLOCK_S=next_pow2(num_splits), num_warps=4, **pdl_args(pdl),
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill / extend
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["bt_stride_b"])
+def _mla_prefill_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
+    scale_log2e, num_heads,
+    ql_stride_t, ql_stride_h, ql_stride_l, qp_stride_t, qp_stride_h, qp_stride_r,
+    c_stride_b, c_stride_s, bt_stride_b, out_stride_t, out_stride_h,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program = (BLOCK_M query tokens of a sequence, BLOCK_H heads): BLOCK_M * BLOCK_H rows, row r
+    is token r // BLOCK_H, head r % BLOCK_H. Keys before the tile's first query are visible to every row
+    (no mask); the tiles from there to the last query's position are masked causally."""
+    pdl_enter(USE_PDL)
+    m_block = tl.program_id(0)
+    h_block = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    r = tl.arange(0, BLOCK_M * BLOCK_H)
+    m = m0 + r // BLOCK_H
+    h = h_block * BLOCK_H + r % BLOCK_H
+    r_mask = (m < q_len) & (h < num_heads)
+    q_pos = ctx - q_len + m
+    token = (q_start + m).to(tl.int64)
+    offs_l = tl.arange(0, KV_LORA)
+    offs_r = tl.arange(0, ROPE)
+    q_lat = tl.load(q_lat_ptr + token[:, None] * ql_stride_t + h[:, None] * ql_stride_h
+                    + offs_l[None, :] * ql_stride_l, mask=r_mask[:, None], other=0.0)
+    q_pe = tl.load(q_pe_ptr + token[:, None] * qp_stride_t + h[:, None] * qp_stride_h
+                   + offs_r[None, :] * qp_stride_r, mask=r_mask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_H, KV_LORA], tl.float32)
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    first_pos = ctx - q_len + m0
+    diag_start = first_pos // BLOCK_N * BLOCK_N
+    hi = tl.minimum(ctx, first_pos + BLOCK_M)
+    for n0 in range(0, diag_start, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < ctx  # always true here; keeps the loads' masks uniform
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :], bt_row, cache_ptr,
+                                  c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
+                                  KV_LORA, BLOCK_SIZE, False, DOT_PRECISION)
+    for n0 in range(diag_start, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        t_mask = tok < ctx
+        visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible, bt_row, cache_ptr,
+                                  c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
+                                  KV_LORA, BLOCK_SIZE, True, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * out_stride_t + h[:, None] * out_stride_h + offs_l[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+
+
+_PREFILL_ROWS = 64  # BLOCK_M * BLOCK_H: a [64, L] fp32 accumulator is 128 registers a thread at 8 warps, L = 512
+
+
+def mla_prefill_attention_triton(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    *,
+    pdl: bool = False,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal absorbed MLA over the paged latent cache -> o [T, H, L]. `max_seqlen_q` is a host int
+    (>= every q_len) that sizes the grid. Tiles: block_h heads (default min(H, 16) rounded to a power of
+    two) x block_m tokens (default 64 // block_h rows), block_n cached tokens a step (default 32)."""
+    require_triton()
+    num_tokens, num_heads, kv_lora = q_lat.shape
+    block_size, _, rope = _check_cache(cache, q_lat, q_pe)
+    if kv_lora & (kv_lora - 1) or rope & (rope - 1):
+        raise ValueError(f"L={kv_lora} and R={rope} must be powers of two")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+    batch = context_lens.shape[0]
+    max_seqlen_q = int(max_seqlen_q)
+    if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
+        return out
+    block_h = block_h or min(16, next_pow2(num_heads))
+    block_m = block_m or max(1, _PREFILL_ROWS // block_h)
+    block_n = block_n or 32
+    for name, value in (("block_h", block_h), ("block_m", block_m), ("block_n", block_n)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if block_m * block_h < 16 or block_n < 16:
+        raise ValueError(f"block_m * block_h and block_n must be >= 16 (tl.dot), got {block_m * block_h}, {block_n}")
+    grid = (cdiv(max_seqlen_q, block_m), cdiv(num_heads, block_h), batch)
+    _mla_prefill_kernel[grid](
+        q_lat, q_pe, cache, block_tables, cu_seqlens_q, context_lens, out,
+        float(scale) * LOG2E, num_heads,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or 8, num_stages=num_stages or 2,
+        **pdl_args(pdl),
+    )
+    return out
+
+
+__all__ = [
+    "mla_decode_attention_triton",
+    "mla_decode_num_splits",
+    "mla_decode_workspace_numel",
+    "mla_prefill_attention_triton",
+    "rotary_interleaved_triton",
+    "store_latent_triton",
+]

@@ -1,0 +1,139 @@
+"""Mixture-of-experts block: router, the routed experts as two stacked weights, optional shared experts.
+
+Tensor parallelism shards every expert by its intermediate size (N/tp rows of gate and up, N/tp
+columns of down on each rank), like a row/column-parallel MLP: each rank computes a partial sum of
+every token's experts and the block all-reduces once, routed and shared parts together. The router is
+replicated. Expert parallelism (whole experts per rank, tokens exchanged all-to-all) is the other
+split: docs/CONTRACTS.md says what it would take.
+
+Checkpoint layouts: the hub's one tensor per expert (`experts.{i}.gate_proj.weight` [N, H],
+`up_proj` [N, H], `down_proj` [H, N]) and transformers' fused one (`experts.gate_up_proj` [E, 2N, H],
+`experts.down_proj` [E, H, N]); both load into the same parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+from torch import nn
+
+from metainfer.distributed.communication import reducer
+from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.layers.linear import ReplicatedLinear
+from metainfer.layers.mlp import GatedMLP
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def expert_checkpoint_name(name: str) -> tuple[str, tuple[int, str]] | None:
+    """A per-expert checkpoint name -> (the stacked parameter's name, (expert, part)); None otherwise."""
+    match = _EXPERT_TENSOR.search(name)
+    if match is None:
+        return None
+    stacked = "gate_up_proj" if match.group(2) in ("gate", "up") else "down_proj"
+    return name[: match.start()] + f".experts.{stacked}", (int(match.group(1)), match.group(2))
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts: gate_up_proj [E, 2N_r, H] (gate rows, then up rows), down_proj [E, H, N_r],
+    N_r = moe_intermediate_size / tp. forward(x, weights, ids) runs them all in one fused MoE call."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops, dtype):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                             f"tensor_parallel_size ({self.tp_size})")
+        self.num_experts, self.full_n = num_experts, intermediate_size
+        n = intermediate_size // self.tp_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
+        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
+            param.weight_loader = functools.partial(self._load, parts=parts)
+            param.expected_shards = tuple((e, p) for e in range(num_experts) for p in parts)
+        self.bind_ops(ops)
+
+    def bind_ops(self, ops) -> None:
+        self._fused_moe = ops.fused_moe
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self._fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def _load(self, param, loaded, shard_id=None, name="", parts=()):
+        """One expert's tensor (shard_id (expert, part)) or the fused [E, ...] tensor (shard_id None);
+        returns the shard ids it filled."""
+        full = self.full_n
+        if shard_id is None:  # transformers' fused layout
+            want = (self.num_experts, full * len(parts), param.shape[2]) if parts != ("down",) else \
+                (self.num_experts, param.shape[1], full)
+            if tuple(loaded.shape) != want:
+                raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {want}")
+            for e in range(self.num_experts):
+                for part in parts:
+                    index = parts.index(part)
+                    rows = loaded[e, index * full:(index + 1) * full] if part != "down" else loaded[e]
+                    self._copy_part(param, e, part, rows, name)
+            return param.expected_shards
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"tensor {name!r}: expert {expert} out of range (num_experts {self.num_experts})")
+        want = (param.shape[1], full) if part == "down" else (full, param.shape[2])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {want}")
+        self._copy_part(param, expert, part, loaded, name)
+        return None
+
+    def _copy_part(self, param, expert: int, part: str, full_tensor: torch.Tensor, name: str) -> None:
+        """This rank's slice of one expert's [N, H] gate/up or [H, N] down tensor into its place."""
+        n = self.full_n // self.tp_size
+        start = self.tp_rank * n
+        if part == "down":
+            param.data[expert].copy_(full_tensor[:, start:start + n])
+        else:
+            offset = 0 if part == "gate" else n
+            param.data[expert, offset:offset + n].copy_(full_tensor[start:start + n])
+
+
+class TopKRouter(ReplicatedLinear):
+    """Router logits (a replicated GEMM; fp32 weight and math where the family keeps them fp32) -> the
+    K routing weights (fp32) and expert ids of every token (kernels/moe_ref.py: route_topk)."""
+
+    def __init__(self, spec, ops, dtype):
+        self.fp32 = spec.router_fp32
+        self.routing = dict(top_k=spec.num_experts_per_tok, method=spec.topk_method, n_group=spec.n_group,
+                            topk_group=spec.topk_group, renormalize=spec.norm_topk_prob,
+                            scaling=spec.routed_scaling_factor)
+        super().__init__(spec.hidden_size, spec.num_experts, bias=False,
+                         dtype=torch.float32 if self.fp32 else dtype, ops=ops)
+
+    def bind_ops(self, ops) -> None:
+        super().bind_ops(ops)
+        self.route = functools.partial(ops.route_topk, **self.routing)
+
+    def forward(self, x: torch.Tensor):
+        logits = self.matmul(x.float() if self.fp32 else x, self.weight, None)
+        return self.route(logits)
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts (+ DeepSeek's shared experts), all-reduced once. Parameter names follow the
+    checkpoint: `gate.weight` (router), `experts.*`, `shared_experts.*`."""
+
+    def __init__(self, spec, ops, dtype):
+        super().__init__()
+        self.gate = TopKRouter(spec, ops, dtype)
+        self.experts = FusedExperts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, ops, dtype)
+        self.shared_experts = None
+        if spec.num_shared_experts:
+            self.shared_experts = GatedMLP(spec.hidden_size, spec.num_shared_experts * spec.moe_intermediate_size,
+                                           ops, dtype, reduce_results=False)
+        self.reduce = reducer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return self.reduce(y)

@@ -1,0 +1,68 @@
+"""DeepSeek-V2 (and -Lite): multi-head latent attention (MLA) and a DeepSeek MoE on every layer from
+`first_k_dense_replace` on (every `moe_layer_freq`-th), the dense SwiGLU MLP before.
+
+MLA per token: q from `q_proj` (or the q-LoRA chain q_a_proj -> q_a_layernorm -> q_b_proj), split per head
+into a non-rotary part (qk_nope_head_dim) and a rotary part (qk_rope_head_dim); `kv_a_proj_with_mqa` gives
+the latent c (kv_lora_rank, then kv_a_layernorm) and one shared k_pe (rotary, interleaved pairs as
+transformers applies them). The cache keeps [c, k_pe] per token (attention/mla.py); kv_b_proj's per-head
+K-up and V-up halves are applied by the backend, absorbed. The softmax scale carries YaRN's mscale^2
+(ModelSpec.attention_scale). Tensor parallelism: heads split (q, kv_b, o), the latent replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metainfer.config import ModelSpec
+from metainfer.distributed.parallel_state import get_tp_size
+from metainfer.layers.attention import LatentAttention
+from metainfer.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from metainfer.layers.norm import RMSNorm
+from metainfer.layers.rotary import RotaryEmbedding
+from metainfer.models.decoder import CausalLM, DecoderLayer, mlp_for_layer
+
+# transformers builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, max_position: int):
+        super().__init__()
+        heads, hidden, bias = spec.num_heads, spec.hidden_size, bool(spec.raw.get("attention_bias", False))
+        self.num_heads = heads // get_tp_size()
+        self.qk_head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        self.kv_lora_rank = spec.kv_lora_rank
+        if spec.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * self.qk_head_dim, dtype=dtype, ops=ops)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, spec.q_lora_rank, bias=bias, dtype=dtype, ops=ops)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, ops, dtype)
+            self.q_b_proj = ColumnParallelLinear(spec.q_lora_rank, heads * self.qk_head_dim, dtype=dtype, ops=ops)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, spec.latent_dim, bias=bias, dtype=dtype, ops=ops)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS, ops, dtype)
+        self.kv_b_proj = ColumnParallelLinear(spec.kv_lora_rank, heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+                                              dtype=dtype, ops=ops)
+        self.o_proj = RowParallelLinear(heads * spec.v_head_dim, hidden, bias=bias, dtype=dtype, ops=ops)
+        self.rotary_emb = RotaryEmbedding(spec.qk_rope_head_dim, spec.qk_rope_head_dim, max_position,
+                                          spec.rope_theta, spec.rope_scaling, ops)
+        self.attn = LatentAttention(attn_backend, spec.attention_scale, self.rotary_emb, self.kv_b_proj,
+                                    self.num_heads, spec.qk_nope_head_dim, spec.v_head_dim)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]: c, then k_pe
+        c = latent[:, : self.kv_lora_rank]
+        c.copy_(self.kv_a_layernorm(c))
+        out = self.attn(q.view(-1, self.num_heads, self.qk_head_dim), latent, None)
+        return self.o_proj(out)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    def make_layer(self, index: int) -> DecoderLayer:
+        spec, ops, dtype = self.spec, self.ops, self.dtype
+        return DecoderLayer(MLAAttention(spec, ops, self.attn_backend, dtype, self.max_position),
+                            mlp_for_layer(spec, index, ops, dtype), spec, ops, dtype)
