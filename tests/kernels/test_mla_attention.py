@@ -1,0 +1,425 @@
+"""MLA kernels (kernels/mla_attention.py): latent store, interleaved rope, split-KV decode, causal prefill.
+
+The references (mla_ref.py) are checked against independent computations: the store against a Python
+loop, the rope against transformers' complex-number form, the attention against a naive float64 dense
+attention over the expanded per-head K = [c, k_pe], V = c with a materialised causal mask. The Triton
+kernels (interpreted on the CPU in fp32/fp16 at small dims; bf16 at DeepSeek-V2-Lite's dims on the GPU)
+are checked against the references. Every case scatters the sequences into shuffled cache blocks whose
+other slots hold garbage, so a wrong block-table lookup or an unmasked read shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from metainfer.kernels import build_cos_sin_cache
+from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype
+from metainfer.kernels.mla_attention import (
+    mla_decode_attention_triton,
+    mla_decode_num_splits,
+    mla_decode_workspace_numel,
+    mla_prefill_attention_triton,
+    rotary_interleaved_triton,
+    store_latent_triton,
+)
+from metainfer.kernels.mla_ref import (
+    mla_decode_attention_ref,
+    mla_prefill_attention_ref,
+    rotary_interleaved_ref,
+    store_latent_ref,
+)
+from tests.helpers.attention_cases import close, naive_attention
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.helpers.tensors import randn
+
+triton = pytest.importorskip("triton")
+
+# small dims for the interpreter: L = kv_lora_rank, R = rope dim, H heads
+L, R, H = 64, 16, 4
+
+
+class LatentBatch:
+    """Per-sequence latents [len, L+R] scattered into shuffled blocks of a garbage-filled cache."""
+
+    def __init__(self, context_lens, block_size, lat, rope, dtype, cache_dtype=None, seed=0, device=DEVICE):
+        gen = torch.Generator().manual_seed(seed)
+        cache_dtype = cache_dtype or dtype
+        needed = [-(-n // block_size) for n in context_lens]
+        num_blocks = sum(needed) + 3
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        cache = to_cache_dtype(torch.randn(num_blocks, block_size, lat + rope, generator=gen) * 100, cache_dtype)
+        tables = torch.full((len(context_lens), max(needed) + 2), -1, dtype=torch.int32)
+        self.dense = []
+        for b, length in enumerate(context_lens):
+            x = to_cache_dtype(torch.randn(length, lat + rope, generator=gen).to(dtype), cache_dtype)
+            blocks = [order.pop() for _ in range(needed[b])]
+            tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            for pos in range(length):
+                cache[blocks[pos // block_size], pos % block_size] = x[pos]
+            self.dense.append(x.double())
+        self.cache = cache.to(device)
+        self.block_tables = tables.to(device)
+        self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        self.lat = lat
+
+
+def naive_mla(q_lat, q_pe, dense, lat, scale, first_pos):
+    """float64 attention of queries [Lq, H, *] over the expanded per-head K = [c, k_pe], V = c."""
+    q = torch.cat([q_lat.double().cpu(), q_pe.double().cpu()], dim=-1)
+    return naive_attention(q, dense[:, None, :], dense[:, None, :lat], scale, first_pos)
+
+
+def strided_queries(tokens, heads, lat, rope, dtype, seed=0, device=DEVICE):
+    """q_lat as the transpose of a bmm output [H, T, L] and q_pe a column slice of a wider projection."""
+    q_lat = randn(heads, tokens, lat, dtype=dtype, seed=seed, device=device).transpose(0, 1)
+    proj = randn(tokens, heads, 32 + rope, dtype=dtype, seed=seed + 1, device=device)
+    q_pe = proj[..., 32:]
+    assert not q_lat.is_contiguous() and not q_pe.is_contiguous()
+    return q_lat, q_pe
+
+
+# ----------------------------------------------------------------------------------------------
+# store
+# ----------------------------------------------------------------------------------------------
+
+
+def _store_inputs(dtype, cache_dtype, block_size, num_tokens=9, device=DEVICE):
+    wide = randn(num_tokens, L + R + 24, dtype=dtype, seed=3, device=device) * 3
+    latent = wide[:, 8: 8 + L + R]  # a row-strided view
+    num_blocks = max(4, -(-num_tokens * 3 // block_size))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(1))[:num_tokens]
+    slots[2] = slots[6] = -1
+    cache = to_cache_dtype(randn(num_blocks, block_size, L + R, seed=4) * 50, cache_dtype).to(device)
+    return latent, cache, slots.to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8_KV_DTYPE], ids=["same", "fp8"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_store_latent_ref_matches_loop(block_size, cache_dtype):
+    latent, cache, slots = _store_inputs(torch.float32, cache_dtype or torch.float32, block_size, device="cpu")
+    expected = cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // block_size, slot % block_size] = to_cache_dtype(latent[t], cache.dtype)
+    store_latent_ref(latent, cache, slots)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [None, FP8_KV_DTYPE], ids=["same", "fp8"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_store_latent_triton_matches_ref(dtype, block_size, cache_dtype):
+    latent, cache, slots = _store_inputs(dtype, cache_dtype or dtype, block_size)
+    latent = latent * 60  # some values past fp8's 448: saturated, not NaN
+    expected = cache.clone()
+    store_latent_ref(latent, expected, slots)
+    before = cache.clone()
+    store_latent_triton(latent, cache, slots)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------
+# interleaved rope
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_inputs(dtype, num_tokens=5, heads=3, rope=R, nope=8, device=DEVICE):
+    proj = randn(num_tokens, heads * (nope + rope), dtype=dtype, seed=7, device=device)
+    q_pe = proj.view(num_tokens, heads, nope + rope)[..., nope:]
+    kv = randn(num_tokens, L + rope, dtype=dtype, seed=8, device=device)
+    k_pe = kv[:, L:]
+    positions = torch.tensor([0, 3, 17, 4, 99][:num_tokens], dtype=torch.int64, device=device)
+    return positions, proj, q_pe, kv, k_pe
+
+
+def test_rotary_interleaved_ref_matches_complex():
+    """transformers' DeepSeek rope: x viewed as complex pairs times e^(i pos theta_i)."""
+    positions, _, q_pe, _, k_pe = _rope_inputs(torch.float32, device="cpu")
+    base = 10000.0
+    cos_sin = build_cos_sin_cache(R, 128, base)
+    theta = 1.0 / base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+    rot = torch.polar(torch.ones(len(positions), R // 2, dtype=torch.float64), positions.double()[:, None] * theta)
+    expect_q = torch.view_as_real(torch.view_as_complex(q_pe.double().reshape(*q_pe.shape[:-1], -1, 2))
+                                  * rot[:, None]).flatten(-2)
+    expect_k = torch.view_as_real(torch.view_as_complex(k_pe.double().reshape(*k_pe.shape[:-1], -1, 2))
+                                  * rot).flatten(-2)
+    q_out, k_out = rotary_interleaved_ref(positions, q_pe, k_pe, cos_sin)
+    torch.testing.assert_close(q_out.double(), expect_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out.double(), expect_k, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(expect_q, q_out.double().flip(-1), atol=1e-3)  # the pairing matters
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_rotary_interleaved_triton_matches_ref_in_place(dtype):
+    positions, proj, q_pe, kv, k_pe = _rope_inputs(dtype)
+    cos_sin = build_cos_sin_cache(R, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 32, "mscale": 0.707,
+                                                     "mscale_all_dim": 0.707}).to(DEVICE)
+    proj_ref, kv_ref = proj.clone(), kv.clone()
+    nope = proj.shape[1] // q_pe.shape[1] - R
+    rotary_interleaved_ref(positions, proj_ref.view(q_pe.shape[0], q_pe.shape[1], -1)[..., nope:],
+                           kv_ref[:, L:], cos_sin)
+    q_out, k_out = rotary_interleaved_triton(positions, q_pe, k_pe, cos_sin)
+    assert q_out.data_ptr() == q_pe.data_ptr() and k_out.data_ptr() == k_pe.data_ptr()
+    torch.testing.assert_close(proj, proj_ref, atol=0, rtol=0)  # also: the non-rope columns untouched
+    torch.testing.assert_close(kv, kv_ref, atol=0, rtol=0)
+    assert not torch.equal(kv_ref[:, L:], randn(5, L + R, dtype=dtype, seed=8, device=DEVICE)[:, L:])
+
+
+# ----------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------
+
+DECODE_CONTEXTS = [0, 1, 16, 37, 64, 150]  # empty, single token, a block multiple, ragged, several splits
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_mla_decode_ref_matches_naive(block_size):
+    batch = LatentBatch(DECODE_CONTEXTS, block_size, L, R, torch.float32, device="cpu")
+    q_lat, q_pe = strided_queries(len(DECODE_CONTEXTS), H, L, R, torch.float32, device="cpu")
+    scale = (L + R) ** -0.5
+    out = mla_decode_attention_ref(q_lat, q_pe, batch.cache, batch.block_tables, batch.context_lens, scale)
+    assert torch.count_nonzero(out[0]) == 0
+    for b, length in enumerate(DECODE_CONTEXTS[1:], start=1):
+        expected = naive_mla(q_lat[b: b + 1], q_pe[b: b + 1], batch.dense[b], L, scale, length - 1)[0]
+        torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+DECODE_CASES = [  # (dtype, cache dtype or None, block size, num_splits)
+    *[(dt, None, 16, n) for dt in KERNEL_DTYPES for n in (1, 4)],
+    (torch.float32, None, 1, 3),
+    (torch.float16, FP8_KV_DTYPE, 16, 1),
+    (torch.float32, FP8_KV_DTYPE, 16, 4),
+]
+
+
+def _case_id(case):
+    return "-".join(str(x).split(".")[-1] for x in case)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_mla_decode_triton_matches_ref(case):
+    dtype, cache_dtype, block_size, num_splits = case
+    batch = LatentBatch(DECODE_CONTEXTS, block_size, L, R, dtype, cache_dtype, seed=2)
+    q_lat, q_pe = strided_queries(len(DECODE_CONTEXTS), H, L, R, dtype, seed=5)
+    args = (q_lat, q_pe, batch.cache, batch.block_tables, batch.context_lens, (L + R) ** -0.5)
+    expected = mla_decode_attention_ref(*args)
+    workspace = torch.full((len(DECODE_CONTEXTS) * H * num_splits * (L + 1),), float("nan"), device=DEVICE)
+    out = torch.full_like(expected, float("nan"))
+    result = mla_decode_attention_triton(*args, workspace=workspace, num_splits=num_splits, out=out, block_n=16,
+                                         min_split_tokens=16)
+    assert result is out and out.dtype == dtype and out.shape == (len(DECODE_CONTEXTS), H, L)
+    assert torch.count_nonzero(out[0]) == 0, "context 0 gives 0"
+    close(out, expected, dtype)
+    # the 150-token row used all splits (37 tokens: 3 of 4), the <= 16-token rows none
+    assert bool(torch.isnan(workspace).all()) is (num_splits == 1)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_mla_decode_default_splits_and_engine_workspace(dtype):
+    """Default launch: splits from (batch, heads, table width) only; one workspace sized by
+    mla_decode_workspace_numel serves every batch size; a smaller one is refused."""
+    contexts = [130, 0, 1, 70]
+    batch = LatentBatch(contexts, 16, L, R, dtype, seed=3)
+    tables = torch.full((len(contexts), 4096 // 16), -1, dtype=torch.int32, device=DEVICE)
+    tables[:, : batch.block_tables.shape[1]] = batch.block_tables
+    q_lat, q_pe = strided_queries(len(contexts), H, L, R, dtype, seed=9)
+    numel = mla_decode_workspace_numel(8, H, L, 4096)
+    splits = mla_decode_num_splits(len(contexts), H, 4096)
+    assert splits > 1 and numel >= len(contexts) * H * splits * (L + 1)
+    workspace = torch.empty(numel, device=DEVICE)
+    for rows in (len(contexts), 1):
+        args = (q_lat[:rows], q_pe[:rows], batch.cache, tables[:rows], batch.context_lens[:rows], 0.1)
+        close(mla_decode_attention_triton(*args, workspace=workspace), mla_decode_attention_ref(*args), dtype)
+    args = (q_lat, q_pe, batch.cache, tables, batch.context_lens, 0.1)
+    with pytest.raises(ValueError, match="workspace"):
+        mla_decode_attention_triton(*args, workspace=workspace[: len(contexts) * H * splits * (L + 1) - 1])
+
+
+def test_mla_decode_split_rule_and_workspace_formula():
+    # small batches split up to fill the GPU, large ones do not; short tables do not split
+    assert mla_decode_num_splits(1, 16, 8192) == 64
+    assert mla_decode_num_splits(8, 16, 8192) == 33
+    assert mla_decode_num_splits(128, 16, 8192) == 2
+    assert mla_decode_num_splits(256, 16, 8192) == 1
+    assert mla_decode_num_splits(1, 16, 64) == 1
+    assert mla_decode_num_splits(1, 16, 512) == 8
+    numel = mla_decode_workspace_numel(256, 16, 512, 8192)
+    needs = [b * 16 * s * 513 for b in range(1, 257) if (s := mla_decode_num_splits(b, 16, 8192)) > 1]
+    assert numel == max(needs)
+    assert mla_decode_workspace_numel(256, 16, 512, 64) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------
+
+# (q_len, context_len): plain prefill, prefix hit, chunked prefill crossing blocks, a one-token extend
+PREFILL_SEQS = [(17, 17), (5, 37), (1, 16), (20, 50)]
+
+
+def _prefill_inputs(seqs, dtype, block_size=16, cache_dtype=None, seed=0, device=DEVICE):
+    batch = LatentBatch([c for _, c in seqs], block_size, L, R, dtype, cache_dtype, seed=seed, device=device)
+    q_lens = [q for q, _ in seqs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q_lat, q_pe = strided_queries(sum(q_lens), H, L, R, dtype, seed=seed + 7, device=device)
+    return batch, q_lat, q_pe, cu, max(q_lens)
+
+
+def test_mla_prefill_ref_matches_naive():
+    batch, q_lat, q_pe, cu, max_q = _prefill_inputs(PREFILL_SEQS, torch.float32, device="cpu")
+    scale = 0.2
+    out = mla_prefill_attention_ref(q_lat, q_pe, batch.cache, cu, batch.context_lens, batch.block_tables, max_q,
+                                    scale)
+    for b, (q_len, length) in enumerate(PREFILL_SEQS):
+        s, e = int(cu[b]), int(cu[b + 1])
+        expected = naive_mla(q_lat[s:e], q_pe[s:e], batch.dense[b], L, scale, length - q_len)
+        torch.testing.assert_close(out[s:e].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+PREFILL_CASES = [  # (dtype, cache dtype or None, block size, (block_m, block_h, block_n) or None)
+    *[(dt, None, 16, (4, 4, 16)) for dt in KERNEL_DTYPES],
+    (torch.float32, None, 1, (8, 2, 16)),  # head blocks: 2 programs per query tile
+    (torch.float16, None, 16, None),  # the launcher's tiles
+    (torch.float16, FP8_KV_DTYPE, 16, (4, 4, 32)),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_case_id)
+def test_mla_prefill_triton_matches_ref(case):
+    dtype, cache_dtype, block_size, tiles = case
+    batch, q_lat, q_pe, cu, max_q = _prefill_inputs(PREFILL_SEQS, dtype, block_size, cache_dtype, seed=1)
+    args = (q_lat, q_pe, batch.cache, cu, batch.context_lens, batch.block_tables, max_q, (L + R) ** -0.5)
+    expected = mla_prefill_attention_ref(*args)
+    kw = dict(zip(("block_m", "block_h", "block_n"), tiles)) if tiles else {}
+    out = mla_prefill_attention_triton(*args, **kw)
+    assert out.dtype == dtype and out.shape == expected.shape
+    close(out, expected, dtype)
+
+
+def test_mla_prefill_triton_chunked_equals_whole():
+    """A 40-token prompt prefilled in chunks 16 + 24 (the second a prefix hit over the first) gives the
+    rows of the whole-prompt prefill; and a sequence with no new tokens is left alone."""
+    dtype = torch.float32
+    batch = LatentBatch([40, 9], 16, L, R, dtype, seed=4)
+    q_lat, q_pe = strided_queries(40, H, L, R, dtype, seed=2)
+    scale = 0.15
+
+    def run(start, end, ctx):
+        cu = torch.tensor([0, end - start, end - start], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([ctx, 9], dtype=torch.int32, device=DEVICE)
+        return mla_prefill_attention_triton(q_lat[start:end], q_pe[start:end], batch.cache, cu, lens,
+                                            batch.block_tables, end - start, scale, block_m=4, block_n=16)
+
+    whole = run(0, 40, 40)
+    chunked = torch.cat([run(0, 16, 16), run(16, 40, 40)])
+    close(chunked, whole, dtype)
+    expected = naive_mla(q_lat, q_pe, batch.dense[0], L, scale, 0)
+    torch.testing.assert_close(whole.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V2-Lite dims (GPU only) and the sm_90 compile check
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 at L=512 runs on the GPU (METAINFER_TEST_GPU=1)")
+def test_mla_real_dims_bf16_gpu():
+    lat, rope, heads, dtype = 512, 64, 16, torch.bfloat16
+    contexts = [1, 300, 2048, 17, 0, 1000]
+    batch = LatentBatch(contexts, 16, lat, rope, dtype, seed=5)
+    q_lat = randn(heads, len(contexts), lat, dtype=dtype, device=DEVICE).transpose(0, 1)
+    q_pe = randn(len(contexts), heads, rope, dtype=dtype, seed=1, device=DEVICE)
+    args = (q_lat, q_pe, batch.cache, batch.block_tables, batch.context_lens, 0.1)
+    close(mla_decode_attention_triton(*args), mla_decode_attention_ref(*args), dtype)
+    close(mla_decode_attention_triton(*args, num_splits=1), mla_decode_attention_ref(*args), dtype)
+    seqs = [(300, 300), (64, 1000), (1, 17)]
+    pbatch = LatentBatch([c for _, c in seqs], 16, lat, rope, dtype, seed=6)
+    cu = torch.tensor([0, 300, 364, 365], dtype=torch.int32, device=DEVICE)
+    pq_lat = randn(heads, 365, lat, dtype=dtype, seed=2, device=DEVICE).transpose(0, 1)
+    pq_pe = randn(365, heads, rope, dtype=dtype, seed=3, device=DEVICE)
+    pargs = (pq_lat, pq_pe, pbatch.cache, cu, pbatch.context_lens, pbatch.block_tables, 300, 0.1)
+    close(mla_prefill_attention_triton(*pargs), mla_prefill_attention_ref(*pargs), dtype)
+
+
+def aot_compile_mla() -> int:
+    """Compile the MLA launches at DeepSeek-V2-Lite dims for sm_90 (run in a process without
+    TRITON_INTERPRET): the launchers run on CPU tensors with each kernel's `run` intercepted, and every
+    captured launch goes through tools/aot_check's compile. Returns the exit status (2: cannot compile)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    from metainfer.kernels import mla_attention as mla
+    from tools import aot_check
+
+    target = GPUTarget("cuda", 90, 32)
+    reason = aot_check._probe_compile(target)
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
+    backend = make_backend(target)
+    kernels = [mla._store_latent_kernel, mla._rotary_interleaved_kernel, mla._mla_decode_kernel,
+               mla._mla_merge_kernel, mla._mla_prefill_kernel]
+    captured = []
+    for kernel in kernels:
+        kernel.run = lambda *a, grid, warmup, _k=kernel, **kw: captured.append((_k, a, kw))
+    bf16, fp8 = torch.bfloat16, FP8_KV_DTYPE
+    try:
+        for heads in (16, 8):
+            for cache_dtype in (bf16, fp8):
+                cache = torch.zeros(4, 16, 576, dtype=cache_dtype)
+                tables = torch.zeros(3, 512, dtype=torch.int32)
+                lens = torch.zeros(3, dtype=torch.int32)
+                q_lat = torch.zeros(heads, 3, 512, dtype=bf16).transpose(0, 1)
+                q_pe = torch.zeros(3, heads, 64, dtype=bf16)
+                for splits in (1, 8, 64):
+                    mla.mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=splits,
+                                                    pdl=splits == 8)
+                cu = torch.zeros(4, dtype=torch.int32)
+                mla.mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, 4096, 0.1,
+                                                 pdl=cache_dtype == bf16)
+                store_latent_triton(torch.zeros(3, 576, dtype=bf16), cache, lens, pdl=True)
+            proj = torch.zeros(3, heads * 192, dtype=bf16)
+            rotary_interleaved_triton(torch.zeros(3, dtype=torch.int64), proj.view(3, heads, 192)[..., 128:],
+                                      torch.zeros(3, 576, dtype=bf16)[:, 512:], torch.zeros(8, 64), pdl=True)
+    finally:
+        for kernel in kernels:
+            del kernel.run
+    failures, seen = 0, set()
+    for kernel, a, kw in captured:
+        name = kernel.fn.__name__
+        try:
+            compiled = aot_check._compile_launch(kernel, a, kw, target, backend)
+            if compiled.hash in seen:
+                continue
+            seen.add(compiled.hash)
+            shared = compiled.metadata.shared
+            ok = shared <= aot_check._MAX_SHARED_BYTES
+            failures += not ok
+            print(f"{'ok' if ok else 'FAIL shared'} {name} smem={shared} {aot_check._resource_usage(compiled)}")
+        except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
+            failures += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+    print(f"{len(seen)} distinct MLA kernels compiled for sm_90, {failures} failures")
+    return 1 if failures else 0
+
+
+def test_aot_compile_sm90_mla_kernels():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(TRITON_CACHE_DIR=cache_dir, TRITON_DEFAULT_FP_FUSION="1")
+        code = "import sys; from tests.kernels.test_mla_attention import aot_compile_mla; sys.exit(aot_compile_mla())"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=600)
+    if proc.returncode == 2:
+        pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "0 failures" in proc.stdout
