@@ -1,0 +1,145 @@
+"""DeepSeek-V2 (MLA + MoE) and Qwen3-MoE: greedy parity with HF transformers on tiny random checkpoints
+(fp32, CPU: bf16 flips router choices), under batching, preemption, chunked prefill and prefix hits;
+both checkpoint layouts of the experts; the latent cache's size from the config."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from metainfer import LLM, SamplingParams
+from metainfer.config import ModelSpec
+from tests.helpers.engine_checks import assert_drained, generate_ids, token_ids
+from tests.helpers.tiny_models import (
+    YARN_ROPE,
+    assert_matches_hf,
+    copy_model_files,
+    hf_greedy,
+    hf_reference,
+    make_prompts,
+)
+
+LENGTHS = [1, 7, 16, 33, 64, 100]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = {
+    "deepseek_v2-plain": {},
+    # q-LoRA, group-limited routing (4 groups of 2 experts, best 2 groups), routed_scaling_factor
+    "deepseek_v2-qlora_grouped": dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                      routed_scaling_factor=2.5, num_experts_per_tok=3),
+    # YaRN with mscale / mscale_all_dim (softmax scale and cos/sin magnitudes), 2 shared experts
+    "deepseek_v2-yarn": dict(rope_parameters=dict(YARN_ROPE), n_shared_experts=2),
+    "qwen3_moe-dense_layer": {},
+}
+FAST = ["deepseek_v2-plain", "qwen3_moe-dense_layer"]
+EVERY_VARIANT = pytest.mark.parametrize(
+    "reference", [v if v in FAST else pytest.param(v, marks=pytest.mark.slow) for v in VARIANTS], indirect=True)
+BOTH_FAMILIES = pytest.mark.parametrize("reference", FAST, indirect=True)
+
+
+@pytest.fixture(scope="module")
+def reference(request, tmp_path_factory):
+    arch = request.param.partition("-")[0]
+    folder = str(tmp_path_factory.mktemp(request.param))
+    model, prompts, expected = hf_reference(folder, arch, LENGTHS, NEW_TOKENS, **VARIANTS[request.param])
+    return folder, prompts, expected, model
+
+
+def _generate(folder, prompts, **engine_kw):
+    llm = LLM(folder, device="cpu", dtype="float32", **engine_kw)
+    got = generate_ids(llm, prompts, GREEDY)
+    assert_drained(llm)
+    return llm, got
+
+
+@EVERY_VARIANT
+def test_batch_matches_hf(reference):
+    folder, prompts, expected, model = reference
+    _, got = _generate(folder, prompts)
+    assert_matches_hf(model, prompts, got, expected)
+
+
+@BOTH_FAMILIES
+def test_preemption_and_chunked_prefill_keep_outputs(reference):
+    folder, prompts, expected, model = reference
+    # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt
+    llm, got = _generate(folder, prompts, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_matches_hf(model, prompts, got, expected)
+
+
+@BOTH_FAMILIES
+def test_prefix_cache_hits(reference):
+    folder, _, _, model = reference
+    shared = make_prompts([80], seed=7)[0]
+    prompts = [shared + tail for tail in make_prompts([3, 9, 20], seed=8)]
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    llm = LLM(folder, device="cpu", dtype="float32")
+    first = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
+    assert all(o.metrics["num_cached_tokens"] >= 64 for o in rest)
+    assert_matches_hf(model, prompts, token_ids(first + rest), expected)
+
+
+@BOTH_FAMILIES
+def test_fused_expert_layout_loads(reference, tmp_path):
+    """transformers' in-memory layout (experts.gate_up_proj [E, 2N, H], experts.down_proj [E, H, N]) written
+    as the checkpoint: the same outputs as the hub's one-tensor-per-expert layout."""
+    folder, prompts, expected, model = reference
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    assert any(k.endswith("experts.gate_up_proj") for k in state), "transformers changed its expert layout"
+    copy_model_files(folder, str(tmp_path), weights=False)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    _, got = _generate(str(tmp_path), prompts[:3])
+    assert got == expected[:3]
+
+
+@BOTH_FAMILIES
+def test_missing_expert_is_named(reference, tmp_path):
+    folder, _, _, model = reference
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    gone = next(k for k in tensors if ".experts.5.up_proj" in k)
+    del tensors[gone]
+    copy_model_files(folder, str(tmp_path), weights=False)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=gone.replace(".", r"\.")):
+        LLM(str(tmp_path), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("kv_dtype,expected", [("auto", 27 * 576 * 2), ("fp8", 27 * 576)])
+def test_latent_cache_bytes_per_token_from_config(kv_dtype, expected):
+    """DeepSeek-V2-Lite: one [kv_lora_rank + qk_rope_head_dim] vector a token and layer; Qwen3-8B's dense
+    cache for contrast (2 x 36 layers x 8 KV heads x 128 x 2 bytes)."""
+    from metainfer.attention import MLABackend, PagedAttentionBackend
+    from metainfer.kernels import FP8_KV_DTYPE, REF_OPS
+
+    spec = ModelSpec.from_file(os.path.join(ROOT, "benchmarks", "configs", "deepseek-v2-lite.json"))
+    dtype = FP8_KV_DTYPE if kv_dtype == "fp8" else torch.bfloat16
+    backend = MLABackend(REF_OPS, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim,
+                         dtype, torch.device("cpu"), 4, 256, 16)
+    assert backend.bytes_per_block(spec.num_layers, 16) == 16 * expected
+    dense = ModelSpec.from_file(os.path.join(ROOT, "benchmarks", "configs", "qwen3-8b.json"))
+    paged = PagedAttentionBackend(REF_OPS, dense.num_heads, dense.num_kv_heads, dense.head_dim, torch.bfloat16,
+                                  torch.device("cpu"), 4, 256, 16)
+    assert paged.bytes_per_block(dense.num_layers, 1) == 147_456
+
+
+def test_real_configs_route_and_shape():
+    ds = ModelSpec.from_file(os.path.join(ROOT, "benchmarks", "configs", "deepseek-v2-lite.json"))
+    assert (ds.family, ds.latent_dim, ds.moe_layers[0], len(ds.moe_layers)) == ("deepseek_v2", 576, 1, 26)
+    # yarn factor 40, mscale_all_dim 0.707: (0.1 * 0.707 * ln 40 + 1)^2 / sqrt(192)
+    assert ds.attention_scale == pytest.approx((0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1) ** 2
+                                               / 192 ** 0.5)
+    qm = ModelSpec.from_file(os.path.join(ROOT, "benchmarks", "configs", "qwen3-30b-a3b.json"))
+    assert (qm.family, qm.num_experts, qm.num_experts_per_tok, len(qm.moe_layers)) == ("qwen3_moe", 128, 8, 48)
+    cfg = json.load(open(os.path.join(ROOT, "benchmarks", "configs", "qwen3-30b-a3b.json")))
+    sparse = ModelSpec.from_dict({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]})
+    assert sparse.moe_layers[:4] == (5, 7, 9, 11)
