@@ -7,7 +7,9 @@ model with it; the TP runner runs it on every rank after loading. This is the se
 shape checker.
 
 Symbols (per rank): Hq = heads / tp, Hk = max(1, kv_heads / tp), D = head_dim,
-I = intermediate_size, H = hidden_size, V = vocab_size, Vp = ceil(V / tp).
+I = intermediate_size, H = hidden_size, V = vocab_size, Vp = ceil(V / tp); MoE: E = experts (all on
+every rank), Ne = moe_intermediate_size / tp, Ns = n_shared_experts * moe_intermediate_size / tp;
+MLA: Dn, Dr, Dv = qk_nope / qk_rope / v head dims, L = kv_lora_rank, Lq = q_lora_rank (replicated).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def validate_tp_config(spec: ModelSpec, tp_size: int) -> None:
     if kv < tp_size and tp_size % kv:
         raise ConfigError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads ({kv}); "
                           "KV heads can only be replicated evenly")
-    if spec.intermediate_size % tp_size:
+    if spec.intermediate_size % tp_size and len(spec.moe_layers) < spec.num_layers:
         raise ConfigError(f"intermediate_size ({spec.intermediate_size}) is not divisible by "
+                          f"tensor_parallel_size ({tp_size})")
+    if spec.moe_layers and spec.moe_intermediate_size % tp_size:
+        raise ConfigError(f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by "
                           f"tensor_parallel_size ({tp_size})")
 
 
@@ -48,32 +53,69 @@ def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:
         "Hk": max(1, spec.num_kv_heads // tp_size),
         "I": spec.intermediate_size // tp_size,
         "Vp": -(-spec.vocab_size // tp_size),
+        "E": spec.num_experts,
+        "Ne": spec.moe_intermediate_size // tp_size,
+        "Ns": spec.num_shared_experts * spec.moe_intermediate_size // tp_size,
     }
 
 
 def expected_param_shapes(spec: ModelSpec, tp_size: int) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> per-rank shape, for the dense family (Qwen3 / Qwen2 / Llama)."""
-    if spec.family != "dense":
+    """Parameter name -> per-rank shape, for every family (dense, Qwen3-MoE, DeepSeek-V2)."""
+    if spec.family not in ("dense", "qwen3_moe", "deepseek_v2"):
         raise ConfigError(f"no shape contract for model family {spec.family!r}")
     d = per_rank_dims(spec, tp_size)
-    h, hd, hq, hk = d["H"], d["D"], d["Hq"], d["Hk"]
+    h = d["H"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d["Vp"], h)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.qkv_proj.weight"] = ((hq + 2 * hk) * hd, h)
-        if spec.qkv_bias:
-            shapes[p + "self_attn.qkv_proj.bias"] = ((hq + 2 * hk) * hd,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, hq * hd)
-        if spec.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_up_proj.weight"] = (2 * d["I"], h)
-        shapes[p + "mlp.down_proj.weight"] = (h, d["I"])
+        shapes.update(_mla_shapes(spec, d, p) if spec.is_mla else _gqa_shapes(spec, d, p))
+        shapes.update(_moe_shapes(spec, d, p) if i in spec.moe_layers else
+                      {p + "mlp.gate_up_proj.weight": (2 * d["I"], h), p + "mlp.down_proj.weight": (h, d["I"])})
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:  # tied: lm_head shares embed_tokens' parameter
         shapes["lm_head.weight"] = (d["Vp"], h)
+    return shapes
+
+
+def _gqa_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
+    h, hd, hq, hk = d["H"], d["D"], d["Hq"], d["Hk"]
+    shapes = {p + "self_attn.qkv_proj.weight": ((hq + 2 * hk) * hd, h), p + "self_attn.o_proj.weight": (h, hq * hd)}
+    if spec.qkv_bias:
+        shapes[p + "self_attn.qkv_proj.bias"] = ((hq + 2 * hk) * hd,)
+    if spec.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    return shapes
+
+
+def _mla_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
+    h, hq, lat = d["H"], d["Hq"], spec.kv_lora_rank
+    dn, dr, dv = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    a = p + "self_attn."
+    shapes = {a + "kv_a_proj_with_mqa.weight": (lat + dr, h), a + "kv_a_layernorm.weight": (lat,),
+              a + "kv_b_proj.weight": (hq * (dn + dv), lat), a + "o_proj.weight": (h, hq * dv)}
+    if spec.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (hq * (dn + dr), h)
+    else:
+        lq = spec.q_lora_rank
+        shapes.update({a + "q_a_proj.weight": (lq, h), a + "q_a_layernorm.weight": (lq,),
+                       a + "q_b_proj.weight": (hq * (dn + dr), lq)})
+    if spec.raw.get("attention_bias"):
+        shapes.update({a + "kv_a_proj_with_mqa.bias": (lat + dr,), a + "o_proj.bias": (h,)})
+        if spec.q_lora_rank is not None:
+            shapes[a + "q_a_proj.bias"] = (spec.q_lora_rank,)
+    return shapes
+
+
+def _moe_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
+    h, e, ne = d["H"], d["E"], d["Ne"]
+    shapes = {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * ne, h),
+              p + "mlp.experts.down_proj": (e, h, ne)}
+    if spec.num_shared_experts:
+        shapes.update({p + "mlp.shared_experts.gate_up_proj.weight": (2 * d["Ns"], h),
+                       p + "mlp.shared_experts.down_proj.weight": (h, d["Ns"])})
     return shapes
 
 

@@ -68,3 +68,18 @@ def test_tp_under_preemption_chunking_and_prefix_cache(tmp_path):
     assert got == expected
     assert torch.get_num_threads() == threads, "rank 0's thread count is restored on close"
 
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "qwen3_moe"])
+def test_moe_families_tp2_equal_tp1(arch, tmp_path):
+    """MLA heads split with the latent replicated (DeepSeek-V2), experts split by their intermediate size
+    (both), under preemption and chunked prefill: TP=2 equals TP=1 and HF."""
+    folder = str(tmp_path)
+    model = build_tiny_model(folder, arch, vocab_size=VOCAB)
+    prompts = make_prompts(LENGTHS, vocab=VOCAB, seed=3)
+    kw = dict(block_size=16, num_kv_blocks=12, max_num_batched_tokens=32)
+    expected, _ = generate(folder, prompts, **kw)
+    assert expected == hf_greedy(model, prompts, NEW_TOKENS)
+    got, llm = generate(folder, prompts, tp=2, **kw)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == expected
