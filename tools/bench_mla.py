@@ -1,0 +1,253 @@
+"""MLA attention at DeepSeek-V2-Lite dims on one GPU: the Triton decode against its memory floor, and the
+absorbed Triton prefill against the expanded torch form (the choice DeepSeek's engines make for prefill).
+
+    python -m tools.bench_mla --json mla_h200.json --budget-s 100
+
+Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, block size 16, bf16.
+* decode, batch {1, 8, 32, 128, 256} x context {512, 2048, 8192}: mla_decode_attention_triton with its
+  default split rule and a workspace from mla_decode_workspace_numel, timed as a CUDA graph of back-to-back
+  launches (device time, as the engine replays decode; it also shows the launch is capturable); the floor is
+  the latent bytes read (B * context * (L+R) * 2) at 4.8 TB/s.
+* prefill, one sequence of {512, ..., 8192} tokens, plain (no prefix):
+  (a) absorbed: q_nope[H,T,128] @ W_UK[H,128,512] (bmm), mla_prefill_attention_triton, o[H,T,512] @
+      W_UV[H,512,128] (bmm); reported whole and kernel only;
+  (b) expanded: the context's latent gathered from the paged cache, up-projected by kv_b ([T,512] @
+      [512, H*(128+128)]), K = cat(k_nope, k_pe broadcast), Q = cat(q_nope, q_pe), then
+      torch.nn.functional.scaled_dot_product_attention(is_causal=True).
+Timing: CUDA events, warm-up, median of repeats. `--budget-s` bounds the run: cases past it are listed as
+skipped. Importing this module makes no CUDA call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+HEADS, LORA, ROPE, NOPE, V_DIM, BLOCK = 16, 512, 64, 128, 128, 16
+HBM_BYTES_PER_S = 4.8e12
+DECODE_BATCHES = (1, 8, 32, 128, 256)
+DECODE_CONTEXTS = (512, 2048, 8192)
+PREFILL_LENS = (512, 1024, 2048, 4096, 8192)
+
+
+def decode_floor_us(batch: int, context: int, elem_bytes: int = 2) -> float:
+    """Microseconds to read every sequence's latent once at HBM_BYTES_PER_S."""
+    return batch * context * (LORA + ROPE) * elem_bytes / HBM_BYTES_PER_S * 1e6
+
+
+def absorbed_prefill_flops(q_len: int, heads: int = HEADS) -> float:
+    """Causal absorbed attention: per (query, visible key, head) a (L+R)-long score and an L-long P@V."""
+    pairs = q_len * (q_len + 1) / 2
+    return 2.0 * heads * pairs * (LORA + ROPE + LORA)
+
+
+def expanded_prefill_flops(q_len: int, heads: int = HEADS) -> float:
+    """Causal attention with Q/K of Dn+R and V of Dv (the kv_b up-projection not counted)."""
+    pairs = q_len * (q_len + 1) / 2
+    return 2.0 * heads * pairs * (NOPE + ROPE + V_DIM)
+
+
+def faster_form(absorbed_us: float | None, expanded_us: float | None) -> str | None:
+    """"absorbed" / "expanded" (whichever is faster; None when one is missing)."""
+    if absorbed_us is None or expanded_us is None:
+        return None
+    return "absorbed" if absorbed_us <= expanded_us else "expanded"
+
+
+def _median_us(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _graph_us(fn, inner: int, repeats: int) -> float:
+    """Per-call device time of `inner` calls captured in one CUDA graph (fn warmed up eagerly first)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    us = _median_us(graph.replay, 2, repeats) / inner
+    del graph
+    return us
+
+
+def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache [N, 16, L+R] of random latents, a random permutation of its blocks)."""
+    num_blocks = -(-num_tokens // BLOCK)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(num_blocks, BLOCK, LORA + ROPE, device=device, dtype=dtype, generator=gen)
+    order = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    return cache, order
+
+
+def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int) -> dict:
+    from metainfer.kernels.mla_attention import (
+        mla_decode_attention_triton,
+        mla_decode_num_splits,
+        mla_decode_workspace_numel,
+    )
+
+    dev, scale, width = cache.device, (NOPE + ROPE) ** -0.5, context // BLOCK
+    tables = order[: batch * width].view(batch, width)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q_lat = torch.randn(HEADS, batch, LORA, device=dev, dtype=torch.bfloat16).transpose(0, 1)  # a bmm's transpose
+    q_pe = torch.randn(batch, HEADS, NOPE + ROPE, device=dev, dtype=torch.bfloat16)[..., NOPE:]
+    workspace = torch.empty(max(1, mla_decode_workspace_numel(batch, HEADS, LORA, context)), dtype=torch.float32,
+                            device=dev)
+    out = torch.empty(batch, HEADS, LORA, dtype=torch.bfloat16, device=dev)
+
+    def run():
+        mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, scale, workspace=workspace, out=out)
+
+    try:
+        us, timing = _graph_us(run, inner, repeats), "cuda_graph"
+    except RuntimeError as exc:  # capture refused: report the eager time and why
+        torch.cuda.synchronize()
+        us, timing = _median_us(run, 3, repeats), f"eager ({exc!s:.80})"
+    floor = decode_floor_us(batch, context)
+    return {"splits": mla_decode_num_splits(batch, HEADS, context), "us": round(us, 3), "timing": timing,
+            "floor_fraction": round(floor / us, 3),
+            "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
+
+
+def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int) -> None:
+    cache, order = _paged_cache(max(batches) * max(contexts), torch.device("cuda"))
+    for context in contexts:
+        for batch in batches:
+            case = dict(kind="decode", batch=batch, context=context, floor_us=round(decode_floor_us(batch, context), 3))
+            if time.monotonic() > budget_end:
+                results.append({**case, "skipped": "budget"})
+                continue
+            results.append({**case, **_decode_case(cache, order, batch, context, inner, repeats)})
+            print(json.dumps(results[-1]), flush=True)
+
+
+def _prefill_weights(dev):
+    """W_UK [H, Dn, L], W_UV [H, L, Dv] and the kv_b up-projection [L, H * (Dn + Dv)] they make."""
+    gen = torch.Generator(device=dev).manual_seed(1)
+    w_uk = torch.randn(HEADS, NOPE, LORA, device=dev, dtype=torch.bfloat16, generator=gen) * LORA ** -0.5
+    w_uv = torch.randn(HEADS, LORA, V_DIM, device=dev, dtype=torch.bfloat16, generator=gen) * LORA ** -0.5
+    # per head the columns [k_nope | v]: k_nope = c @ W_UK[h]^T (so q_nope . k_nope = (q_nope @ W_UK[h]) . c)
+    kv_b = torch.cat([w_uk.transpose(1, 2), w_uv], dim=2).transpose(0, 1).reshape(LORA, HEADS * (NOPE + V_DIM))
+    return w_uk, w_uv, kv_b
+
+
+def _prefill_case(q_len: int, weights, repeats: int) -> dict:
+    import torch.nn.functional as F
+
+    from metainfer.kernels.mla_attention import mla_prefill_attention_triton
+
+    dev, bf16, scale = torch.device("cuda"), torch.bfloat16, (NOPE + ROPE) ** -0.5
+    w_uk, w_uv, kv_b = weights
+    cache, order = _paged_cache(q_len, dev, seed=q_len)
+    tables = order[None, :]
+    lens = torch.tensor([q_len], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    q = torch.randn(q_len, HEADS, NOPE + ROPE, device=dev, dtype=bf16)
+    q_nope, q_pe = q[..., :NOPE], q[..., NOPE:]
+    q_nope_h = q_nope.transpose(0, 1)  # [H, T, Dn]
+
+    def absorbed_kernel(q_lat):
+        return mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, q_len, scale)
+
+    def absorbed():
+        q_lat = torch.bmm(q_nope_h, w_uk).transpose(0, 1)  # [T, H, L], strided
+        return torch.bmm(absorbed_kernel(q_lat).transpose(0, 1), w_uv)  # [H, T, Dv]
+
+    def expanded():
+        blocks = tables[0, : -(-q_len // BLOCK)].long()
+        latent = cache.index_select(0, blocks).flatten(0, 1)[:q_len]
+        kv = (latent[:, :LORA] @ kv_b).view(q_len, HEADS, NOPE + V_DIM)
+        k = torch.cat([kv[..., :NOPE], latent[:, None, LORA:].expand(q_len, HEADS, ROPE)], dim=-1)
+        qq = torch.cat([q_nope, q_pe], dim=-1)
+        return F.scaled_dot_product_attention(qq.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              kv[..., NOPE:].transpose(0, 1)[None], is_causal=True,
+                                              scale=scale)[0]  # [H, T, Dv]
+
+    ref, got = expanded().float(), absorbed().float()
+    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    q_lat_pre = torch.bmm(q_nope_h, w_uk).transpose(0, 1)
+    kernel_us = _median_us(lambda: absorbed_kernel(q_lat_pre), 2, repeats)
+    absorbed_us = _median_us(absorbed, 2, repeats)
+    expanded_us = _median_us(expanded, 2, repeats)
+    return {"absorbed_us": round(absorbed_us, 2), "absorbed_kernel_us": round(kernel_us, 2),
+            "expanded_us": round(expanded_us, 2), "faster": faster_form(absorbed_us, expanded_us),
+            "absorbed_kernel_tflops": round(absorbed_prefill_flops(q_len) / kernel_us / 1e6, 1),
+            "expanded_attn_tflops": round(expanded_prefill_flops(q_len) / expanded_us / 1e6, 1),
+            "max_rel_diff_vs_expanded": round(err, 5)}
+
+
+def bench_prefill(lengths, budget_end: float, results: list, repeats: int) -> None:
+    weights = _prefill_weights(torch.device("cuda"))
+    for q_len in lengths:
+        case = dict(kind="prefill", q_len=q_len)
+        if time.monotonic() > budget_end:
+            results.append({**case, "skipped": "budget"})
+            continue
+        results.append({**case, **_prefill_case(q_len, weights, repeats)})
+        print(json.dumps(results[-1]), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="stop starting cases after this many seconds")
+    parser.add_argument("--batches", type=int, nargs="*", default=list(DECODE_BATCHES))
+    parser.add_argument("--contexts", type=int, nargs="*", default=list(DECODE_CONTEXTS))
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=list(PREFILL_LENS))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--inner", type=int, default=10, help="decode calls per CUDA graph")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mla: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    budget_end = start + args.budget_s
+    results: list[dict] = []
+    if not args.skip_decode:
+        # decode first, but keep ~40% of the budget for prefill
+        decode_end = budget_end if args.skip_prefill else start + 0.6 * args.budget_s
+        bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats)
+    if not args.skip_prefill:
+        bench_prefill(args.prefill_lens, budget_end, results, max(5, args.repeats // 2))
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=HEADS, kv_lora_rank=LORA,
+                rope_dim=ROPE, nope_dim=NOPE, v_dim=V_DIM, block_size=BLOCK, dtype="bf16",
+                hbm_bytes_per_s=HBM_BYTES_PER_S, wall_s=round(time.monotonic() - start, 1))
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(json.dumps(meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
