@@ -55,7 +55,8 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> f
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step must read: every parameter except the embedding table
-    (one row is read), counting a tied LM head once."""
+    (one row is read), counting a tied LM head once; of stacked MoE experts only the routed share
+    (their `active_fraction`: top_k / E, layers/moe.py)."""
     seen, total = set(), 0
     embed = getattr(getattr(model, "model", model), "embed_tokens", None)
     embed_ptr = embed.weight.data_ptr() if embed is not None else None
@@ -66,7 +67,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
         seen.add(p.data_ptr())
         if p.data_ptr() == embed_ptr and not tied:
             continue
-        total += p.numel() * p.element_size()
+        total += int(p.numel() * p.element_size() * getattr(p, "active_fraction", 1.0))
     return total
 
 

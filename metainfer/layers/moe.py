@@ -125,6 +125,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = TopKRouter(spec, ops, dtype)
         self.experts = FusedExperts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, ops, dtype)
+        for param in self.experts.parameters():  # what one token reads of them (bench/common.py's floor)
+            param.active_fraction = spec.num_experts_per_tok / spec.num_experts
         self.shared_experts = None
         if spec.num_shared_experts:
             self.shared_experts = GatedMLP(spec.hidden_size, spec.num_shared_experts * spec.moe_intermediate_size,
