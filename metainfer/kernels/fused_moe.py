@@ -166,7 +166,7 @@ def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 # ----------------------------------------------------------------------------- moe_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_padded"])  # one compile for every batch size
 def _moe_align_count_kernel(ids_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr, cursor_ptr,
                             num_pairs, num_experts, max_padded,
                             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -198,7 +198,7 @@ def _moe_align_count_kernel(ids_ptr, sorted_ids_ptr, expert_of_block_ptr, num_po
         tl.store(sorted_ids_ptr + p0 + offs, sentinel, mask=p0 + offs < max_padded)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, num_experts,
                               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """sorted_ids[cursor[e]++] = p for each valid pair p (e = ids[p])."""
@@ -252,7 +252,7 @@ def _block_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return first_m + local % group_size, local // group_size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr,
                         num_pairs, num_m_blocks, N, H, stride_xt, stride_we, stride_wn, stride_it,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -296,7 +296,7 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, expert_of_blo
     tl.store(out_ptrs, hidden.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr,
                      num_pairs, num_m_blocks, H, N, stride_it, stride_we, stride_wh, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

@@ -1,0 +1,101 @@
+"""The fused-MoE tuner and benchmark (tools/tune_moe.py, tools/bench_moe.py): their pure helpers on the CPU
+(config space, routing, winner table in the `moe` section's format and its writer, byte floor, the
+torch._grouped_mm competitor against the reference). The sweeps themselves need CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from metainfer.kernels.fused_moe import MoeConfig, default_moe_config, parse_moe_table
+from metainfer.kernels.moe_ref import fused_moe_ref
+from tools.bench_moe import floor_bytes, grouped_mm_moe, sort_by_expert, summarize
+from tools.tune_moe import BUCKETS, SHAPES, about_with_moe, make_routing, pick_winners, sweep_configs, write_moe_section
+
+
+def test_shapes_and_buckets():
+    assert SHAPES["deepseek-v2-lite"] == (64, 1408, 2048, 6) and SHAPES["qwen3-30b-a3b"] == (128, 768, 2048, 8)
+    assert SHAPES["deepseek-v2-lite/tp2"][1] == 704 and SHAPES["qwen3-30b-a3b/tp2"][1] == 384
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+def test_sweep_space_is_small_valid_and_starts_with_the_default():
+    distinct = set()
+    for bucket in BUCKETS:
+        configs = sweep_configs(bucket)
+        assert 8 <= len(configs) <= 20 and len(set(configs)) == len(configs)
+        assert configs[0] == default_moe_config(bucket)
+        assert all(isinstance(c, MoeConfig) for c in configs)
+        if bucket <= 16:
+            assert {c.block_m for c in configs} == {16}
+        distinct.update(configs)
+    assert len(distinct) <= 40  # every distinct config is two GEMM compiles on the GPU
+
+
+def test_make_routing_is_a_renormalised_top_k():
+    weights, ids = make_routing(50, 64, 6, torch.Generator().manual_seed(0))
+    assert ids.shape == weights.shape == (50, 6) and ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert int(ids.min()) >= 0 and int(ids.max()) < 64
+    assert all(len(set(row)) == 6 for row in ids.tolist())
+    torch.testing.assert_close(weights.sum(1), torch.ones(50))
+    assert len(set(ids.flatten().tolist())) > 32  # the load spreads over most experts
+
+
+def test_pick_winners_gives_the_moe_section_format():
+    fast, slow = MoeConfig(16, 32, 128, 1, 4, 4).to_dict(), MoeConfig().to_dict()
+    results = {"a": {"E": 64, "N": 1408, "H": 2048, "buckets": {
+        "1": {"configs": [{"config": slow, "ok": True, "us": 30.0}, {"config": fast, "ok": True, "us": 20.0},
+                          {"config": slow, "ok": False, "rel_err": 1.0, "us": 1.0}]},
+        "8": {"configs": [{"config": slow, "ok": False, "error": "skipped: time budget spent"}]}}}}
+    table = pick_winners(results)
+    assert table == {"E64_N1408_H2048": {"1": fast}}
+    assert parse_moe_table(table) == {(64, 1408, 2048): {1: MoeConfig.from_any(fast)}}
+
+
+def test_write_moe_section_merges_and_notes_it(tmp_path):
+    path = str(tmp_path / "Some_GPU.json")
+    with open(path, "w") as f:
+        json.dump({"device": "Some GPU", "about": "Tables.", "gemv": {"64x32": {"block_n": 4}}}, f)
+    entry = {"E8_N32_H64": {"1": MoeConfig().to_dict()}}
+    write_moe_section("Some GPU", entry, path)
+    write_moe_section("Some GPU", {"E4_N16_H32": {"4096": MoeConfig(64).to_dict()}}, path)
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["gemv"] == {"64x32": {"block_n": 4}} and set(doc["moe"]) == {"E8_N32_H64", "E4_N16_H32"}
+    assert doc["about"].count("moe:") == 1 and doc["about"].startswith("Tables.")
+    assert about_with_moe(doc["about"]) == doc["about"]
+    parse_moe_table(doc["moe"])
+
+
+def test_floor_bytes_counts_distinct_valid_experts():
+    ids = torch.tensor([[1, 2], [2, 1], [7, -1]])
+    assert floor_bytes(ids, 4, 16, 32) == 2 * 3 * 16 * 32 * 2 + 2 * 3 * 32 * 2
+    assert summarize({"us": 1.0}, 4000, 8000.0) == {"us": 1.0, "gbps": 4.0, "pct_of_copy": 0.1}
+    assert summarize({"error": "x"}, 4000, None) == {"error": "x"}
+
+
+def test_sort_by_expert_offsets_and_order():
+    ids = torch.tensor([[3, 0], [0, 2], [3, 2]], dtype=torch.int32)
+    order, tokens, offs = sort_by_expert(ids, 5)
+    assert order.tolist() == [1, 2, 3, 5, 0, 4] and tokens.tolist() == [0, 1, 1, 2, 0, 2]
+    assert offs.dtype == torch.int32 and offs.tolist() == [2, 2, 4, 6, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_competitor_matches_ref(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 32, generator=g).to(dtype)
+    w13, w2 = torch.randn(6, 64, 32, generator=g).to(dtype), torch.randn(6, 32, 32, generator=g).to(dtype)
+    weights, ids = make_routing(7, 6, 2, g)
+    try:
+        y = grouped_mm_moe(x, w13, w2, weights, ids)
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"torch._grouped_mm does not run here: {exc}")
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def test_tools_import_without_cuda():
+    assert not torch.cuda.is_initialized()
