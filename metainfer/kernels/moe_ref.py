@@ -7,7 +7,8 @@ Contracts (docs/CONTRACTS.md, "MoE"):
   scored by its best expert, top-k taken only inside the `topk_group` best groups. `renormalize`
   (norm_topk_prob) divides the K weights by their sum; `scaling` (routed_scaling_factor) multiplies them
   after that (transformers' DeepSeek-V2 applies it always; its router ignores norm_topk_prob, which is
-  false in every DeepSeek-V2 config).
+  false in every DeepSeek-V2 config). `num_shared` S > 0 appends the ids E..E+S-1 (DeepSeek's shared
+  experts, stacked after the routed ones: layers/moe.py) with weight 1 to every token: K + S columns.
 - `fused_moe(x[T,H], w13[E,2N,H], w2[E,H,N], weights f32[T,K], ids i32[T,K]) -> y[T,H]` (x's dtype):
   y[t] = sum_k weights[t,k] * w2[e] @ (silu(g) * u), (g, u) = split(w13[e] @ x[t]), e = ids[t,k]. Rows
   0..N-1 of w13[e] are the gate projection, N..2N-1 the up projection (transformers' fused layout).
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, method: str = "greedy", n_group: int = 1,
-                   topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0):
+                   topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0):
     scores = router_logits.float().softmax(dim=-1)
     if method == "group_limited_greedy":
         num_tokens, num_experts = scores.shape
@@ -40,6 +41,11 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int, method: str = "greed
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if scaling != 1.0:
         weights = weights * scaling
+    if num_shared:
+        num_tokens, num_experts = scores.shape
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, device=ids.device).expand(num_tokens, -1)
+        ids = torch.cat([ids, shared_ids], dim=1)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], dim=1)
     return weights, ids.to(torch.int32)
 
 

@@ -7,8 +7,8 @@ model with it; the TP runner runs it on every rank after loading. This is the se
 shape checker.
 
 Symbols (per rank): Hq = heads / tp, Hk = max(1, kv_heads / tp), D = head_dim,
-I = intermediate_size, H = hidden_size, V = vocab_size, Vp = ceil(V / tp); MoE: E = experts (all on
-every rank), Ne = moe_intermediate_size / tp, Ns = n_shared_experts * moe_intermediate_size / tp;
+I = intermediate_size, H = hidden_size, V = vocab_size, Vp = ceil(V / tp); MoE: E = routed experts (all on
+every rank), S = n_shared_experts (stacked after them), Ne = moe_intermediate_size / tp;
 MLA: Dn, Dr, Dv = qk_nope / qk_rope / v head dims, L = kv_lora_rank, Lq = q_lora_rank (replicated).
 """
 
@@ -55,7 +55,6 @@ def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:
         "Vp": -(-spec.vocab_size // tp_size),
         "E": spec.num_experts,
         "Ne": spec.moe_intermediate_size // tp_size,
-        "Ns": spec.num_shared_experts * spec.moe_intermediate_size // tp_size,
     }
 
 
@@ -110,13 +109,9 @@ def _mla_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
 
 
 def _moe_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
-    h, e, ne = d["H"], d["E"], d["Ne"]
-    shapes = {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * ne, h),
-              p + "mlp.experts.down_proj": (e, h, ne)}
-    if spec.num_shared_experts:
-        shapes.update({p + "mlp.shared_experts.gate_up_proj.weight": (2 * d["Ns"], h),
-                       p + "mlp.shared_experts.down_proj.weight": (h, d["Ns"])})
-    return shapes
+    h, e, ne, s = d["H"], d["E"], d["Ne"], spec.num_shared_experts  # shared experts stacked after the routed
+    return {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e + s, 2 * ne, h),
+            p + "mlp.experts.down_proj": (e + s, h, ne)}
 
 
 def shape_mismatches(model: nn.Module, spec: ModelSpec, tp_size: int) -> list[str]:
