@@ -309,6 +309,13 @@ def _decode_block_h(num_heads: int) -> int:
     return min(32, max(16, next_pow2(num_heads)))
 
 
+def _decode_num_warps(block_h: int, cache_dtype: torch.dtype) -> int:
+    """sm_90 AOT at L = 512, R = 64, 16 heads, 32-token tiles (registers a thread): a 16-bit cache holds 216 at
+    4 warps (two programs an SM) and 146 at 8; an fp8 cache (widened in registers) reaches 255 at 4 warps
+    and holds 172 at 8. Head blocks of 32 double the accumulator: 8 warps. Not timed yet."""
+    return 4 if block_h <= 16 and cache_dtype != FP8_KV_DTYPE else 8
+
+
 def _decode_workspace_numel(batch: int, num_heads: int, kv_lora_rank: int, num_splits: int) -> int:
     return 0 if num_splits <= 1 else batch * num_heads * num_splits * (kv_lora_rank + 1)
 
@@ -343,7 +350,7 @@ def mla_decode_attention_triton(
     in tokens); a split launch needs `workspace` (fp32, >= B*H*splits*(L+1): mla_decode_workspace_numel
     sizes one for the engine; allocated here when None). No GPU value is read on the host.
     block_n / num_warps / num_stages / min_split_tokens (the fewest tokens a split covers, rounded up to
-    block_n) are tuning knobs (defaults 32 / 4 (8 for head blocks over 16) / 2 / 64)."""
+    block_n) are tuning knobs (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 2 / 64)."""
     require_triton()
     batch, num_heads, kv_lora = q_lat.shape
     block_size, _, rope = _check_cache(cache, q_lat, q_pe)
@@ -381,7 +388,7 @@ def mla_decode_attention_triton(
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=one_pass,
-        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or (4 if block_h <= 16 else 8),
+        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or _decode_num_warps(block_h, cache.dtype),
         num_stages=num_stages or 2,
         **pdl_args(pdl),
     )
@@ -457,7 +464,10 @@ def _mla_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
 
 
-_PREFILL_ROWS = 64  # BLOCK_M * BLOCK_H: a [64, L] fp32 accumulator is 128 registers a thread at 8 warps, L = 512
+# BLOCK_M * BLOCK_H rows a prefill program. sm_90 AOT at L = 512, R = 64, 32-token tiles, 2 stages (registers
+# a thread, cuobjdump): 64 rows at 8 warps spill (255 + 136 B stack bf16, + 784 B fp8); 32 rows at 8 warps
+# hold 186 (bf16) / 255 (fp8) without spilling; 32 rows at 4 warps spill over fp8. Not timed yet.
+_PREFILL_ROWS = 32
 
 
 def mla_prefill_attention_triton(
@@ -480,7 +490,7 @@ def mla_prefill_attention_triton(
 ) -> torch.Tensor:
     """Causal absorbed MLA over the paged latent cache -> o [T, H, L]. `max_seqlen_q` is a host int
     (>= every q_len) that sizes the grid. Tiles: block_h heads (default min(H, 16) rounded to a power of
-    two) x block_m tokens (default 64 // block_h rows), block_n cached tokens a step (default 32)."""
+    two) x block_m tokens (default 32 // block_h), block_n cached tokens a step (default 32); 8 warps, 2 stages."""
     require_triton()
     num_tokens, num_heads, kv_lora = q_lat.shape
     block_size, _, rope = _check_cache(cache, q_lat, q_pe)
