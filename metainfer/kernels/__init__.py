@@ -27,8 +27,16 @@ from .attention_decode import (
 from .attention_prefill import paged_prefill_attention_triton
 from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
+from .fused_moe import fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
+from .mla_attention import (
+    mla_decode_attention_triton,
+    mla_decode_workspace_numel,
+    mla_prefill_attention_triton,
+    rotary_interleaved_triton,
+    store_latent_triton,
+)
 from .mla_ref import (
     mla_decode_attention_ref,
     mla_prefill_attention_ref,
@@ -114,14 +122,19 @@ TRITON_OPS = with_linear(KernelOps(
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
     step_inputs=step_inputs_triton,
+    fused_moe=fused_moe_triton,
+    rotary_interleaved=rotary_interleaved_triton,
+    store_latent=store_latent_triton,
+    mla_decode_attention=mla_decode_attention_triton,
+    mla_prefill_attention=mla_prefill_attention_triton,
+    mla_decode_workspace_numel=mla_decode_workspace_numel,
     backend="triton",
     gumbel_sampler=GumbelSampler,
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
 
-# ops that have only their torch reference so far (no `pdl` argument): route_topk
-_REF_ONLY = ("route_topk", "fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention",
-             "mla_prefill_attention")
+# ops whose torch reference serves both paths (no `pdl` argument): the router's softmax + top-k
+_REF_ONLY = ("route_topk",)
 
 # The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
 _PDL_OPS = tuple(f.name for f in fields(KernelOps)
@@ -166,6 +179,8 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     skinny = skinny_table if skinny_table is not None else tuned["skinny"]
     if skinny_gemm and skinny:
         linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl, table=parse_skinny_table(skinny))
+    if tuned["moe"]:  # the fused MoE's tuned launch configs by (E, N, H) and token bucket
+        ops = replace(ops, fused_moe=functools.partial(ops.fused_moe, table=parse_moe_table(tuned["moe"])))
     return with_linear(ops, linear, table, fuse_activation)
 
 

@@ -33,10 +33,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_fre
 
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 64,
              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
-# DeepSeek-V2 at toy dims: MLA (latent 32 + rope 8, 4 heads of 16 + 8 / value 16), 8 routed experts of
+# DeepSeek-V2 at toy dims: MLA (latent 32 + rope 16, 4 heads of 16 + 16 / value 16), 8 routed experts of
 # 32, top-2, 1 shared expert, layer 0 dense (first_k_dense_replace)
 DEEPSEEK = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None, n_routed_experts=8,
+                qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=None, n_routed_experts=8,
                 n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                 topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
 # Qwen3-MoE at toy dims: 8 experts of 32, top-2 renormalised; layer 1 dense (mlp_only_layers)

@@ -143,3 +143,21 @@ def test_real_configs_route_and_shape():
     cfg = json.load(open(os.path.join(ROOT, "benchmarks", "configs", "qwen3-30b-a3b.json")))
     sparse = ModelSpec.from_dict({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]})
     assert sparse.moe_layers[:4] == (5, 7, 9, 11)
+
+
+@BOTH_FAMILIES
+def test_triton_kernels_in_the_engine_match_hf(reference):
+    """The GPU path's MoE and MLA kernels (fused MoE, latent store, interleaved rope, split-KV latent
+    decode, absorbed prefill; interpreted on the CPU) bound into a running engine: still HF's tokens."""
+    import dataclasses
+
+    from metainfer.kernels import REF_OPS, TRITON_OPS
+
+    folder, prompts, expected, model = reference
+    names = ("fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention", "mla_prefill_attention",
+             "mla_decode_workspace_numel")
+    ops = dataclasses.replace(REF_OPS, backend="triton", **{n: getattr(TRITON_OPS, n) for n in names})
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
+    llm.llm_engine.runner.swap_kernels(ops)
+    got = generate_ids(llm, prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert got == [e[:8] for e in expected[:4]]
