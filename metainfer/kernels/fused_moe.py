@@ -58,9 +58,11 @@ from ._triton import (
     tl,
     triton,
 )
+from .moe_ref import route_topk_ref
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-_ALIGN_BLOCK = 1024  # pairs per step of the align kernels
+_COUNT_BLOCK = 4096  # pairs a step of the one-program count kernel (few serial steps at prefill sizes)
+_ALIGN_BLOCK = 1024  # pairs a program of the scatter kernel
 _SUM_BLOCK = 1024  # hidden columns per program of the K-slot sum
 
 
@@ -231,7 +233,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bo
     e_pad = max(16, next_pow2(num_experts))
     _moe_align_count_kernel[(1,)](
         ids, sorted_ids, expert_of_block, num_post, cursor, num_pairs, num_experts, max_padded,
-        BLOCK_M=block_m, E_PAD=e_pad, BLOCK=_ALIGN_BLOCK, BLOCK_B=max(16, 4096 // e_pad), num_warps=4,
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK=_COUNT_BLOCK, BLOCK_B=max(16, 4096 // e_pad), num_warps=8,
         **pdl_args(pdl))
     if num_pairs:
         _moe_align_scatter_kernel[(cdiv(num_pairs, _ALIGN_BLOCK),)](
@@ -391,5 +393,73 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return y
 
 
-__all__ = ["MoeConfig", "TOKEN_BUCKETS", "default_moe_config", "fused_moe_triton", "moe_align", "moe_config",
-           "moe_max_padded", "moe_table_key", "parse_moe_table", "pick_bucket"]
+# ----------------------------------------------------------------------------- routing
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt, scaling,
+                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    """BLOCK_T tokens a program: fp32 softmax over the experts, K rounds of argmax (the lowest index on
+    a tie), then the renormalisation and the scaling of route_topk_ref."""
+    pdl_enter(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    cols = tl.arange(0, E_PAD)
+    col_mask = cols < num_experts
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :],
+                     mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    logits = tl.where(col_mask[None, :], logits, float("-inf"))
+    exp = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = tl.math.div_rn(exp, tl.sum(exp, axis=1)[:, None])
+    probs = tl.where(col_mask[None, :], probs, -1.0)  # padding experts are never chosen
+    slots = tl.arange(0, K_PAD)
+    top_w = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    top_i = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        idx = tl.argmax(probs, axis=1, tie_break_left=True).to(tl.int32)
+        top_w = tl.where(slots[None, :] == k, best[:, None], top_w)
+        top_i = tl.where(slots[None, :] == k, idx[:, None], top_i)
+        total += best
+        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
+    if RENORMALIZE:
+        top_w = tl.math.div_rn(top_w, total[:, None])
+    top_w = top_w * scaling
+    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top_w, mask=mask)
+    tl.store(ids_ptr + out, top_i, mask=mask)
+
+
+ROUTE_MAX_K = 8
+ROUTE_MAX_EXPERTS = 256
+
+
+def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "greedy", n_group: int = 1,
+                      topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0, *, pdl: bool = False):
+    """route_topk_ref's (weights f32[T, K], ids i32[T, K]) in one launch for `greedy` with K <= 8 and
+    E <= 256; other methods and sizes take route_topk_ref (group-limited routing: DeepSeek-V2's larger
+    models, not V2-Lite)."""
+    num_tokens, num_experts = router_logits.shape
+    if method != "greedy" or not 1 <= top_k <= min(ROUTE_MAX_K, num_experts) or num_experts > ROUTE_MAX_EXPERTS:
+        return route_topk_ref(router_logits, top_k, method, n_group, topk_group, renormalize, scaling)
+    require_triton()
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    e_pad = max(16, next_pow2(num_experts))
+    block_t = max(1, 2048 // e_pad)
+    _route_topk_kernel[(cdiv(num_tokens, block_t),)](
+        logits, weights, ids, num_tokens, num_experts, logits.stride(0), float(scaling), TOP_K=top_k,
+        K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t, RENORMALIZE=bool(renormalize), num_warps=4,
+        **pdl_args(pdl))
+    return weights, ids
+
+
+__all__ = ["ROUTE_MAX_EXPERTS", "ROUTE_MAX_K", "MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
+           "fused_moe_triton", "moe_align", "moe_config", "moe_max_padded", "moe_table_key", "parse_moe_table",
+           "pick_bucket", "route_topk_triton"]

@@ -31,6 +31,7 @@ from metainfer.kernels.fused_moe import (
     moe_table_key,
     parse_moe_table,
     pick_bucket,
+    route_topk_triton,
 )
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
 from metainfer.kernels.tuned_configs import CONFIG_DIR, SECTIONS
@@ -108,16 +109,16 @@ def test_moe_align_rejects_bad_arguments():
 
 
 def _moe_inputs(num_tokens, num_experts, n, hidden, top_k, dtype, ids=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(num_experts, hidden, n, generator=g) / n ** 0.5).to(dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)  # on the device: the real shapes hold ~1 GB of experts
+    x = torch.randn(num_tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * n, hidden, generator=g, device=DEVICE) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, n, generator=g, device=DEVICE) / n ** 0.5).to(dtype)
     if ids is None:
-        logits = torch.randn(num_tokens, num_experts, generator=g)
+        logits = torch.randn(num_tokens, num_experts, generator=g, device=DEVICE)
         weights, ids = route_topk_ref(logits, top_k, renormalize=True)
     else:
-        weights = torch.rand(num_tokens, top_k, generator=g)
-    return [t.to(DEVICE) for t in (x, w13, w2, weights, ids.to(torch.int32))]
+        weights = torch.rand(num_tokens, top_k, generator=g, device=DEVICE)
+    return [x, w13, w2, weights, ids.to(device=DEVICE, dtype=torch.int32)]
 
 
 def _check_moe(args, dtype, **kwargs):
@@ -189,9 +190,11 @@ def test_fused_moe_no_host_sync_and_graph_replay_gpu():
         fused_moe_triton(*args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    torch.testing.assert_close(fused_moe_triton(*args, pdl=pdl), expected, rtol=0, atol=0)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_triton(*args, pdl=torch.cuda.get_device_capability()[0] >= 9)
+        captured = fused_moe_triton(*args, pdl=pdl)
     new = _moe_inputs(8, 64, 704, 2048, 6, torch.bfloat16, seed=6)
     for dst, src in zip(args, new, strict=True):
         dst.copy_(src)
@@ -284,6 +287,33 @@ def test_route_topk_ref_rejects_unknown_method():
         route_topk_ref(torch.randn(2, 8), 2, "noaux_tc")
 
 
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(0, 8, 2), (1, 64, 6), (5, 60, 8), (33, 128, 8),
+                                                          (9, 256, 1), (4, 8, 8)])
+@pytest.mark.parametrize("renormalize, scaling", [(False, 1.0), (True, 1.0), (False, 16.0), (True, 2.5)])
+def test_route_topk_triton_matches_ref(num_tokens, num_experts, top_k, renormalize, scaling):
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens * 1000 + num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=g, device=DEVICE) * 3
+    weights, ids = route_topk_triton(logits, top_k, renormalize=renormalize, scaling=scaling)
+    ref_w, ref_ids = route_topk_ref(logits, top_k, renormalize=renormalize, scaling=scaling)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (num_tokens, top_k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
+
+
+def test_route_topk_triton_strided_logits_and_fallbacks():
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    wide = torch.randn(7, 80, generator=g, device=DEVICE)
+    logits = wide[:, 8:72]  # a view with row stride 80
+    for got, ref in zip(route_topk_triton(logits, 6, renormalize=True), route_topk_ref(logits, 6, renormalize=True),
+                        strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-7)
+    # group-limited routing and K > 8 take the reference
+    args = (logits, 6, "group_limited_greedy", 8, 3, False, 16.0)
+    for got, ref in zip(route_topk_triton(*args), route_topk_ref(*args), strict=True):
+        assert torch.equal(got, ref)
+    assert torch.equal(route_topk_triton(logits, 10)[1], route_topk_ref(logits, 10)[1])
+
+
 # ----------------------------------------------------------------------------- AOT compile for sm_90
 
 
@@ -303,7 +333,7 @@ def _aot_main() -> int:
         return 2
     backend = make_backend(target)
     kernels = [fm._moe_align_count_kernel, fm._moe_align_scatter_kernel, fm._moe_gate_up_kernel,
-               fm._moe_down_kernel, fm._moe_sum_kernel]
+               fm._moe_down_kernel, fm._moe_sum_kernel, fm._route_topk_kernel]
     captured = []
     for kernel in kernels:
         def record(*a, grid, warmup, _kernel=kernel, **kw):
@@ -322,6 +352,8 @@ def _aot_main() -> int:
             w2 = torch.empty(num_experts, hidden, n, dtype=dtype)
             ids, weights = torch.zeros(num_tokens, top_k, dtype=torch.int32), torch.zeros(num_tokens, top_k)
             fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, pdl=pdl)
+        for num_experts, top_k, pdl in ((64, 6, True), (128, 8, False), (256, 8, False), (60, 1, False)):
+            fm.route_topk_triton(torch.zeros(3, num_experts), top_k, renormalize=True, scaling=2.0, pdl=pdl)
     finally:
         for kernel in kernels:
             del kernel.run
@@ -355,4 +387,5 @@ def test_aot_compile_sm90_fused_moe_kernels():
     if proc.returncode == 2:
         pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    assert "_moe_gate_up_kernel" in proc.stdout and "_moe_align_scatter_kernel" in proc.stdout
+    for name in ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_align_scatter_kernel", "_route_topk_kernel"):
+        assert name in proc.stdout
