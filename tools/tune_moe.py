@@ -17,8 +17,9 @@ Method: per (shape, bucket), T = bucket tokens routed by a softmax top-k of rand
 realistic, uneven load), a fresh routing for each launch of a CUDA graph of `calls` launches
 (so the selected experts change from launch to launch, as between layers, and the L2 does not
 keep them), the median of `replays` replays divided by `calls` (tools/tune_gemv.time_graph). Each
-candidate is checked once against fused_moe_ref (relative L2 error < 1e-2, bf16). `--budget-s`
-bounds the run: each shape gets an equal share, and candidates not started within it are skipped.
+candidate is checked once against fused_moe_ref (relative L2 error < 1e-2, bf16). Every candidate
+is compiled first on a tiny problem (warm_compile); `--budget-s` bounds the whole run: each shape
+gets an equal share of what is left, and candidates not started within it are skipped.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def about_with_moe(about: str) -> str:
 
 def sweep_shape(num_experts: int, n: int, hidden: int, top_k: int, buckets=BUCKETS, device="cuda",
                 dtype=torch.bfloat16, calls: int = 12, replays: int = 5, deadline: float | None = None,
-                configs_for=sweep_configs) -> dict:
+                configs_for=None) -> dict:
     """Every bucket's candidates on one expert shape; per bucket the rows and the best."""
+    configs_for = configs_for or sweep_configs
     g = torch.Generator(device=device).manual_seed(num_experts * 7 + n)
     w13 = torch.randn(num_experts, 2 * n, hidden, generator=g, device=device, dtype=dtype) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, n, generator=g, device=device, dtype=dtype) / n ** 0.5
@@ -140,14 +142,45 @@ def sweep_shape(num_experts: int, n: int, hidden: int, top_k: int, buckets=BUCKE
     return out
 
 
-def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", dtype=torch.bfloat16) -> dict:
-    """Sweep every shape (name -> (E, N, H, top_k)); `["table"]` is the `moe` section's format."""
+def warm_compile(configs, top_ks, device="cuda", dtype=torch.bfloat16, deadline: float | None = None) -> dict:
+    """Compile every config for every top-k (the gate/up GEMM's TOP_K is a constexpr) on a tiny problem
+    whose sizes and strides have the real shapes' specialisation (multiples of 16), so the timed sweep
+    pays no compile and no shape's time share goes to compiling. Returns {config: error} for failures."""
+    g = torch.Generator(device=device).manual_seed(0)
+    experts = max(8, *top_ks)
+    w13 = torch.randn(experts, 128, 256, generator=g, device=device).to(dtype)
+    w2 = torch.randn(experts, 256, 64, generator=g, device=device).to(dtype)
+    x = torch.randn(2, 256, generator=g, device=device).to(dtype)
+    failed = {}
+    for cfg in dict.fromkeys(configs):
+        for top_k in dict.fromkeys(top_ks):
+            if deadline is not None and time.perf_counter() > deadline:
+                return failed
+            try:
+                fused_moe_triton(x, w13, w2, *make_routing(2, experts, top_k, g, device), config=cfg)
+            except Exception as exc:  # recorded again (with the shape) when the sweep reaches it
+                failed[cfg] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return failed
+
+
+def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", dtype=torch.bfloat16,
+          calls: int = 12) -> dict:
+    """Sweep every shape (name -> (E, N, H, top_k)); `["table"]` is the `moe` section's format. The
+    configs are compiled first (warm_compile); each shape then gets an equal share of what is left."""
     shapes = SHAPES if shapes is None else shapes
     started = time.perf_counter()
     res = {"env": _env(torch.device(device)), "rel_tol": REL_TOL, "budget_s": budget_s, "shapes": {}}
+    configs = [cfg for bucket in buckets for cfg in sweep_configs(bucket)]
+    res["compile_failures"] = {str(c.to_dict()): e for c, e in warm_compile(
+        configs, [s[3] for s in shapes.values()], device, dtype, started + budget_s / 2).items()}
+    res["compile_s"] = round(time.perf_counter() - started, 1)
+    print(f"moe sweep: {len(set(configs))} configs compiled in {res['compile_s']} s", flush=True)
+    timed_from = time.perf_counter()
+    left = max(0.0, started + budget_s - timed_from)
     for i, (name, (num_experts, n, hidden, top_k)) in enumerate(shapes.items()):
-        deadline = started + budget_s * (i + 1) / len(shapes)
-        res["shapes"][name] = sweep_shape(num_experts, n, hidden, top_k, buckets, device, dtype, deadline=deadline)
+        deadline = timed_from + left * (i + 1) / len(shapes)
+        res["shapes"][name] = sweep_shape(num_experts, n, hidden, top_k, buckets, device, dtype, calls,
+                                          deadline=deadline)
     res["table"] = pick_winners(res["shapes"])
     res["elapsed_s"] = round(time.perf_counter() - started, 1)
     return res
@@ -187,7 +220,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["BUCKETS", "SHAPES", "about_with_moe", "main", "make_routing", "pick_winners", "sweep", "sweep_configs",
-           "sweep_shape", "write_moe_section"]
+           "sweep_shape", "warm_compile", "write_moe_section"]
 
 
 if __name__ == "__main__":

@@ -99,3 +99,72 @@ def test_grouped_mm_competitor_matches_ref(dtype):
 
 def test_tools_import_without_cuda():
     assert not torch.cuda.is_initialized()
+
+
+def test_warm_compile_runs_configs_and_reports_failures(monkeypatch):
+    import tools.tune_moe as tune
+
+    configs = [MoeConfig(16, 64, 64, 1, 4, 1), MoeConfig(16, 128, 128, 2, 4, 2)]
+    assert tune.warm_compile(configs, (2,), "cpu", torch.float32) == {}
+    calls = []
+
+    def failing(*args, config, **kwargs):
+        calls.append(config)
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(tune, "fused_moe_triton", failing)
+    failed = tune.warm_compile(configs, (2,), "cpu", torch.float32)
+    assert calls == configs and set(failed) == set(configs) and "out of resources" in failed[configs[0]]
+
+
+def test_sweep_and_main_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
+    """The tuner's plumbing on a tiny shape (CUDA-graph timing replaced by one call of each launch and a
+    fake clock per config): rows, winners, the JSON and --write-config into a scratch configs folder."""
+    import metainfer.kernels.tuned_configs as tc
+    import tools.tune_moe as tune
+
+    configs = (MoeConfig(16, 32, 64, 1, 4, 1), MoeConfig(16, 64, 32, 2, 4, 2))
+    fake_us = {configs[0]: 2.0, configs[1]: 1.0}
+
+    def fake_time_graph(calls, replays):
+        for call in calls:
+            call()
+        return fake_us[calls[0].__defaults__[1]] * len(calls) / 1e3  # ms for the graph; defaults (r, cfg, ...)
+
+    monkeypatch.setattr(tune, "sweep_configs", lambda bucket: configs)
+    monkeypatch.setattr(tune, "time_graph", fake_time_graph)
+    monkeypatch.setattr(tune, "_env", lambda device: {"gpu": "Test GPU 1"})
+    monkeypatch.setattr(tune, "SHAPES", {"tiny": (8, 32, 64, 2)})
+    monkeypatch.setattr(tc, "CONFIG_DIR", str(tmp_path))
+    res = tune.sweep({"tiny": (8, 32, 64, 2)}, buckets=(1, 4), device="cpu", dtype=torch.float32, calls=2)
+    rows = res["shapes"]["tiny"]["buckets"]["4"]["configs"]
+    assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows) and [r["us"] for r in rows] == [2.0, 1.0]
+    assert res["table"] == {"E8_N32_H64": {"1": configs[1].to_dict(), "4": configs[1].to_dict()}}
+
+    monkeypatch.setattr(tune, "sweep", lambda shapes, buckets, budget: res)
+    out = tmp_path / "sweep.json"
+    assert tune.main(["--json", str(out), "--write-config", "--budget-s", "5"]) == 0
+    assert json.loads(out.read_text())["table"] == res["table"]
+    assert tc.load_tuned_configs("Test GPU 1")["moe"] == res["table"]
+
+
+def test_bench_shape_end_to_end_in_the_interpreter(monkeypatch):
+    """bench_moe's rows on a tiny shape (timing replaced by one call of each launch): every backend
+    checked against the reference, GB/s and % of copy bandwidth at the byte floor."""
+    import tools.bench_moe as bench
+    import tools.tune_gemv as tune_gemv
+
+    def fake_time_graph(calls, replays):
+        for call in calls:
+            call()
+        return 0.01 * len(calls)
+
+    monkeypatch.setattr(tune_gemv, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bench, "time_eager", lambda fn, iters=10, warmup=2: (fn(), 100.0)[1])
+    res = bench.bench_shape(8, 32, 64, 2, tokens=(1, 5), table={(8, 32, 64): {4: MoeConfig(16, 32, 64, 1, 4, 1)}},
+                            device="cpu", dtype=torch.float32, calls=2, copy_gbps=1000.0)
+    for t in ("1", "5"):
+        row = res["tokens"][t]
+        assert row["triton"]["rel_err"] < 1e-5 and row["triton"]["us"] == 10.0 and "gbps" in row["triton"]
+        assert row["floor_bytes"] > 0 and row["floor_us"] > 0 and row["ref"]["us"] == 100.0
+        assert "us" in row["grouped_mm"] or "error" in row["grouped_mm"]
