@@ -179,7 +179,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     skinny = skinny_table if skinny_table is not None else tuned["skinny"]
     if skinny_gemm and skinny:
         linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl, table=parse_skinny_table(skinny))
-    if tuned["moe"]:  # the fused MoE's tuned launch configs by (E, N, H) and token bucket
+    if tuned.get("moe"):  # the fused MoE's tuned launch configs by (E, N, H) and token bucket
         ops = replace(ops, fused_moe=functools.partial(ops.fused_moe, table=parse_moe_table(tuned["moe"])))
     return with_linear(ops, linear, table, fuse_activation)
 

@@ -16,5 +16,6 @@ def test_config_key_styles():
     assert old.rope_theta == new.rope_theta == 5e5
     assert old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "linear"
     assert old.head_dim == 4 and old.qk_norm and not old.qkv_bias
-    with pytest.raises(ValueError, match="unsupported architecture.*supported architectures: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*supported architectures: DeepseekV2ForCausalLM, "
+                       "LlamaForCausalLM"):
         ModelSpec.from_dict({**base, "architectures": ["FooForCausalLM"]})

@@ -145,14 +145,15 @@ def test_select_ops_fuses_only_with_a_table():
 @pytest.mark.parametrize("m", [1, 3])  # 1: the fused GEMV; 3: above ENGINE_MAX_ROWS, the unfused kernels
 def test_dense_mlp_with_the_folded_activation_matches_the_reference(monkeypatch, m):
     from metainfer.kernels import REF_OPS, fused_linear, select_ops
-    from metainfer.models.dense import DenseMLP
+    from metainfer.layers.mlp import GatedMLP
 
     launched = []
     real = fused_linear.silu_mul_gemv_triton
     monkeypatch.setattr(fused_linear, "silu_mul_gemv_triton", lambda *a, **k: launched.append(1) or real(*a, **k))
     ops = select_ops("cpu", use_triton=True, gemv_table=TABLE)
     gen = torch.Generator().manual_seed(m)
-    mlps = [DenseMLP(_mlp_spec(), variant, torch.float32) for variant in (REF_OPS, ops)]
+    spec = _mlp_spec()
+    mlps = [GatedMLP(spec.hidden_size, spec.intermediate_size, variant, torch.float32) for variant in (REF_OPS, ops)]
     state = {k: torch.randn(v.shape, generator=gen) / 8 for k, v in mlps[0].state_dict().items()}
     for mlp in mlps:
         mlp.load_state_dict(state)

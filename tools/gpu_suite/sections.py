@@ -5,7 +5,7 @@ gpu_tests gets what is left of --budget-s."""
 
 from __future__ import annotations
 
-from tools.gpu_suite import ab, agreement, checks, figures, profiles, studies
+from tools.gpu_suite import ab, agreement, checks, families, figures, profiles, studies
 
 SECTIONS = {
     "latency": figures.latency,
@@ -26,6 +26,10 @@ SECTIONS = {
     "attn_kv_dtype": studies.attn_kv_dtype,
     "sampler": studies.sampler,
     "ab": ab.ab,
+    "moe_families": families.moe_families,
+    "tune_moe": families.tune_moe,
+    "bench_moe": families.bench_moe,
+    "bench_mla": families.bench_mla,
 }
 
 # latency first: its engine start is then a cold one (Triton compiles included); gpu_tests last, its

@@ -1,0 +1,177 @@
+"""The MoE families at their real dims with dummy bf16 weights: DeepSeek-V2-Lite (MLA + MoE) and
+Qwen3-30B-A3B (GQA + MoE). Per model: engine start, batch-1 decode against the active-weight floor, TTFT of
+a 1,024-token prompt, nano-vllm's throughput protocol, HF transformers eager beside, and teacher-forced
+agreement with HF bf16 and fp32 (Qwen3-30B-A3B with 12 of its 48 layers: HF fp32 at full depth is 122 GB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from tools.gpu_suite.common import ROOT, TOKENIZER_FILES, copy_tokenizer, release, show
+
+MODELS = {"deepseek-v2-lite": {}, "qwen3-30b-a3b": {}}
+AGREEMENT_LAYERS = {"deepseek-v2-lite": None, "qwen3-30b-a3b": 12}
+
+
+def family_dir(args, name: str, num_layers: int | None = None) -> str:
+    """A folder with the model's real config.json (layers cut to `num_layers` where given) and a tokenizer."""
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"metainfer-{name}" + (f"-{num_layers}l" if num_layers else ""))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "configs", f"{name}.json")) as f:
+        cfg = json.load(f)
+    if num_layers:
+        cfg["num_hidden_layers"] = num_layers
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    copy_tokenizer(args.tokenizer_dir, folder)
+    assert all(os.path.exists(os.path.join(folder, n)) for n in TOKENIZER_FILES[:1]), "no tokenizer carried"
+    return folder
+
+
+def _engine(folder: str, **kw):
+    from metainfer import LLM
+
+    return LLM(folder, **{"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, **kw})
+
+
+def engine_figures(args, name: str) -> dict:
+    from metainfer.bench.latency import run_latency
+    from metainfer.bench.throughput import run_throughput
+    from tools.gpu_suite.figures import describe_linear
+
+    folder = family_dir(args, name)
+    start = time.perf_counter()
+    llm = _engine(folder)
+    res = {"startup_s": time.perf_counter() - start}
+    try:
+        res["bs1"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
+        show(f"{name} bs1", {k: res["bs1"][k] for k in ("decode_tok_s", "tpot_ms", "roofline_tok_s", "bw_ratio")})
+        res["ttft_1024"] = {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)["ttft_ms"]}
+        res["bs8"] = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
+        tp = run_throughput(llm, progress=False)
+        res["throughput"] = {k: tp[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
+        res["throughput"]["decode_seconds"] = tp["timeline"]["decode_seconds"]
+        runner = llm.llm_engine.runner
+        res.update(linear=describe_linear(runner.ops.linear), num_kv_blocks=runner.num_blocks,
+                   kv_bytes_per_token=runner.attn_backend.bytes_per_block(len(runner.attention_layers), 1))
+        del runner
+    finally:
+        del llm
+        release()
+    show(name, {k: v for k, v in res.items() if k not in ("bs1", "bs8")})
+    return res
+
+
+def hf_figures(args, name: str) -> dict:
+    from metainfer.bench.baselines import load_hf_model, time_hf
+
+    hf = load_hf_model(family_dir(args, name), torch.bfloat16, torch.device("cuda"), dummy=True)
+    try:
+        res = {"eager_bs1": time_hf(hf, 1, 32, 128, iters=2, mode="eager"),
+               "eager_ttft_1024": time_hf(hf, 1, 1024, 2, iters=3, mode="eager"),
+               "experts_implementation": str(getattr(hf.config, "_experts_implementation", None))}
+    finally:
+        del hf
+        release()
+    show(f"{name} HF eager", res)
+    return res
+
+
+def family_agreement(args, name: str) -> dict:
+    """Teacher-forced top-1 and cosine vs HF bf16, with HF's own bf16-vs-fp32 as the yardstick; the routers
+    drawn afresh (std 0.1) so that routing is decided, not a near-tie of a zero-initialised gate."""
+    import transformers
+
+    from tools.agreement import compare, copy_hf_weights, hf_logits, hf_to_dtype, teacher_forced_logits
+
+    layers = AGREEMENT_LAYERS[name]
+    folder = family_dir(args, name, layers)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, param in hf32.named_parameters():
+            if pname.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.1)
+    prompt_len, n = 32, 128
+    tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
+    ref32 = hf_logits(hf32, tokens, prompt_len, n)
+    routers = {p: t.detach().clone() for p, t in hf32.named_parameters() if p.endswith("mlp.gate.weight")}
+    hf16 = hf_to_dtype(hf32, torch.bfloat16)
+    del hf32
+    if config.model_type == "deepseek_v2":  # transformers keeps DeepSeek's router in fp32 (_keep_in_fp32_modules)
+        for p, t in routers.items():
+            owner, _, leaf = p.rpartition(".")
+            setattr(hf16.get_submodule(owner), leaf, torch.nn.Parameter(t, requires_grad=False))
+    ref16 = hf_logits(hf16, tokens, prompt_len, n)
+    llm = _engine(folder, max_num_seqs=8, num_kv_blocks=64)
+    copy_hf_weights(llm, hf16)
+    del hf16
+    release()
+    ours = teacher_forced_logits(llm, tokens, prompt_len, n)
+    del llm
+    release()
+    res = {"layers": layers or config.num_hidden_layers, "positions": n,
+           "hf_bf16_vs_hf_fp32": compare(ref16, ref32), "ours_bf16_vs_hf_bf16": compare(ours, ref16),
+           "ours_bf16_vs_hf_fp32": compare(ours, ref32)}
+    show(f"{name} agreement", res)
+    return res
+
+
+def moe_families(args, results) -> dict:
+    res = {}
+    for name in MODELS:
+        res[name] = {}
+        for part, fn in (("engine", engine_figures), ("hf", hf_figures), ("agreement", family_agreement)):
+            try:
+                res[name][part] = fn(args, name)
+            except Exception as exc:  # one failing part must not hide the others
+                import traceback
+
+                traceback.print_exc()
+                res[name][part] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+                release()
+    return res
+
+
+def _tool(module: str, argv: list[str], json_name: str) -> dict:
+    """Run a kernel tool's main(argv) with its JSON under $OUT; return what it wrote."""
+    import importlib
+
+    from tools.gpu_suite.common import out_dir
+
+    path = os.path.join(out_dir(), json_name)
+    rc = importlib.import_module(module).main([*argv, "--json", path])
+    with open(path) as f:
+        return {"rc": rc, "results": json.load(f)}
+
+
+def tune_moe(args, results) -> dict:
+    """tools/tune_moe.py over both MoE shapes (and their tp=2 halves), winners written into the kernel
+    configs JSON, which is copied under $OUT (the device's working tree does not come back)."""
+    import shutil
+
+    from metainfer.kernels.tuned_configs import config_path
+    from tools.gpu_suite.common import out_dir
+
+    res = _tool("tools.tune_moe", ["--write-config", "--budget-s", "200"], "tune_moe.json")
+    path = config_path(torch.cuda.get_device_name())
+    shutil.copy(path, os.path.join(out_dir(), os.path.basename(path)))
+    return res
+
+
+def bench_moe(args, results) -> dict:
+    """Triton fused MoE vs torch._grouped_mm vs the reference at both shapes (tools/bench_moe.py)."""
+    return _tool("tools.bench_moe", [], "bench_moe.json")
+
+
+def bench_mla(args, results) -> dict:
+    """MLA decode vs its latent-read floor; absorbed vs expanded prefill by length (tools/bench_mla.py)."""
+    return _tool("tools.bench_mla", ["--budget-s", "90"], "bench_mla.json")
