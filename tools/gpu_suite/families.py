@@ -52,6 +52,7 @@ def engine_figures(args, name: str) -> dict:
     try:
         res["bs1"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
         show(f"{name} bs1", {k: res["bs1"][k] for k in ("decode_tok_s", "tpot_ms", "roofline_tok_s", "bw_ratio")})
+        res["profile_bs1"] = decode_profile(llm)
         res["ttft_1024"] = {"ttft_ms": run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=5)["ttft_ms"]}
         res["bs8"] = run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)
         tp = run_throughput(llm, progress=False)
@@ -66,6 +67,28 @@ def engine_figures(args, name: str) -> dict:
         release()
     show(name, {k: v for k, v in res.items() if k not in ("bs1", "bs8")})
     return res
+
+
+def decode_profile(llm, steps: int = 16) -> dict:
+    """Batch-1 decode steps under torch.profiler (graphs, PDL as built: the profiler books a kernel's PDL
+    wait as its time): wall and device ms a token, launches a token, device time by kernel kind, top kernels."""
+    from metainfer import SamplingParams
+    from tools.gpu_suite.profiles import _device_ms, _drain, _profiled, _wall_ms_per_step, kernel_buckets, top_kernels
+
+    engine = llm.llm_engine
+    engine.add_request("profile", {"prompt_token_ids": list(range(200, 232))},
+                       SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True), stream=False)
+    for _ in range(4):
+        engine.step()
+    wall_ms = _wall_ms_per_step(engine, steps)
+    prof = _profiled(engine, steps)
+    _drain(engine)
+    buckets = kernel_buckets(prof, per=steps)
+    launches = sum(e.count for e in prof.key_averages() if not e.key.startswith("aten::")) / steps
+    return {"wall_ms_per_token": wall_ms, "device_ms_per_token": sum(buckets.values()),
+            "launches_per_token": launches, "device_ms_by_kind": buckets, "top_kernels": top_kernels(prof, steps, 15),
+            "kernels": sorted(((e.key[:50], e.count / steps, round(_device_ms(e) / steps, 4))
+                               for e in prof.key_averages() if not e.key.startswith("aten::")), key=lambda r: -r[2])}
 
 
 def hf_figures(args, name: str) -> dict:
