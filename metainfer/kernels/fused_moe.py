@@ -11,7 +11,9 @@ Contracts (the math and rounding of kernels/moe_ref.py, docs/CONTRACTS.md "MoE")
 - `moe_align(topk_ids i32[T,K], num_experts, block_m) -> (sorted_ids i32[P_max], expert_of_block
   i32[P_max // block_m], num_tokens_post_padded i32[1])`: pair p = t*K + k listed by expert, each
   expert's run padded to a multiple of block_m with the sentinel T*K; experts without pairs get no
-  block; P_max = round_up(T*K + E*(block_m - 1), block_m) is known on the host. Entries of
+  block; P_max = round_up(T*K + min(E, T*K)*(block_m - 1), block_m) is known on the host (at most
+  min(E, T*K) experts hold pairs, each wasting at most block_m - 1 rows: at T = 1, K = 6 the grids
+  hold exactly the 6 possible blocks, not the ~E of the looser T*K + E*(block_m - 1)). Entries of
   expert_of_block past num_tokens_post_padded // block_m are -1. The order of pairs inside an
   expert's run is unspecified (atomics); nothing downstream depends on it. Ids outside [0, E) are
   left out (they contribute nothing).
@@ -161,8 +163,9 @@ def moe_config(table: Mapping | None, num_experts: int, n: int, hidden: int, num
 
 
 def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """P_max: the host-known bound on the padded pair count (every expert's run rounded up)."""
-    return cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    """P_max: the host-known bound on the padded pair count (each of the at most min(E, T*K) non-empty
+    experts' runs rounded up)."""
+    return cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
 # ----------------------------------------------------------------------------- moe_align

@@ -58,7 +58,8 @@ def _check_align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids, expert_of_block, num_post = (t.cpu() for t in moe_align(ids.to(DEVICE), num_experts, block_m))
     pairs = ids.numel()
     p_max = moe_max_padded(pairs, num_experts, block_m)
-    assert p_max % block_m == 0 and p_max >= pairs + num_experts * (block_m - 1)
+    assert p_max % block_m == 0 and p_max >= pairs + min(num_experts, pairs) * (block_m - 1)
+    assert p_max < pairs + min(num_experts, pairs) * (block_m - 1) + block_m
     assert sorted_ids.shape == (p_max,) and expert_of_block.shape == (p_max // block_m,)
     assert sorted_ids.dtype == expert_of_block.dtype == num_post.dtype == torch.int32
     groups = _naive_groups(ids, num_experts)
