@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-test-files", default="tests/kernels", help="comma list of test paths for gpu_tests")
     p.add_argument("--gpu-test-marker", default="", help="pytest -m expression for gpu_tests (overrides the above)")
     p.add_argument("--gpu-test-filter", default="", help="pytest -k expression for gpu_tests")
+    p.add_argument("--moe-models", default="deepseek-v2-lite,qwen3-30b-a3b",
+                   help="moe_families: comma list of benchmarks/configs names")
+    p.add_argument("--moe-parts", default="engine,hf,agreement",
+                   help="moe_families: comma list of engine, hf, agreement")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args(argv)
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]

@@ -13,7 +13,6 @@ import torch
 
 from tools.gpu_suite.common import ROOT, TOKENIZER_FILES, copy_tokenizer, release, show
 
-MODELS = {"deepseek-v2-lite": {}, "qwen3-30b-a3b": {}}
 AGREEMENT_LAYERS = {"deepseek-v2-lite": None, "qwen3-30b-a3b": 12}
 
 
@@ -150,9 +149,11 @@ def family_agreement(args, name: str) -> dict:
 
 def moe_families(args, results) -> dict:
     res = {}
-    for name in MODELS:
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement}
+    for name in args.moe_models.split(","):
         res[name] = {}
-        for part, fn in (("engine", engine_figures), ("hf", hf_figures), ("agreement", family_agreement)):
+        for part in args.moe_parts.split(","):
+            fn = parts[part]
             try:
                 res[name][part] = fn(args, name)
             except Exception as exc:  # one failing part must not hide the others
