@@ -21,6 +21,9 @@ Contracts (the math and rounding of kernels/moe_ref.py, docs/CONTRACTS.md "MoE")
   table=None, pdl=False, config=None) -> y[T,H]` in x's dtype: fused_moe_ref's math. The gate/up
   GEMM output is rounded to x's dtype, SiLU(gate)*up computed in fp32 and rounded; the down GEMM
   output rounded, times the routing weight in fp32; the K terms summed in fp32, rounded once.
+- `route_topk_triton(router_logits f32[T,E], top_k, method, n_group, topk_group, renormalize, scaling,
+  *, pdl=False)`: route_topk_ref in one launch for `greedy`, K <= 8, E <= 256 (ties: the lowest
+  expert id); other methods and sizes call route_topk_ref.
 
 Kernels (each launched with pdl_enter first, so `pdl=True` chains them under programmatic
 dependent launch):
@@ -30,7 +33,9 @@ dependent launch):
 3. `_moe_gate_up_kernel`: grouped GEMM over the sorted blocks, x rows gathered by token; one program
    holds matching gate and up tiles ([BLOCK_M, BLOCK_N] each) so SiLU(gate)*up is applied in
    registers; writes inter[T*K, N] (x's dtype) in pair order.
-4. `_moe_down_kernel`: inter @ w2[e]^T, epilogue times the routing weight, fp32 out[T*K, H].
+4. `_moe_down_kernel`: inter @ w2[e]^T, epilogue times the routing weight, fp32 out[T*K, H] (fp32
+   keeps the reference's rounding points; at prefill sizes it is T*K*H*4 bytes written and read once:
+   an x-dtype buffer with the weight applied in the sum would halve that, not measured yet).
 5. `_moe_sum_kernel`: y[t] = sum over the K slots with a valid id (fp32), one rounding.
 Grids are sized from P_max (host-known); programs whose block starts at or past
 num_tokens_post_padded return at once. GROUP_M swizzles the (m, n) program order so blocks of one
