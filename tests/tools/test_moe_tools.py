@@ -168,3 +168,17 @@ def test_bench_shape_end_to_end_in_the_interpreter(monkeypatch):
         assert row["triton"]["rel_err"] < 1e-5 and row["triton"]["us"] == 10.0 and "gbps" in row["triton"]
         assert row["floor_bytes"] > 0 and row["floor_us"] > 0 and row["ref"]["us"] == 100.0
         assert "us" in row["grouped_mm"] or "error" in row["grouped_mm"]
+
+
+def test_bench_shape_times_eagerly_where_capture_fails(monkeypatch):
+    import tools.bench_moe as bench
+    import tools.tune_gemv as tune_gemv
+
+    def refusing_time_graph(calls, replays):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(tune_gemv, "time_graph", refusing_time_graph)
+    monkeypatch.setattr(bench, "time_eager", lambda fn, iters=10, warmup=2: (fn(), 40.0)[1])
+    res = bench.bench_shape(8, 32, 64, 2, tokens=(3,), device="cpu", dtype=torch.float32, calls=2)
+    row = res["tokens"]["3"]["triton"]
+    assert row["timing"] == "eager" and row["us"] == 20.0 and "capturing" in row["graph_error"]
