@@ -27,7 +27,7 @@ from .attention_decode import (
 from .attention_prefill import paged_prefill_attention_triton
 from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
-from .fused_moe import fused_moe_triton, parse_moe_table
+from .fused_moe import fused_moe_triton, parse_moe_table, route_topk_triton
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_attention import (
@@ -122,6 +122,7 @@ TRITON_OPS = with_linear(KernelOps(
     paged_prefill_attention=paged_prefill_attention_triton,
     qk_norm_rope_store=qk_norm_rope_store_triton,
     step_inputs=step_inputs_triton,
+    route_topk=route_topk_triton,
     fused_moe=fused_moe_triton,
     rotary_interleaved=rotary_interleaved_triton,
     store_latent=store_latent_triton,
@@ -133,13 +134,10 @@ TRITON_OPS = with_linear(KernelOps(
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table
 
 
-# ops whose torch reference serves both paths (no `pdl` argument): the router's softmax + top-k
-_REF_ONLY = ("route_topk",)
-
 # The ops that are Triton launchers taking `pdl` (linear is chosen per GPU in select_ops).
 _PDL_OPS = tuple(f.name for f in fields(KernelOps)
                  if f.name not in ("linear", "backend", "pdl", "silu_mul_linear", "gumbel_sampler",
-                                   "mla_decode_workspace_numel", *_REF_ONLY))
+                                   "mla_decode_workspace_numel"))
 
 
 def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_name: str | None = None,

@@ -407,9 +407,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_lt, scaling,
                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                       RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_T tokens a program: fp32 softmax over the experts, K rounds of argmax (the lowest index on
-    a tie), then the renormalisation and the scaling of route_topk_ref."""
+    a tie), then the renormalisation and the scaling of route_topk_ref; then the NUM_SHARED shared
+    experts' ids E.. with weight 1 (rows of TOP_K + NUM_SHARED)."""
     pdl_enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
@@ -435,10 +436,16 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts
     if RENORMALIZE:
         top_w = tl.math.div_rn(top_w, total[:, None])
     top_w = top_w * scaling
-    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    width: tl.constexpr = TOP_K + NUM_SHARED
+    out = rows.to(tl.int64)[:, None] * width + slots[None, :]
     mask = row_mask[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=mask)
     tl.store(ids_ptr + out, top_i, mask=mask)
+    for j in tl.static_range(NUM_SHARED):
+        tl.store(weights_ptr + rows.to(tl.int64) * width + TOP_K + j, tl.full([BLOCK_T], 1.0, tl.float32),
+                 mask=row_mask)
+        tl.store(ids_ptr + rows.to(tl.int64) * width + TOP_K + j,
+                 tl.full([BLOCK_T], 0, tl.int32) + num_experts + j, mask=row_mask)
 
 
 ROUTE_MAX_K = 8
@@ -446,16 +453,18 @@ ROUTE_MAX_EXPERTS = 256
 
 
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "greedy", n_group: int = 1,
-                      topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0, *, pdl: bool = False):
-    """route_topk_ref's (weights f32[T, K], ids i32[T, K]) in one launch for `greedy` with K <= 8 and
+                      topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0, *,
+                      pdl: bool = False):
+    """route_topk_ref's (weights f32[T, K+S], ids i32[T, K+S]) in one launch for `greedy` with K <= 8 and
     E <= 256; other methods and sizes take route_topk_ref (group-limited routing: DeepSeek-V2's larger
-    models, not V2-Lite)."""
+    models, not V2-Lite). The choice is by shapes and the method (host values, fixed per model)."""
     num_tokens, num_experts = router_logits.shape
     if method != "greedy" or not 1 <= top_k <= min(ROUTE_MAX_K, num_experts) or num_experts > ROUTE_MAX_EXPERTS:
-        return route_topk_ref(router_logits, top_k, method, n_group, topk_group, renormalize, scaling)
+        return route_topk_ref(router_logits, top_k, method, n_group, topk_group, renormalize, scaling, num_shared)
     require_triton()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    width = top_k + num_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
@@ -463,7 +472,8 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "gr
     block_t = max(1, 2048 // e_pad)
     _route_topk_kernel[(cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), float(scaling), TOP_K=top_k,
-        K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t, RENORMALIZE=bool(renormalize), num_warps=4,
+        K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t, RENORMALIZE=bool(renormalize),
+        NUM_SHARED=num_shared, num_warps=4,
         **pdl_args(pdl))
     return weights, ids
 

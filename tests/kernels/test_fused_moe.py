@@ -290,13 +290,17 @@ def test_route_topk_ref_rejects_unknown_method():
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(0, 8, 2), (1, 64, 6), (5, 60, 8), (33, 128, 8),
                                                           (9, 256, 1), (4, 8, 8)])
-@pytest.mark.parametrize("renormalize, scaling", [(False, 1.0), (True, 1.0), (False, 16.0), (True, 2.5)])
-def test_route_topk_triton_matches_ref(num_tokens, num_experts, top_k, renormalize, scaling):
+@pytest.mark.parametrize("renormalize, scaling, shared", [(False, 1.0, 0), (True, 1.0, 0), (False, 16.0, 2),
+                                                          (True, 2.5, 1)])
+def test_route_topk_triton_matches_ref(num_tokens, num_experts, top_k, renormalize, scaling, shared):
     g = torch.Generator(device=DEVICE).manual_seed(num_tokens * 1000 + num_experts)
     logits = torch.randn(num_tokens, num_experts, generator=g, device=DEVICE) * 3
-    weights, ids = route_topk_triton(logits, top_k, renormalize=renormalize, scaling=scaling)
-    ref_w, ref_ids = route_topk_ref(logits, top_k, renormalize=renormalize, scaling=scaling)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (num_tokens, top_k)
+    weights, ids = route_topk_triton(logits, top_k, renormalize=renormalize, scaling=scaling, num_shared=shared)
+    ref_w, ref_ids = route_topk_ref(logits, top_k, renormalize=renormalize, scaling=scaling, num_shared=shared)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and ids.shape == (num_tokens, top_k + shared)
+    shared_ids = torch.arange(num_experts, num_experts + shared).expand(num_tokens, -1).int()
+    assert torch.equal(ids[:, top_k:].cpu(), shared_ids)
+    assert bool((weights[:, top_k:] == 1).all())
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=1e-7)
 

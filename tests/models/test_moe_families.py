@@ -154,7 +154,7 @@ def test_triton_kernels_in_the_engine_match_hf(reference):
     from metainfer.kernels import REF_OPS, TRITON_OPS
 
     folder, prompts, expected, model = reference
-    names = ("fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention", "mla_prefill_attention",
+    names = ("route_topk", "fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention", "mla_prefill_attention",
              "mla_decode_workspace_numel")
     ops = dataclasses.replace(REF_OPS, backend="triton", **{n: getattr(TRITON_OPS, n) for n in names})
     llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
