@@ -4,7 +4,8 @@ Cache per layer: `[num_blocks, block_size, L + R]` (L = kv_lora_rank, R = qk_rop
 pool `[layers, N, S, L + R]` in the KV dtype (the model's, or fp8 with a unit scale like the dense cache):
 one vector per token for all heads, so DeepSeek-V2-Lite keeps 27 x 576 x 2 = 31,104 bytes a token in bf16.
 
-A step: `store` rotates q_pe and k_pe (interleaved pairs, in place) and writes [c, k_pe] at the slots;
+A step: `store` normalises c (kv_a_layernorm), rotates q_pe and k_pe (interleaved pairs) and writes
+[c, k_pe] at the slots, one fused launch (kernels/mla_prep.py);
 `decode` and `prefill` run absorbed: q_lat = q_nope @ W_UK per head (a batched GEMM), attention of
 [q_lat, q_pe] over the cached [c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py),
 then out = o_lat @ W_UV^T per head (a batched GEMM) -> [T, Hr * Dv] for o_proj.
@@ -48,8 +49,7 @@ class MLABackend(AttentionBackend):
     def bind_ops(self, ops) -> None:
         """The kernels; on the Triton path one split-KV scratch for every decode launch this engine can make
         (sized before the KV pool, so the memory profile sees it), so no step allocates."""
-        self._rope = ops.rotary_interleaved
-        self._store = ops.store_latent
+        self._prep = ops.mla_latent_prep
         self._prefill = ops.mla_prefill_attention
         self._decode = ops.mla_decode_attention
         if ops.backend == "triton":
@@ -75,10 +75,10 @@ class MLABackend(AttentionBackend):
         self.pool = None
 
     def store(self, layer, q: torch.Tensor, latent: torch.Tensor, v, meta) -> torch.Tensor:
-        """q [T, Hr, Dn+R] and latent [T, L+R]: rope on q[..., Dn:] and latent[:, L:] in place, then the
-        latent into the cache. Returns q."""
-        self._rope(meta.positions, q[..., self.nope_dim:], latent[:, self.kv_lora_rank:], layer.cos_sin)
-        self._store(latent, layer.latent_cache, meta.slot_mapping)
+        """q [T, Hr, Dn+R] and latent [T, L+R] (c and k_pe as projected): [norm(c), rope(k_pe)] into the cache,
+        q[..., Dn:] rotated in place. Returns q."""
+        self._prep(latent, layer.norm_weight, layer.norm_eps, meta.positions, q[..., self.nope_dim:], layer.cos_sin,
+                   layer.latent_cache, meta.slot_mapping)
         return q
 
     def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:

@@ -30,19 +30,9 @@ from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
 from .fused_moe import fused_moe_triton, parse_moe_table, route_topk_triton
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
-from .mla_attention import (
-    mla_decode_attention_triton,
-    mla_decode_workspace_numel,
-    mla_prefill_attention_triton,
-    rotary_interleaved_triton,
-    store_latent_triton,
-)
-from .mla_ref import (
-    mla_decode_attention_ref,
-    mla_prefill_attention_ref,
-    rotary_interleaved_ref,
-    store_latent_ref,
-)
+from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
+from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
+from .mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref
 from .moe_ref import fused_moe_ref, route_topk_ref
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
@@ -71,9 +61,8 @@ class KernelOps:
     # MoE (kernels/moe_ref.py, fused_moe.py): softmax top-k routing; the fused experts
     route_topk: Callable = route_topk_ref
     fused_moe: Callable = fused_moe_ref
-    # MLA (kernels/mla_ref.py, mla_attention.py): interleaved rope, latent store, latent attention
-    rotary_interleaved: Callable = rotary_interleaved_ref
-    store_latent: Callable = store_latent_ref
+    # MLA (kernels/mla_prep.py, mla_ref.py, mla_attention.py): latent norm + rope + store; latent attention
+    mla_latent_prep: Callable = mla_latent_prep_ref
     mla_decode_attention: Callable = mla_decode_attention_ref
     mla_prefill_attention: Callable = mla_prefill_attention_ref
     mla_decode_workspace_numel: Callable | None = None
@@ -124,8 +113,7 @@ TRITON_OPS = with_linear(KernelOps(
     step_inputs=step_inputs_triton,
     route_topk=route_topk_triton,
     fused_moe=fused_moe_triton,
-    rotary_interleaved=rotary_interleaved_triton,
-    store_latent=store_latent_triton,
+    mla_latent_prep=mla_latent_prep_triton,
     mla_decode_attention=mla_decode_attention_triton,
     mla_prefill_attention=mla_prefill_attention_triton,
     mla_decode_workspace_numel=mla_decode_workspace_numel,

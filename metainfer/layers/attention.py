@@ -37,21 +37,27 @@ class Attention(nn.Module):
 
 class LatentAttention(nn.Module):
     """MLA's attention layer (models/deepseek_v2.py): `self.attn(q, latent, None)` with q [T, Hr, Dn+R]
-    and latent [T, L+R] (normed c, then k_pe not yet rotated). Holds the latent cache view and
-    references to the rotary cache and to kv_b_proj, whose per-head halves the backend applies absorbed:
-    kv_b_proj.weight [Hr*(Dn+Dv), L] read as [Hr, Dn+Dv, L] -> w_uk [Hr, Dn, L], w_uv [Hr, Dv, L]."""
+    and latent [T, L+R] (c and k_pe as kv_a_proj_with_mqa gives them). Holds the latent cache view and
+    references to kv_a_layernorm and the rotary cache (the backend applies both in its store) and to
+    kv_b_proj, whose per-head halves the backend applies absorbed: kv_b_proj.weight [Hr*(Dn+Dv), L] read
+    as [Hr, Dn+Dv, L] -> w_uk [Hr, Dn, L], w_uv [Hr, Dv, L]."""
 
-    def __init__(self, backend, scale: float, rotary, kv_b_proj, num_heads: int, qk_nope_head_dim: int,
-                 v_head_dim: int):
+    def __init__(self, backend, scale: float, rotary, kv_b_proj, latent_norm, num_heads: int,
+                 qk_nope_head_dim: int, v_head_dim: int):
         super().__init__()
         self.backend, self.scale = backend, scale
         self.num_heads, self.qk_nope_head_dim, self.v_head_dim = num_heads, qk_nope_head_dim, v_head_dim
-        self._refs = (rotary, kv_b_proj)
+        self._refs = (rotary, kv_b_proj, latent_norm)
+        self.norm_eps = latent_norm.eps
         self.latent_cache = torch.empty(0)  # a view into the backend's pool (backend.allocate)
 
     @property
     def cos_sin(self) -> torch.Tensor:
         return self._refs[0].cos_sin_cache
+
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        return self._refs[2].weight
 
     def _kv_b(self) -> torch.Tensor:
         weight = self._refs[1].weight

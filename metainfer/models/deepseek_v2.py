@@ -46,8 +46,9 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * spec.v_head_dim, hidden, bias=bias, dtype=dtype, ops=ops)
         self.rotary_emb = RotaryEmbedding(spec.qk_rope_head_dim, spec.qk_rope_head_dim, max_position,
                                           spec.rope_theta, spec.rope_scaling, ops)
+        # the backend applies kv_a_layernorm and the rotary inside its latent store (attention/mla.py)
         self.attn = LatentAttention(attn_backend, spec.attention_scale, self.rotary_emb, self.kv_b_proj,
-                                    self.num_heads, spec.qk_nope_head_dim, spec.v_head_dim)
+                                    self.kv_a_layernorm, self.num_heads, spec.qk_nope_head_dim, spec.v_head_dim)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -55,8 +56,6 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         latent = self.kv_a_proj_with_mqa(hidden)  # [T, L + R]: c, then k_pe
-        c = latent[:, : self.kv_lora_rank]
-        c.copy_(self.kv_a_layernorm(c))
         out = self.attn(q.view(-1, self.num_heads, self.qk_head_dim), latent, None)
         return self.o_proj(out)
 

@@ -358,6 +358,7 @@ def aot_compile_mla() -> int:
     from triton.compiler.compiler import make_backend
 
     from metainfer.kernels import mla_attention as mla
+    from metainfer.kernels import mla_prep
     from tools import aot_check
 
     target = GPUTarget("cuda", 90, 32)
@@ -367,7 +368,7 @@ def aot_compile_mla() -> int:
         return 2
     backend = make_backend(target)
     kernels = [mla._store_latent_kernel, mla._rotary_interleaved_kernel, mla._mla_decode_kernel,
-               mla._mla_merge_kernel, mla._mla_prefill_kernel]
+               mla._mla_merge_kernel, mla._mla_prefill_kernel, mla_prep._mla_latent_prep_kernel]
     captured = []
     for kernel in kernels:
         kernel.run = lambda *a, grid, warmup, _k=kernel, **kw: captured.append((_k, a, kw))
@@ -387,6 +388,10 @@ def aot_compile_mla() -> int:
                 mla.mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, 4096, 0.1,
                                                  pdl=cache_dtype == bf16)
                 store_latent_triton(torch.zeros(3, 576, dtype=bf16), cache, lens, pdl=True)
+                mla_prep.mla_latent_prep_triton(torch.zeros(3, 576, dtype=bf16), torch.ones(512, dtype=bf16), 1e-6,
+                                                torch.zeros(3, dtype=torch.int64),
+                                                torch.zeros(3, heads, 192, dtype=bf16)[..., 128:],
+                                                torch.zeros(8, 64), cache, lens, pdl=True)
             proj = torch.zeros(3, heads * 192, dtype=bf16)
             rotary_interleaved_triton(torch.zeros(3, dtype=torch.int64), proj.view(3, heads, 192)[..., 128:],
                                       torch.zeros(3, 576, dtype=bf16)[:, 512:], torch.zeros(8, 64), pdl=True)

@@ -147,14 +147,14 @@ def test_real_configs_route_and_shape():
 
 @BOTH_FAMILIES
 def test_triton_kernels_in_the_engine_match_hf(reference):
-    """The GPU path's MoE and MLA kernels (fused MoE, latent store, interleaved rope, split-KV latent
+    """The GPU path's MoE and MLA kernels (routing, fused MoE, latent norm + rope + store, split-KV latent
     decode, absorbed prefill; interpreted on the CPU) bound into a running engine: still HF's tokens."""
     import dataclasses
 
     from metainfer.kernels import REF_OPS, TRITON_OPS
 
     folder, prompts, expected, model = reference
-    names = ("route_topk", "fused_moe", "rotary_interleaved", "store_latent", "mla_decode_attention", "mla_prefill_attention",
+    names = ("route_topk", "fused_moe", "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
              "mla_decode_workspace_numel")
     ops = dataclasses.replace(REF_OPS, backend="triton", **{n: getattr(TRITON_OPS, n) for n in names})
     llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
