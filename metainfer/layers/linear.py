@@ -74,6 +74,37 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded, name)
 
 
+class StackedLinear(LinearBase):
+    """Projections of one input stacked along the output rows, each split across ranks (column-parallel)
+    or replicated, so they run as one GEMM: MLA's q projection (split by heads) with its latent
+    projection (replicated). `parts`: [(shard id, full rows, split)]; rows of a split part / tp per rank."""
+
+    def __init__(self, in_features, parts: list[tuple[str, int, bool]], dtype=torch.float32, ops=REF_OPS):
+        tp = get_tp_size()
+        self.parts = {}
+        offset = 0
+        for shard_id, rows, split in parts:
+            local = _divide(rows, tp, f"output features of {shard_id}") if split else rows
+            self.parts[shard_id] = (offset, local, rows, split)
+            offset += local
+        super().__init__(in_features, offset, False, dtype, ops)
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return [local for _, local, _, _ in self.parts.values()]
+
+    def weight_loader(self, param, loaded, shard_id=None, name=""):
+        if shard_id not in self.parts:
+            raise ValueError(f"tensor {name!r}: stacked projection needs a shard id in {list(self.parts)}")
+        offset, local, rows, split = self.parts[shard_id]
+        if loaded.shape[0] != rows:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {rows}")
+        shard = loaded.narrow(0, self.tp_rank * local, local) if split else loaded
+        dst = param.data.narrow(0, offset, local)
+        _check_shape(dst, shard, name)
+        dst.copy_(shard)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks; no communication."""
 

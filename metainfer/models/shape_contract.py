@@ -92,19 +92,21 @@ def _gqa_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
 def _mla_shapes(spec: ModelSpec, d: dict, p: str) -> dict:
     h, hq, lat = d["H"], d["Hq"], spec.kv_lora_rank
     dn, dr, dv = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
-    a = p + "self_attn."
-    shapes = {a + "kv_a_proj_with_mqa.weight": (lat + dr, h), a + "kv_a_layernorm.weight": (lat,),
-              a + "kv_b_proj.weight": (hq * (dn + dv), lat), a + "o_proj.weight": (h, hq * dv)}
-    if spec.q_lora_rank is None:
-        shapes[a + "q_proj.weight"] = (hq * (dn + dr), h)
+    a, lq, bias = p + "self_attn.", spec.q_lora_rank, bool(spec.raw.get("attention_bias"))
+    shapes = {a + "kv_a_layernorm.weight": (lat,), a + "kv_b_proj.weight": (hq * (dn + dv), lat),
+              a + "o_proj.weight": (h, hq * dv)}
+    q_rows = hq * (dn + dr) if lq is None else lq  # q split by heads; q-LoRA's down-projection replicated
+    if lq is not None:
+        shapes.update({a + "q_a_layernorm.weight": (lq,), a + "q_b_proj.weight": (hq * (dn + dr), lq)})
+    if not bias:  # q (or q_a) and the latent projection stacked in one GEMM
+        shapes[a + "fused_qkv_a_proj.weight"] = (q_rows + lat + dr, h)
+        return shapes
+    shapes.update({a + "kv_a_proj_with_mqa.weight": (lat + dr, h), a + "kv_a_proj_with_mqa.bias": (lat + dr,),
+                   a + "o_proj.bias": (h,)})
+    if lq is None:
+        shapes[a + "q_proj.weight"] = (q_rows, h)
     else:
-        lq = spec.q_lora_rank
-        shapes.update({a + "q_a_proj.weight": (lq, h), a + "q_a_layernorm.weight": (lq,),
-                       a + "q_b_proj.weight": (hq * (dn + dr), lq)})
-    if spec.raw.get("attention_bias"):
-        shapes.update({a + "kv_a_proj_with_mqa.bias": (lat + dr,), a + "o_proj.bias": (h,)})
-        if spec.q_lora_rank is not None:
-            shapes[a + "q_a_proj.bias"] = (spec.q_lora_rank,)
+        shapes.update({a + "q_a_proj.weight": (lq, h), a + "q_a_proj.bias": (lq,)})
     return shapes
 
 

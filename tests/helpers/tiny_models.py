@@ -76,6 +76,11 @@ def build_tiny_model(folder: str, arch: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
+    if arch == "deepseek_v2":  # make attention biases (attention_bias) matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.5)
     if arch == "qwen2":  # make the qkv biases matter
         with torch.no_grad():
             for layer in model.model.layers:

@@ -35,6 +35,8 @@ VARIANTS = {
                                       routed_scaling_factor=2.5, num_experts_per_tok=3),
     # YaRN with mscale / mscale_all_dim (softmax scale and cos/sin magnitudes), 2 shared experts
     "deepseek_v2-yarn": dict(rope_parameters=dict(YARN_ROPE), n_shared_experts=2),
+    # biases on q_a / kv_a / o (attention_bias): the q and latent projections stay two GEMMs
+    "deepseek_v2-qlora_bias": dict(q_lora_rank=24, attention_bias=True),
     "qwen3_moe-dense_layer": {},
 }
 FAST = ["deepseek_v2-plain", "qwen3_moe-dense_layer"]
