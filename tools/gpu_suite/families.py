@@ -199,3 +199,29 @@ def bench_moe(args, results) -> dict:
 def bench_mla(args, results) -> dict:
     """MLA decode vs its latent-read floor; absorbed vs expanded prefill by length (tools/bench_mla.py)."""
     return _tool("tools.bench_mla", ["--budget-s", "90"], "bench_mla.json")
+
+
+# the batch-1 GEMM shapes of the MoE families (tp=1): DeepSeek-V2-Lite's stacked q + latent projection,
+# o_proj, its dense first layer's MLP and LM head; Qwen3-30B-A3B's qkv, o_proj and LM head
+MOE_FAMILY_GEMV_SHAPES = {"ds_qkv_a": (3648, 2048), "ds_o_proj": (2048, 2048), "ds_gate_up": (21888, 2048),
+                          "ds_down": (2048, 10944), "ds_lm_head": (102400, 2048), "qm_qkv": (5120, 2048),
+                          "qm_o_proj": (2048, 4096), "qm_lm_head": (151936, 2048)}
+
+
+def tune_gemv_moe(args, results) -> dict:
+    """The Triton GEMV swept on the MoE families' batch-1 shapes (tools/tune_gemv.py); the shapes where
+    it beats cuBLAS are merged into the `gemv` table (used under PDL) and the JSON copied under $OUT."""
+    import shutil
+
+    from metainfer.kernels.tuned_configs import config_path
+    from tools.gpu_suite.common import out_dir
+    from tools.tune_gemv import _key, format_report, sweep, write_tuned_section
+
+    res = sweep(shapes=MOE_FAMILY_GEMV_SHAPES, decode_set=False, multi_row_check=False, time_budget_s=70.0)
+    print(format_report(res), flush=True)
+    wins = {_key(s["n"], s["k"]): s["best"]["config"] for s in res["shapes"].values()
+            if "best" in s and s["best"]["us"] < s["cublas"]["us"]}
+    path = write_tuned_section(torch.cuda.get_device_name(), "gemv", wins)
+    shutil.copy(path, os.path.join(out_dir(), os.path.basename(config_path(torch.cuda.get_device_name()))))
+    return {"wins": wins, "shapes": {name: {"cublas_us": s["cublas"]["us"], "triton_us": s.get("best", {}).get("us")}
+                                     for name, s in res["shapes"].items()}}

@@ -30,6 +30,7 @@ SECTIONS = {
     "tune_moe": families.tune_moe,
     "bench_moe": families.bench_moe,
     "bench_mla": families.bench_mla,
+    "tune_gemv_moe": families.tune_gemv_moe,
 }
 
 # latency first: its engine start is then a cold one (Triton compiles included); gpu_tests last, its
