@@ -249,6 +249,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bo
     return sorted_ids, expert_of_block, num_post
 
 
+# at most this many (token, slot) pairs run as one block each (pair_blocks), without moe_align
+PAIR_BLOCKS_MAX_PAIRS = 16
+_PAIR_BLOCKS: dict = {}
+
+
+def pair_blocks(topk_ids: torch.Tensor, block_m: int):
+    """moe_align's outputs with one block per pair, in pair order, for a decode-sized batch: at
+    T*K <= PAIR_BLOCKS_MAX_PAIRS nearly every pair has an expert of its own anyway (T=1: always), so
+    grouping saves no weight reads, and this costs no launch: expert_of_block is the ids themselves
+    (blocks of an out-of-range id are skipped by the GEMMs); sorted_ids and the padded total are
+    constants of (T*K, block_m, device), made once (before a CUDA graph's capture, by its warm-up)."""
+    ids = topk_ids.view(-1)
+    num_pairs = ids.numel()
+    key = (num_pairs, block_m, ids.device)
+    if key not in _PAIR_BLOCKS:
+        sorted_ids = torch.full((num_pairs * block_m,), num_pairs, dtype=torch.int32, device=ids.device)
+        sorted_ids[::block_m] = torch.arange(num_pairs, dtype=torch.int32, device=ids.device)
+        _PAIR_BLOCKS[key] = (sorted_ids, torch.full((1,), num_pairs * block_m, dtype=torch.int32, device=ids.device))
+    sorted_ids, num_post = _PAIR_BLOCKS[key]
+    return sorted_ids, ids, num_post
+
+
 # ----------------------------------------------------------------------------- grouped GEMMs
 
 
@@ -264,7 +286,7 @@ def _block_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr,
-                        num_pairs, num_m_blocks, N, H, stride_xt, stride_we, stride_wn, stride_it,
+                        num_pairs, num_m_blocks, num_experts, N, H, stride_xt, stride_we, stride_wn, stride_it,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         USE_PDL: tl.constexpr):
@@ -275,6 +297,8 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, expert_of_blo
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     expert = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):  # a pair block of an out-of-range id (pair_blocks)
+        return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -308,7 +332,7 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, expert_of_blo
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr,
-                     num_pairs, num_m_blocks, H, N, stride_it, stride_we, stride_wh, stride_ot,
+                     num_pairs, num_m_blocks, num_experts, H, N, stride_it, stride_we, stride_wh, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[p, h] = weights[p] * (inter[p] . w2[e, h]) (the dot rounded to inter's dtype first), fp32,
@@ -318,6 +342,8 @@ def _moe_down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, ex
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     expert = tl.load(expert_of_block_ptr + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_mask = pairs < num_pairs
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -380,8 +406,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     cfg = config or moe_config(table, num_experts, n, hidden, num_tokens)
     ids = topk_ids.to(torch.int32).contiguous()
     routed = topk_weights.to(torch.float32).contiguous()
-    sorted_ids, expert_of_block, num_post = moe_align(ids, num_experts, cfg.block_m, pdl=pdl)
     num_pairs = ids.numel()
+    if num_pairs <= PAIR_BLOCKS_MAX_PAIRS:
+        sorted_ids, expert_of_block, num_post = pair_blocks(ids, cfg.block_m)
+    else:
+        sorted_ids, expert_of_block, num_post = moe_align(ids, num_experts, cfg.block_m, pdl=pdl)
     num_m_blocks = expert_of_block.numel()
     inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -389,11 +418,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl))
     _moe_gate_up_kernel[(num_m_blocks * cdiv(n, cfg.block_n),)](
-        x, w13, inter, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, n, hidden,
+        x, w13, inter, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, n, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, **launch)
     _moe_down_kernel[(num_m_blocks * cdiv(hidden, cfg.block_n),)](
-        inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, hidden, n,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **launch)
+        inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, hidden,
+        n, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **launch)
     block = min(_SUM_BLOCK, next_pow2(hidden))
     _moe_sum_kernel[(num_tokens, cdiv(hidden, block))](
         out, ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
