@@ -103,6 +103,7 @@ def teacher_forced_prefill_logits(llm, tokens: torch.Tensor, prompt_len: int, po
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_seqlen_q=n,
             positions=pos.to(dev),
+            seq_lens=((n, n),),
         )
         with forward_context(meta):
             hidden = runner.model(torch.tensor(ids, dtype=torch.long, device=dev))

@@ -27,11 +27,13 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def build_metadata(is_prefill: bool, views: dict[str, torch.Tensor], positions: torch.Tensor,
-                       max_seqlen_q: int) -> AttentionMetadata:
-        """The step's metadata over the packed step views (worker/step_inputs.py: StepLayout.views)."""
+                       max_seqlen_q: int, seq_lens: tuple[tuple[int, int], ...] | None = None) -> AttentionMetadata:
+        """The step's metadata over the packed step views (worker/step_inputs.py: StepLayout.views);
+        `seq_lens` the host (new tokens, context) of each sequence of a prefill step."""
         return AttentionMetadata(is_prefill=is_prefill, slot_mapping=views["slots"],
                                  context_lens=views["context_lens"], block_tables=views["tables"],
-                                 cu_seqlens_q=views["cu"], max_seqlen_q=max_seqlen_q, positions=positions)
+                                 cu_seqlens_q=views["cu"], max_seqlen_q=max_seqlen_q, positions=positions,
+                                 seq_lens=seq_lens)
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, block_size: int) -> int:

@@ -23,6 +23,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B+1], prefill only
     max_seqlen_q: int = 1
     positions: torch.Tensor | None = None  # int64 [T]: rotary positions (backends that fuse rope read them)
+    # prefill only, on the host: (new tokens, context after the step) per sequence, for a backend whose
+    # prefill form is chosen or shaped by length (MLA's expanded prefill); None where not known
+    seq_lens: tuple[tuple[int, int], ...] | None = None
 
 
 _CURRENT: list[AttentionMetadata | None] = [None]

@@ -5,10 +5,14 @@ pool `[layers, N, S, L + R]` in the KV dtype (the model's, or fp8 with a unit sc
 one vector per token for all heads, so DeepSeek-V2-Lite keeps 27 x 576 x 2 = 31,104 bytes a token in bf16.
 
 A step: `store` normalises c (kv_a_layernorm), rotates q_pe and k_pe (interleaved pairs) and writes
-[c, k_pe] at the slots, one fused launch (kernels/mla_prep.py);
-`decode` and `prefill` run absorbed: q_lat = q_nope @ W_UK per head (a batched GEMM), attention of
-[q_lat, q_pe] over the cached [c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py),
-then out = o_lat @ W_UV^T per head (a batched GEMM) -> [T, Hr * Dv] for o_proj.
+[c, k_pe] at the slots, one fused launch (kernels/mla_prep.py). `decode` runs absorbed: q_lat = q_nope @
+W_UK per head (a batched GEMM), attention of [q_lat, q_pe] over the cached [c, k_pe] with values c
+(kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head (a batched GEMM) ->
+[T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
+tools/bench_mla.py): absorbed below `expanded_min_q` new tokens (512: 171 vs 244 us a layer), expanded
+from there (1,024: 247 vs 349 us; 8,192: 0.93 vs 12.0 ms): each sequence's context latents gathered
+from the cache, up-projected by kv_b_proj into per-head K (with the shared k_pe) and V, then causal SDPA
+(flash attention on the GPU) with the context's end aligned to the last query.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from metainfer.attention.backend import AttentionBackend
+
+# prefill steps whose longest sequence has at least this many new tokens take the expanded form
+EXPANDED_MIN_Q = 1024
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
@@ -44,6 +52,7 @@ class MLABackend(AttentionBackend):
         self._max_num_seqs = max_num_seqs
         self.decode_workspace: torch.Tensor | None = None
         self.pool: torch.Tensor | None = None
+        self.expanded_min_q = EXPANDED_MIN_Q
         self.bind_ops(ops)
 
     def bind_ops(self, ops) -> None:
@@ -82,6 +91,8 @@ class MLABackend(AttentionBackend):
         return q
 
     def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        if meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q:
+            return self._prefill_expanded(layer, q, meta)
         q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
                               meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
@@ -92,3 +103,25 @@ class MLABackend(AttentionBackend):
         o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
                              meta.context_lens, layer.scale)
         return value_up(o_lat, layer.w_uv)
+
+    def _prefill_expanded(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+        """Per sequence (host lengths from meta.seq_lens): K = [c @ W_UK^T, k_pe], V = c @ W_UV^T over its
+        context, causal SDPA of its q_len queries (the last of the context) -> [T, Hr * Dv]."""
+        heads, nope, lat = self.num_heads, self.nope_dim, self.kv_lora_rank
+        kv_b = layer.kv_b_weight  # [Hr * (Dn + Dv), L]
+        block_size = layer.latent_cache.shape[1]
+        out = q.new_empty(q.shape[0], heads, layer.v_head_dim)
+        start = 0
+        for b, (q_len, ctx) in enumerate(meta.seq_lens):
+            blocks = meta.block_tables[b, : -(-ctx // block_size)].long()
+            cached = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype)
+            kv = F.linear(cached[:, :lat], kv_b).view(ctx, heads, -1)
+            k = torch.cat([kv[..., :nope], cached[:, None, lat:].expand(ctx, heads, -1)], dim=-1)
+            qs = q[start:start + q_len].transpose(0, 1)
+            mask = None if q_len == ctx else (torch.arange(ctx, device=q.device)[None, :]
+                                              <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None])
+            o = F.scaled_dot_product_attention(qs[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
+                                               attn_mask=mask, is_causal=mask is None, scale=layer.scale)
+            out[start:start + q_len] = o[0].transpose(0, 1)
+            start += q_len
+        return out.view(q.shape[0], -1)

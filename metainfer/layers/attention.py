@@ -64,6 +64,10 @@ class LatentAttention(nn.Module):
         return weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, weight.shape[-1])
 
     @property
+    def kv_b_weight(self) -> torch.Tensor:
+        return self._refs[1].weight
+
+    @property
     def w_uk(self) -> torch.Tensor:
         return self._kv_b()[:, : self.qk_nope_head_dim]
 

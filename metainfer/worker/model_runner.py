@@ -95,8 +95,10 @@ class ModelRunner:
         layout = pack_step(batch, len(batch.seqs), host, self.block_size)
         views = layout.views(self.staging.upload(layout.size))
         ids, positions = self.ops.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+        seq_lens = tuple((s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
+                         for s in batch.seqs) if batch.is_prefill else None
         meta = self.attn_backend.build_metadata(batch.is_prefill, views, positions,
-                                                max(s.num_scheduled_tokens for s in batch.seqs))
+                                                max(s.num_scheduled_tokens for s in batch.seqs), seq_lens)
         with forward_context(meta):
             hidden = self.model(ids)
         return self.model.compute_logits(hidden[views["rows"].long()])
@@ -159,7 +161,8 @@ class ModelRunner:
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
         views = {"slots": slots.to(torch.int32), "context_lens": torch.tensor(lens, dtype=torch.int32, device=dev),
                  "tables": tables, "cu": cu}
-        with forward_context(self.attn_backend.build_metadata(True, views, positions, max(lens))):
+        with forward_context(self.attn_backend.build_metadata(True, views, positions, max(lens),
+                                                              tuple((n, n) for n in lens))):
             hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev))
         self.model.compute_logits(hidden[cu[1:].long() - 1])
         del hidden

@@ -163,3 +163,17 @@ def test_triton_kernels_in_the_engine_match_hf(reference):
     llm.llm_engine.runner.swap_kernels(ops)
     got = generate_ids(llm, prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert got == [e[:8] for e in expected[:4]]
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v2-plain"], indirect=True)
+def test_expanded_prefill_form_matches_hf(reference):
+    """MLA's expanded prefill (per-sequence K/V up-projected from the cached latents, causal SDPA), forced on
+    every prefill step: plain prompts, a prefix-cache hit (context longer than the new tokens) and chunks."""
+    folder, prompts, expected, model = reference
+    for kw in ({}, {"max_num_batched_tokens": 40}):
+        llm = LLM(folder, device="cpu", dtype="float32", **kw)
+        llm.llm_engine.runner.attn_backend.expanded_min_q = 1
+        assert_matches_hf(model, prompts, generate_ids(llm, prompts, GREEDY), expected)
+        again = generate_ids(llm, prompts[-1:], GREEDY)  # its prompt blocks now cached: a prefix hit
+        assert again == expected[-1:]
+        assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
