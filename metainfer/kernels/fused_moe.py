@@ -498,11 +498,13 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "gr
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_pad = max(16, next_pow2(num_experts))
-    block_t = max(1, 2048 // e_pad)
+    # decode-sized batches: a tile of the tokens there are, one warp (the K argmax rounds reduce within it)
+    block_t = max(1, min(2048 // e_pad, next_pow2(num_tokens)))
+    warps = 1 if block_t * e_pad <= 256 else 4
     _route_topk_kernel[(cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), float(scaling), TOP_K=top_k,
         K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t, RENORMALIZE=bool(renormalize),
-        NUM_SHARED=num_shared, num_warps=4,
+        NUM_SHARED=num_shared, num_warps=warps,
         **pdl_args(pdl))
     return weights, ids
 
