@@ -10,7 +10,8 @@ W_UK per head (a batched GEMM), attention of [q_lat, q_pe] over the cached [c, k
 (kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head (a batched GEMM) ->
 [T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
 tools/bench_mla.py): absorbed below `expanded_min_q` new tokens (512: 171 vs 244 us a layer), expanded
-from there (1,024: 247 vs 349 us; 8,192: 0.93 vs 12.0 ms): each sequence's context latents gathered
+from there (1,024: 247 vs 349 us; 8,192: 0.93 vs 12.0 ms) when every sequence of the step is a plain
+prefill (`_expanded_wins`): each sequence's context latents gathered
 from the cache, up-projected by kv_b_proj into per-head K (with the shared k_pe) and V, then causal SDPA
 (flash attention on the GPU) with the context's end aligned to the last query.
 """
@@ -91,7 +92,7 @@ class MLABackend(AttentionBackend):
         return q
 
     def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
-        if meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q:
+        if self._expanded_wins(meta):
             return self._prefill_expanded(layer, q, meta)
         q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
@@ -104,24 +105,29 @@ class MLABackend(AttentionBackend):
                              meta.context_lens, layer.scale)
         return value_up(o_lat, layer.w_uv)
 
+    def _expanded_wins(self, meta) -> bool:
+        """The expanded form where it was measured faster: a step of plain prefills (no cached prefix, no
+        earlier chunk) whose longest is >= expanded_min_q tokens. Steps with a chunk's continuation or a
+        prefix hit stay absorbed: with them (the throughput protocol's 8,192-token steps) the expanded form
+        took 6.2 s of prefill against 2.5 s absorbed (H200, runs 50-51)."""
+        return (meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q
+                and all(q_len == ctx for q_len, ctx in meta.seq_lens))
+
     def _prefill_expanded(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
-        """Per sequence (host lengths from meta.seq_lens): K = [c @ W_UK^T, k_pe], V = c @ W_UV^T over its
-        context, causal SDPA of its q_len queries (the last of the context) -> [T, Hr * Dv]."""
+        """Per sequence of a step of plain prefills (host lengths from meta.seq_lens): K = [c @ W_UK^T, k_pe],
+        V = c @ W_UV^T over its tokens (read back from the cache, as stored), causal SDPA -> [T, Hr * Dv]."""
         heads, nope, lat = self.num_heads, self.nope_dim, self.kv_lora_rank
         kv_b = layer.kv_b_weight  # [Hr * (Dn + Dv), L]
         block_size = layer.latent_cache.shape[1]
         out = q.new_empty(q.shape[0], heads, layer.v_head_dim)
         start = 0
-        for b, (q_len, ctx) in enumerate(meta.seq_lens):
-            blocks = meta.block_tables[b, : -(-ctx // block_size)].long()
-            cached = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(q.dtype)
-            kv = F.linear(cached[:, :lat], kv_b).view(ctx, heads, -1)
-            k = torch.cat([kv[..., :nope], cached[:, None, lat:].expand(ctx, heads, -1)], dim=-1)
-            qs = q[start:start + q_len].transpose(0, 1)
-            mask = None if q_len == ctx else (torch.arange(ctx, device=q.device)[None, :]
-                                              <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None])
-            o = F.scaled_dot_product_attention(qs[None], k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None],
-                                               attn_mask=mask, is_causal=mask is None, scale=layer.scale)
-            out[start:start + q_len] = o[0].transpose(0, 1)
-            start += q_len
+        for b, (length, _) in enumerate(meta.seq_lens):
+            blocks = meta.block_tables[b, : -(-length // block_size)].long()
+            cached = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:length].to(q.dtype)
+            kv = F.linear(cached[:, :lat], kv_b).view(length, heads, -1)
+            k = torch.cat([kv[..., :nope], cached[:, None, lat:].expand(length, heads, -1)], dim=-1)
+            o = F.scaled_dot_product_attention(q[start:start + length].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               kv[..., nope:].transpose(0, 1)[None], is_causal=True, scale=layer.scale)
+            out[start:start + length] = o[0].transpose(0, 1)
+            start += length
         return out.view(q.shape[0], -1)

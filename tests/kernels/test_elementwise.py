@@ -446,9 +446,10 @@ def test_select_ops_gemm_by_gpu_name():
     tuned = load_tuned_configs("NVIDIA H200")
     shipped = gemv.parse_gemv_table(tuned["gemv"])
     assert any(cfg.preload for cfg in shipped.values())
-    # without PDL: the no-PDL table (plain loop, no preload: nothing to hide it behind), same shapes
+    # without PDL: the no-PDL table (plain loop, no preload: nothing to hide it behind), Qwen3-8B's shapes (the
+    # MoE families' batch-1 shapes were tuned under PDL only: cuBLAS without it)
     no_pdl_table = gemv.parse_gemv_table(tuned["gemv_no_pdl"])
-    assert not any(cfg.preload for cfg in no_pdl_table.values()) and set(no_pdl_table) == set(shipped)
+    assert not any(cfg.preload for cfg in no_pdl_table.values()) and set(no_pdl_table) < set(shipped)
     assert chosen.keywords == {"table": no_pdl_table, "pdl": False}
     no_pdl = select_ops("cuda", gpu_name="NVIDIA H200")
     assert no_pdl.silu_mul_linear.keywords["table"] is no_pdl.linear.keywords["base"].keywords["table"]

@@ -12,6 +12,7 @@ import pytest
 from metainfer.kernels.gemv import parse_gemv_table
 from metainfer.kernels.skinny_gemm import parse_skinny_table
 from metainfer.kernels.tuned_configs import CONFIG_DIR, SECTIONS, config_path, load_tuned_configs
+from tools.gpu_suite.families import MOE_FAMILY_GEMV_SHAPES
 from tools.tune_gemv import QWEN3_8B_DECODE_SHAPES, write_tuned_section
 
 SHIPPED = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.json")))
@@ -30,7 +31,7 @@ def test_shipped_file_parses_and_loads_by_its_device_name(path):
     tuned = load_tuned_configs(doc["device"])
     for section in SECTIONS:
         assert tuned[section] == (doc.get(section) or {})
-    shapes = set(QWEN3_8B_DECODE_SHAPES.values())
+    shapes = set(QWEN3_8B_DECODE_SHAPES.values()) | set(MOE_FAMILY_GEMV_SHAPES.values())
     for section in ("gemv", "gemv_no_pdl"):
         assert set(parse_gemv_table(tuned[section])) <= shapes, section
     skinny = parse_skinny_table(tuned["skinny"])

@@ -166,14 +166,20 @@ def test_triton_kernels_in_the_engine_match_hf(reference):
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v2-plain"], indirect=True)
-def test_expanded_prefill_form_matches_hf(reference):
-    """MLA's expanded prefill (per-sequence K/V up-projected from the cached latents, causal SDPA), forced on
-    every prefill step: plain prompts, a prefix-cache hit (context longer than the new tokens) and chunks."""
+def test_expanded_prefill_form_matches_hf(reference, monkeypatch):
+    """MLA's expanded prefill (per-sequence K/V up-projected from the cached latents, causal SDPA), taken for
+    every plain prefill step here; steps with a prefix hit or a chunk's continuation stay absorbed."""
+    from metainfer.attention.mla import MLABackend
+
     folder, prompts, expected, model = reference
+    calls = []
+    expanded = MLABackend._prefill_expanded
+    monkeypatch.setattr(MLABackend, "_prefill_expanded", lambda *a: calls.append(1) or expanded(*a))
     for kw in ({}, {"max_num_batched_tokens": 40}):
         llm = LLM(folder, device="cpu", dtype="float32", **kw)
         llm.llm_engine.runner.attn_backend.expanded_min_q = 1
         assert_matches_hf(model, prompts, generate_ids(llm, prompts, GREEDY), expected)
-        again = generate_ids(llm, prompts[-1:], GREEDY)  # its prompt blocks now cached: a prefix hit
-        assert again == expected[-1:]
-        assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
+        assert calls, "no step took the expanded form"
+        calls.clear()
+        again = generate_ids(llm, prompts[-1:], GREEDY)  # a prefix hit: absorbed
+        assert again == expected[-1:] and not calls

@@ -148,6 +148,7 @@ def family_agreement(args, name: str) -> dict:
 
 
 def moe_families(args, results) -> dict:
+    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement."""
     res = {}
     parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement}
     for name in args.moe_models.split(","):
