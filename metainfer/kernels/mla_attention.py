@@ -6,10 +6,6 @@ block of them) of a sequence and runs them as the M dimension of tl.dot, reading
 all heads. A program per (sequence, head) would read the cache H times.
 
 Contracts (the torch references: mla_ref.py; docs/CONTRACTS.md, "MLA"):
-- `store_latent_triton(latent[T,L+R], cache[N,S,L+R], slot_mapping i32[T])`: scatter, slot -1 skipped,
-  fp8 clamps and casts (kv_cache.cast_to_cache).
-- `rotary_interleaved_triton(positions[T], q_pe[T,H,R], k_pe[T,R], cos_sin[P,R])`: in place, one launch
-  for both; pairs (2i, 2i+1) rotated by frequency i in fp32, rounded once.
 - `mla_decode_attention_triton(q_lat[B,H,L], q_pe[B,H,R], cache, block_tables, context_lens, scale)`:
   split-KV decode (stage 1: (sequence, split, head block) programs with an online softmax over the
   split's tokens; stage 2: merge of the live splits). The split count comes from host-known values only
@@ -30,7 +26,7 @@ import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .attention_decode import LOG2E, _dot_precision
-from .kv_cache import FP8_KV_DTYPE, cast_to_cache
+from .kv_cache import FP8_KV_DTYPE
 
 # Decode split rule (H200: 132 SMs). Stage 1 aims at ~2 programs per SM; a split covers at least
 # _MLA_MIN_SPLIT_TOKENS tokens (its fp32 partial [H, L] costs as much traffic as ~30 cached tokens of
@@ -58,111 +54,6 @@ def _check_cache(cache: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor) -
     if rope < 16 or lat < 16:
         raise ValueError(f"L={lat} and R={rope} must be >= 16 (tl.dot's K)")
     return cache.shape[1], lat, rope
-
-
-# ----------------------------------------------------------------------------------------------
-# store
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _store_latent_kernel(latent_ptr, cache_ptr, slot_ptr, lat_stride_t, c_stride_b, c_stride_s, width,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program = one token: cache[slot // S, slot % S, :] = cast(latent[t, :]); slot -1 skipped."""
-    pdl_enter(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        w = tl.arange(0, BLOCK_W)
-        mask = w < width
-        x = tl.load(latent_ptr + token * lat_stride_t + w, mask=mask)
-        dst = (slot // BLOCK_SIZE) * c_stride_b + (slot % BLOCK_SIZE) * c_stride_s + w
-        tl.store(cache_ptr + dst, cast_to_cache(x, cache_ptr), mask=mask)
-
-
-def store_latent_triton(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                        pdl: bool = False) -> None:
-    """latent [T, L+R] (a row-strided view allowed, unit last stride) into cache [N, S, L+R]."""
-    require_triton()
-    num_tokens, width = latent.shape
-    if cache.dim() != 3 or cache.shape[2] != width:
-        raise ValueError(f"cache {tuple(cache.shape)} does not match latent {tuple(latent.shape)}")
-    if cache.dtype not in (latent.dtype, FP8_KV_DTYPE):
-        raise ValueError(f"latent {latent.dtype} and cache {cache.dtype}: the cache holds latent's dtype or fp8")
-    if latent.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError("latent and cache must have a unit last stride")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != [{num_tokens}]")
-    if num_tokens == 0:
-        return
-    block_w = next_pow2(width)
-    _store_latent_kernel[(num_tokens,)](
-        latent, cache, slot_mapping, latent.stride(0), cache.stride(0), cache.stride(1), width,
-        BLOCK_SIZE=cache.shape[1], BLOCK_W=block_w, num_warps=max(1, min(4, block_w // 256)), **pdl_args(pdl),
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# interleaved rope (q_pe and k_pe in one launch)
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rotate_pairs(ptr, offs, stride_r, cos, sin, mask):
-    """Rotate the pairs (x[2i], x[2i+1]) at ptr + offs in place: fp32 math, one rounding."""
-    even_ptr = ptr + offs
-    odd_ptr = even_ptr + stride_r
-    even = tl.load(even_ptr, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(odd_ptr, mask=mask, other=0.0).to(tl.float32)
-    dtype = ptr.dtype.element_ty
-    tl.store(even_ptr, (even * cos - odd * sin).to(dtype), mask=mask)
-    tl.store(odd_ptr, (even * sin + odd * cos).to(dtype), mask=mask)
-
-
-@triton.jit
-def _rotary_interleaved_kernel(
-    pos_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    q_stride_t, q_stride_h, q_stride_r, k_stride_t, k_stride_r, cs_stride_p, num_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """One program = one token: its H q_pe rows and its k_pe row."""
-    pdl_enter(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    i_mask = i < HALF
-    cos = tl.load(cos_sin_ptr + pos * cs_stride_p + i, mask=i_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cs_stride_p + HALF + i, mask=i_mask, other=0.0)
-    h = tl.arange(0, BLOCK_H)
-    q_offs = token * q_stride_t + h[:, None] * q_stride_h + (2 * i)[None, :] * q_stride_r
-    _rotate_pairs(q_ptr, q_offs, q_stride_r, cos[None, :], sin[None, :], (h < num_heads)[:, None] & i_mask[None, :])
-    _rotate_pairs(k_ptr, token * k_stride_t + 2 * i * k_stride_r, k_stride_r, cos, sin, i_mask)
-
-
-def rotary_interleaved_triton(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
-                              cos_sin: torch.Tensor, *, pdl: bool = False):
-    """DeepSeek's interleaved rope on q_pe [T, H, R] and k_pe [T, R] (strided views) in place; returns both."""
-    require_triton()
-    num_tokens, num_heads, rot = q_pe.shape
-    if k_pe.shape != (num_tokens, rot) or cos_sin.shape[-1] != rot or rot % 2:
-        raise ValueError(f"q_pe {tuple(q_pe.shape)}, k_pe {tuple(k_pe.shape)}, cos_sin {tuple(cos_sin.shape)}: "
-                         "need [T,H,R], [T,R], [P,R] with R even")
-    if cos_sin.dtype != torch.float32 or cos_sin.stride(-1) != 1:
-        raise ValueError("cos_sin must be fp32 with a unit last stride")
-    if q_pe.dtype != k_pe.dtype:
-        raise ValueError(f"q_pe {q_pe.dtype} and k_pe {k_pe.dtype} differ")
-    if num_tokens == 0:
-        return q_pe, k_pe
-    half = rot // 2
-    block_half, block_h = next_pow2(half), next_pow2(num_heads)
-    _rotary_interleaved_kernel[(num_tokens,)](
-        positions, q_pe, k_pe, cos_sin,
-        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe.stride(0), k_pe.stride(1), cos_sin.stride(0),
-        num_heads, HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h,
-        num_warps=max(1, min(4, block_h * block_half // 256)), **pdl_args(pdl),
-        enable_fp_fusion=False,  # the reference's rounding: fp32 products and sums, no fma contraction
-    )
-    return q_pe, k_pe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,6 +419,4 @@ __all__ = [
     "mla_decode_num_splits",
     "mla_decode_workspace_numel",
     "mla_prefill_attention_triton",
-    "rotary_interleaved_triton",
-    "store_latent_triton",
 ]

@@ -25,8 +25,6 @@ from metainfer.kernels.mla_attention import (
     mla_decode_num_splits,
     mla_decode_workspace_numel,
     mla_prefill_attention_triton,
-    rotary_interleaved_triton,
-    store_latent_triton,
 )
 from metainfer.kernels.mla_ref import (
     mla_decode_attention_ref,
@@ -111,20 +109,6 @@ def test_store_latent_ref_matches_loop(block_size, cache_dtype):
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("cache_dtype", [None, FP8_KV_DTYPE], ids=["same", "fp8"])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_store_latent_triton_matches_ref(dtype, block_size, cache_dtype):
-    latent, cache, slots = _store_inputs(dtype, cache_dtype or dtype, block_size)
-    latent = latent * 60  # some values past fp8's 448: saturated, not NaN
-    expected = cache.clone()
-    store_latent_ref(latent, expected, slots)
-    before = cache.clone()
-    store_latent_triton(latent, cache, slots)
-    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
-    assert not torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
-
-
 # ----------------------------------------------------------------------------------------------
 # interleaved rope
 # ----------------------------------------------------------------------------------------------
@@ -154,23 +138,6 @@ def test_rotary_interleaved_ref_matches_complex():
     torch.testing.assert_close(q_out.double(), expect_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_out.double(), expect_k, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(expect_q, q_out.double().flip(-1), atol=1e-3)  # the pairing matters
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_rotary_interleaved_triton_matches_ref_in_place(dtype):
-    positions, proj, q_pe, kv, k_pe = _rope_inputs(dtype)
-    cos_sin = build_cos_sin_cache(R, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
-                                                     "original_max_position_embeddings": 32, "mscale": 0.707,
-                                                     "mscale_all_dim": 0.707}).to(DEVICE)
-    proj_ref, kv_ref = proj.clone(), kv.clone()
-    nope = proj.shape[1] // q_pe.shape[1] - R
-    rotary_interleaved_ref(positions, proj_ref.view(q_pe.shape[0], q_pe.shape[1], -1)[..., nope:],
-                           kv_ref[:, L:], cos_sin)
-    q_out, k_out = rotary_interleaved_triton(positions, q_pe, k_pe, cos_sin)
-    assert q_out.data_ptr() == q_pe.data_ptr() and k_out.data_ptr() == k_pe.data_ptr()
-    torch.testing.assert_close(proj, proj_ref, atol=0, rtol=0)  # also: the non-rope columns untouched
-    torch.testing.assert_close(kv, kv_ref, atol=0, rtol=0)
-    assert not torch.equal(kv_ref[:, L:], randn(5, L + R, dtype=dtype, seed=8, device=DEVICE)[:, L:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,8 +334,8 @@ def aot_compile_mla() -> int:
         print(reason, file=sys.stderr)
         return 2
     backend = make_backend(target)
-    kernels = [mla._store_latent_kernel, mla._rotary_interleaved_kernel, mla._mla_decode_kernel,
-               mla._mla_merge_kernel, mla._mla_prefill_kernel, mla_prep._mla_latent_prep_kernel]
+    kernels = [mla._mla_decode_kernel, mla._mla_merge_kernel, mla._mla_prefill_kernel,
+               mla_prep._mla_latent_prep_kernel]
     captured = []
     for kernel in kernels:
         kernel.run = lambda *a, grid, warmup, _k=kernel, **kw: captured.append((_k, a, kw))
@@ -387,14 +354,10 @@ def aot_compile_mla() -> int:
                 cu = torch.zeros(4, dtype=torch.int32)
                 mla.mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, 4096, 0.1,
                                                  pdl=cache_dtype == bf16)
-                store_latent_triton(torch.zeros(3, 576, dtype=bf16), cache, lens, pdl=True)
                 mla_prep.mla_latent_prep_triton(torch.zeros(3, 576, dtype=bf16), torch.ones(512, dtype=bf16), 1e-6,
                                                 torch.zeros(3, dtype=torch.int64),
                                                 torch.zeros(3, heads, 192, dtype=bf16)[..., 128:],
                                                 torch.zeros(8, 64), cache, lens, pdl=True)
-            proj = torch.zeros(3, heads * 192, dtype=bf16)
-            rotary_interleaved_triton(torch.zeros(3, dtype=torch.int64), proj.view(3, heads, 192)[..., 128:],
-                                      torch.zeros(3, 576, dtype=bf16)[:, 512:], torch.zeros(8, 64), pdl=True)
     finally:
         for kernel in kernels:
             del kernel.run
