@@ -92,7 +92,8 @@ def summarize(row: dict, nbytes: int, copy_gbps: float | None) -> dict:
 
 
 def bench_shape(num_experts: int, n: int, hidden: int, top_k: int, tokens=TOKENS, table=None, device="cuda",
-                dtype=torch.bfloat16, calls: int = 8, replays: int = 5, copy_gbps: float | None = None) -> dict:
+                dtype=torch.bfloat16, calls: int = 8, replays: int = 5, copy_gbps: float | None = None,
+                shared: int = 0) -> dict:
     from tools.tune_gemv import _rel_err, time_graph
 
     g = torch.Generator(device=device).manual_seed(num_experts + n)
@@ -103,7 +104,7 @@ def bench_shape(num_experts: int, n: int, hidden: int, top_k: int, tokens=TOKENS
     for t in tokens:
         x = torch.randn(t, hidden, generator=g, device=device, dtype=dtype)
         n_calls = calls if t <= 512 else max(2, calls // 4)
-        routings = [make_routing(t, num_experts, top_k, g, device) for _ in range(n_calls)]
+        routings = [make_routing(t, num_experts, top_k, g, device, shared) for _ in range(n_calls)]
         nbytes = round(statistics.mean(floor_bytes(r[1], num_experts, n, hidden, w13.element_size())
                                        for r in routings))
         ref = fused_moe_ref(x, w13, w2, *routings[0])
@@ -145,8 +146,9 @@ def bench(shapes=None, tokens=TOKENS, untuned: bool = False, device="cuda") -> d
     table = None if untuned else parse_moe_table(load_tuned_configs(env["gpu"])["moe"])
     copy_gbps = round(copy_bandwidth(torch.device(device)) / 1e9, 1)
     res = {"env": env, "copy_gbps": copy_gbps, "tuned_table": bool(table), "shapes": {}}
-    for name, (num_experts, n, hidden, top_k) in (shapes or SHAPES).items():
-        res["shapes"][name] = bench_shape(num_experts, n, hidden, top_k, tokens, table, device, copy_gbps=copy_gbps)
+    for name, (num_experts, n, hidden, top_k, shared) in (shapes or SHAPES).items():
+        res["shapes"][name] = bench_shape(num_experts, n, hidden, top_k, tokens, table, device, copy_gbps=copy_gbps,
+                                          shared=shared)
         torch.cuda.empty_cache()  # the shape's weights
     return res
 

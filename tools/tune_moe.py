@@ -34,12 +34,14 @@ from metainfer.kernels.fused_moe import MoeConfig, default_moe_config, fused_moe
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
 from tools.tune_gemv import _env, _rel_err, time_graph, write_tuned_section
 
-# name: (E, N, H, top_k); "/tp2": the per-rank expert width under tensor parallelism 2
-SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "deepseek-v2-lite": (64, 1408, 2048, 6),
-    "deepseek-v2-lite/tp2": (64, 704, 2048, 6),
-    "qwen3-30b-a3b": (128, 768, 2048, 8),
-    "qwen3-30b-a3b/tp2": (128, 384, 2048, 8),
+# name: (E, N, H, top_k, shared) as the engine runs them: E stacked experts, of which the last `shared` are
+# DeepSeek's shared experts (layers/moe.py), chosen by every token on top of its top_k - shared routed ones;
+# "/tp2": the per-rank expert width under tensor parallelism 2
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "deepseek-v2-lite": (66, 1408, 2048, 8, 2),
+    "deepseek-v2-lite/tp2": (66, 704, 2048, 8, 2),
+    "qwen3-30b-a3b": (128, 768, 2048, 8, 0),
+    "qwen3-30b-a3b/tp2": (128, 384, 2048, 8, 0),
 }
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 REL_TOL = 1e-2
@@ -69,11 +71,13 @@ def sweep_configs(bucket: int) -> tuple[MoeConfig, ...]:
     return tuple(dict.fromkeys((default_moe_config(bucket), *space)))
 
 
-def make_routing(num_tokens: int, num_experts: int, top_k: int, generator: torch.Generator, device="cpu"):
-    """(weights f32[T, K], ids i32[T, K]): softmax top-k of random logits, renormalised (the uneven
-    load of a real router: some experts get several rows, some none)."""
-    logits = torch.randn(num_tokens, num_experts, generator=generator, device=device) * 2
-    return route_topk_ref(logits, top_k, renormalize=True)
+def make_routing(num_tokens: int, num_experts: int, top_k: int, generator: torch.Generator, device="cpu",
+                 shared: int = 0):
+    """(weights f32[T, K], ids i32[T, K]): softmax top-(K - shared) of random logits over the first
+    E - shared experts, renormalised (the uneven load of a real router: some experts get several rows, some
+    none), then the `shared` last experts for every token with weight 1 (route_topk's num_shared)."""
+    logits = torch.randn(num_tokens, num_experts - shared, generator=generator, device=device) * 2
+    return route_topk_ref(logits, top_k - shared, renormalize=True, num_shared=shared)
 
 
 def pick_winners(results: dict) -> dict[str, dict[str, dict]]:
@@ -98,7 +102,7 @@ def about_with_moe(about: str) -> str:
 
 def sweep_shape(num_experts: int, n: int, hidden: int, top_k: int, buckets=BUCKETS, device="cuda",
                 dtype=torch.bfloat16, calls: int = 12, replays: int = 5, deadline: float | None = None,
-                configs_for=None) -> dict:
+                configs_for=None, shared: int = 0) -> dict:
     """Every bucket's candidates on one expert shape; per bucket the rows and the best."""
     configs_for = configs_for or sweep_configs
     g = torch.Generator(device=device).manual_seed(num_experts * 7 + n)
@@ -108,7 +112,7 @@ def sweep_shape(num_experts: int, n: int, hidden: int, top_k: int, buckets=BUCKE
     for bucket in buckets:
         x = torch.randn(bucket, hidden, generator=g, device=device, dtype=dtype)
         n_calls = calls if bucket <= 256 else max(3, calls // 4)
-        routings = [make_routing(bucket, num_experts, top_k, g, device) for _ in range(n_calls)]
+        routings = [make_routing(bucket, num_experts, top_k, g, device, shared) for _ in range(n_calls)]
         ref = fused_moe_ref(x, w13, w2, *routings[0])
         rows = []
         for cfg in configs_for(bucket):
@@ -165,7 +169,7 @@ def warm_compile(configs, top_ks, device="cuda", dtype=torch.bfloat16, deadline:
 
 def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", dtype=torch.bfloat16,
           calls: int = 12) -> dict:
-    """Sweep every shape (name -> (E, N, H, top_k)); `["table"]` is the `moe` section's format. The
+    """Sweep every shape (name -> (E, N, H, top_k, shared)); `["table"]` is the `moe` section's format. The
     configs are compiled first (warm_compile); each shape then gets an equal share of what is left."""
     shapes = SHAPES if shapes is None else shapes
     started = time.perf_counter()
@@ -177,10 +181,10 @@ def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", 
     print(f"moe sweep: {len(set(configs))} configs compiled in {res['compile_s']} s", flush=True)
     timed_from = time.perf_counter()
     left = max(0.0, started + budget_s - timed_from)
-    for i, (name, (num_experts, n, hidden, top_k)) in enumerate(shapes.items()):
+    for i, (name, (num_experts, n, hidden, top_k, shared)) in enumerate(shapes.items()):
         deadline = timed_from + left * (i + 1) / len(shapes)
         res["shapes"][name] = sweep_shape(num_experts, n, hidden, top_k, buckets, device, dtype, calls,
-                                          deadline=deadline)
+                                          deadline=deadline, shared=shared)
     res["table"] = pick_winners(res["shapes"])
     res["elapsed_s"] = round(time.perf_counter() - started, 1)
     return res

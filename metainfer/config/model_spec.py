@@ -91,11 +91,12 @@ class ModelSpec:
 
     @property
     def attention_scale(self) -> float:
-        """Softmax scale: head_dim^-0.5; DeepSeek's YaRN also multiplies it by mscale(factor,
-        mscale_all_dim)^2 (the non-rotary dims too, as its reference implementation does)."""
+        """Softmax scale: head_dim^-0.5; under a scaled rope with `mscale_all_dim` (DeepSeek's YaRN) MLA
+        also multiplies it by mscale(factor, mscale_all_dim)^2 (the non-rotary dims too, as its reference
+        implementation and transformers' yarn_apply_mscale do)."""
         scale = self.head_dim ** -0.5
-        scaling = self.rope_scaling or {}
-        if self.is_mla and scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+        scaling = self.rope_scaling or {}  # None for rope_type "default" (_rope_settings)
+        if self.is_mla and scaling and scaling.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
             m = yarn_get_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
             scale *= m * m
         return scale

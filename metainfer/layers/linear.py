@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from metainfer.distributed.communication import identity, reducer
+from metainfer.distributed.communication import reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
 from metainfer.kernels import REF_OPS
 
@@ -181,15 +181,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; partial outputs all-reduced; bias added once. `reduce_results`
-    False leaves the partial sums to the caller (an MoE block reduces its routed and shared parts once)."""
+    """Input dim split across ranks; partial outputs all-reduced; bias added once."""
 
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, ops=REF_OPS,
-                 reduce_results: bool = True):
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, ops=REF_OPS):
         super().__init__(_divide(in_features, get_tp_size(), "input features"), out_features, bias, dtype, ops)
-        if bias and not reduce_results:
-            raise ValueError("a row-parallel bias is added after the reduce: it needs reduce_results")
-        self.reduce = reducer() if reduce_results else identity
+        self.reduce = reducer()
 
     def weight_loader(self, param, loaded, shard_id=None, name=""):
         if param.dim() == 1:  # bias: full on every rank, added after the reduce

@@ -1,8 +1,5 @@
-"""The SwiGLU MLP (gate and up fused in one column-parallel GEMM, down row-parallel).
-
-Dense layers of every family use it, and DeepSeek's shared experts (one MLP of n_shared *
-moe_intermediate_size) with `reduce_results=False`, so that the MoE block all-reduces its routed and
-shared partial sums once.
+"""The SwiGLU MLP (gate and up fused in one column-parallel GEMM, down row-parallel): the dense layers of
+every family. (DeepSeek's shared experts run as stacked experts inside the MoE block: layers/moe.py.)
 """
 
 from __future__ import annotations
@@ -14,12 +11,11 @@ from metainfer.layers.linear import MergedColumnParallelLinear, RowParallelLinea
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ops, dtype, reduce_results: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops, dtype):
         super().__init__()
         i = intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [i, i], bias=False, dtype=dtype, ops=ops)
-        self.down_proj = RowParallelLinear(i, hidden_size, bias=False, dtype=dtype, ops=ops,
-                                           reduce_results=reduce_results)
+        self.down_proj = RowParallelLinear(i, hidden_size, bias=False, dtype=dtype, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU-and-mul is applied by down_proj.forward_gated (folded into its GEMV where the op set says so)."""

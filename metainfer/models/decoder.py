@@ -17,6 +17,7 @@ from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer.layers.mlp import GatedMLP
 from metainfer.layers.moe import SparseMoeBlock, expert_checkpoint_name
 from metainfer.layers.norm import RMSNorm
+from metainfer.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -72,6 +73,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec, self.ops, self.attn_backend, self.dtype = spec, ops, attn_backend, dtype
         self.max_position = max(max_position or 0, spec.max_position_embeddings)
+        self.rotary_emb = None  # built by the first layer that asks (shared_rotary)
         self.model = DecoderModel(spec, ops, dtype, self.make_layer)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, ops)
         if spec.tie_word_embeddings:
@@ -79,6 +81,14 @@ class CausalLM(nn.Module):
 
     def make_layer(self, index: int) -> DecoderLayer:
         raise NotImplementedError
+
+    def shared_rotary(self, head_dim: int, rotary_dim: int) -> RotaryEmbedding:
+        """The one cos/sin table every layer reads: a table per layer cost 27-48 copies of
+        [max_position, rot_dim] fp32 (~1.1 GB for DeepSeek-V2-Lite's 163,840 positions)."""
+        if self.rotary_emb is None:
+            self.rotary_emb = RotaryEmbedding(head_dim, rotary_dim, self.max_position, self.spec.rope_theta,
+                                              self.spec.rope_scaling, self.ops)
+        return self.rotary_emb
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

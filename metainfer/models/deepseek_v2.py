@@ -27,7 +27,7 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, max_position: int):
+    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, rotary: RotaryEmbedding):
         super().__init__()
         heads, hidden, bias = spec.num_heads, spec.hidden_size, bool(spec.raw.get("attention_bias", False))
         self.num_heads = heads // get_tp_size()
@@ -55,8 +55,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(spec.kv_lora_rank, heads * (spec.qk_nope_head_dim + spec.v_head_dim),
                                               dtype=dtype, ops=ops)
         self.o_proj = RowParallelLinear(heads * spec.v_head_dim, hidden, bias=bias, dtype=dtype, ops=ops)
-        self.rotary_emb = RotaryEmbedding(spec.qk_rope_head_dim, spec.qk_rope_head_dim, max_position,
-                                          spec.rope_theta, spec.rope_scaling, ops)
+        self.rotary_emb = rotary  # the model's one cos/sin table (CausalLM.shared_rotary)
         # the backend applies kv_a_layernorm and the rotary inside its latent store (attention/mla.py)
         self.attn = LatentAttention(attn_backend, spec.attention_scale, self.rotary_emb, self.kv_b_proj,
                                     self.kv_a_layernorm, self.num_heads, spec.qk_nope_head_dim, spec.v_head_dim)
@@ -83,5 +82,6 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def make_layer(self, index: int) -> DecoderLayer:
         spec, ops, dtype = self.spec, self.ops, self.dtype
-        return DecoderLayer(MLAAttention(spec, ops, self.attn_backend, dtype, self.max_position),
+        rotary = self.shared_rotary(spec.qk_rope_head_dim, spec.qk_rope_head_dim)
+        return DecoderLayer(MLAAttention(spec, ops, self.attn_backend, dtype, rotary),
                             mlp_for_layer(spec, index, ops, dtype), spec, ops, dtype)

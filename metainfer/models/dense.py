@@ -20,15 +20,14 @@ from metainfer.models.decoder import CausalLM, DecoderLayer
 
 
 class DenseAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, max_position: int):
+    def __init__(self, spec: ModelSpec, ops, attn_backend, dtype, rotary: RotaryEmbedding):
         super().__init__()
         d = spec.head_dim
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, d, spec.num_heads, spec.num_kv_heads,
                                           bias=spec.qkv_bias, dtype=dtype, ops=ops)
         self.q_size, self.kv_size = self.qkv_proj.num_heads * d, self.qkv_proj.num_kv_heads * d
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, bias=False, dtype=dtype, ops=ops)
-        self.rotary_emb = RotaryEmbedding(d, spec.rotary_dim, max_position, spec.rope_theta,
-                                          spec.rope_scaling, ops)
+        self.rotary_emb = rotary  # the model's one cos/sin table (CausalLM.shared_rotary)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops, dtype)
@@ -51,5 +50,6 @@ class DenseForCausalLM(CausalLM):
 
     def make_layer(self, index: int) -> DecoderLayer:
         spec, ops, dtype = self.spec, self.ops, self.dtype
-        return DecoderLayer(DenseAttention(spec, ops, self.attn_backend, dtype, self.max_position),
+        rotary = self.shared_rotary(spec.head_dim, spec.rotary_dim)
+        return DecoderLayer(DenseAttention(spec, ops, self.attn_backend, dtype, rotary),
                             GatedMLP(spec.hidden_size, spec.intermediate_size, ops, dtype), spec, ops, dtype)

@@ -12,5 +12,6 @@ from metainfer.models.dense import DenseAttention, DenseForCausalLM
 class Qwen3MoeForCausalLM(DenseForCausalLM):
     def make_layer(self, index: int) -> DecoderLayer:
         spec, ops, dtype = self.spec, self.ops, self.dtype
-        return DecoderLayer(DenseAttention(spec, ops, self.attn_backend, dtype, self.max_position),
+        rotary = self.shared_rotary(spec.head_dim, spec.rotary_dim)
+        return DecoderLayer(DenseAttention(spec, ops, self.attn_backend, dtype, rotary),
                             mlp_for_layer(spec, index, ops, dtype), spec, ops, dtype)

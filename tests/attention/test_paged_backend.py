@@ -22,6 +22,7 @@ from metainfer.kernels import (
     rotary_neox_ref,
     store_kv_ref,
 )
+from metainfer.layers.rotary import RotaryEmbedding
 from metainfer.models.dense import DenseAttention
 
 pytest.importorskip("triton")
@@ -43,6 +44,10 @@ def _backend(ops, num_blocks=80, block_size=4):
     return backend
 
 
+def _rotary(spec: ModelSpec) -> RotaryEmbedding:
+    return RotaryEmbedding(spec.head_dim, spec.rotary_dim, 1024, spec.rope_theta, spec.rope_scaling, REF_OPS)
+
+
 def _i32(*values):
     return torch.tensor(values, dtype=torch.int32)
 
@@ -56,7 +61,7 @@ def test_dense_attention_through_the_backend_equals_the_unfused_chain(qk_norm, r
     spec = _spec(qk_norm, rotary_factor)
     gen = torch.Generator().manual_seed(5)
     backend = _backend(ops)
-    layer = DenseAttention(spec, REF_OPS, backend, torch.float32, 1024)
+    layer = DenseAttention(spec, REF_OPS, backend, torch.float32, _rotary(spec))
     for p in layer.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.3 + (0.8 if p.dim() == 1 else 0.0)
     backend.allocate([layer.attn], num_blocks=80, block_size=4)
@@ -108,7 +113,8 @@ def test_backend_sizes_its_pool_and_views():
 
 def test_attention_rejects_q_k_v_that_are_not_one_projection():
     backend = _backend(REF_OPS)
-    layer = DenseAttention(_spec(True, 1.0), REF_OPS, backend, torch.float32, 1024)
+    spec = _spec(True, 1.0)
+    layer = DenseAttention(spec, REF_OPS, backend, torch.float32, _rotary(spec))
     backend.allocate([layer.attn], num_blocks=4, block_size=4)
     q, k, v = torch.zeros(2, HQ * D), torch.zeros(2, HK * D), torch.zeros(2, HK * D)
     meta = AttentionMetadata(True, _i32(0, 1), _i32(2), _i32(0)[None], _i32(0, 2), 2, torch.arange(2))

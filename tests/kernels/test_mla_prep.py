@@ -68,3 +68,25 @@ def test_triton_matches_reference(dtype, fp8):
     torch.testing.assert_close(cache.float(), ref_cache.float(), **tol)
     torch.testing.assert_close(q.float(), ref_q.float(), rtol=1e-6, atol=1e-6)
 
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real dims in bf16 run compiled on the GPU (METAINFER_TEST_GPU=1)")
+def test_triton_matches_reference_at_deepseek_dims_gpu():
+    g = torch.Generator().manual_seed(3)
+    lat, rot, heads, tokens = 512, 64, 16, 37
+    fused = torch.randn(tokens, 3072 + lat + rot, generator=g).to("cuda", torch.bfloat16)
+    latent = fused[:, 3072:]
+    q = torch.randn(tokens, heads, 128 + rot, generator=g).to("cuda", torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(lat, generator=g)).to("cuda", torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to("cuda")
+    cos_sin = build_cos_sin_cache(rot, 4096, 1e4, {"rope_type": "yarn", "factor": 40.0, "mscale": 0.707,
+                                                   "mscale_all_dim": 0.707,
+                                                   "original_max_position_embeddings": 4096}).to("cuda")
+    cache = torch.randn(64, 16, lat + rot, generator=g).to("cuda", torch.bfloat16)
+    slots = torch.randperm(64 * 16, generator=g)[:tokens].to("cuda", torch.int32)
+    slots[::5] = -1
+    ref_q, ref_cache = q.clone(), cache.clone()
+    mla_latent_prep_ref(latent, weight, 1e-6, positions, ref_q[..., 128:], cos_sin, ref_cache, slots)
+    mla_latent_prep_triton(latent, weight, 1e-6, positions, q[..., 128:], cos_sin, cache, slots)
+    torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(q, ref_q)  # the rope's rounding is the reference's (fp32 math, one rounding)

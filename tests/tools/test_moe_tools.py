@@ -16,7 +16,8 @@ from tools.tune_moe import BUCKETS, SHAPES, about_with_moe, make_routing, pick_w
 
 
 def test_shapes_and_buckets():
-    assert SHAPES["deepseek-v2-lite"] == (64, 1408, 2048, 6) and SHAPES["qwen3-30b-a3b"] == (128, 768, 2048, 8)
+    # as the engine runs them: DeepSeek-V2-Lite's 64 routed + 2 shared experts stacked, 6 + 2 a token
+    assert SHAPES["deepseek-v2-lite"] == (66, 1408, 2048, 8, 2) and SHAPES["qwen3-30b-a3b"] == (128, 768, 2048, 8, 0)
     assert SHAPES["deepseek-v2-lite/tp2"][1] == 704 and SHAPES["qwen3-30b-a3b/tp2"][1] == 384
     assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -41,6 +42,10 @@ def test_make_routing_is_a_renormalised_top_k():
     assert all(len(set(row)) == 6 for row in ids.tolist())
     torch.testing.assert_close(weights.sum(1), torch.ones(50))
     assert len(set(ids.flatten().tolist())) > 32  # the load spreads over most experts
+    # DeepSeek's stacked shared experts: the last `shared` ids on every token, weight 1, after 4 routed ones
+    weights, ids = make_routing(9, 66, 6, torch.Generator().manual_seed(1), shared=2)
+    assert ids.shape == (9, 6) and bool((ids[:, 4:] == torch.tensor([64, 65])).all())
+    assert int(ids[:, :4].max()) < 64 and bool((weights[:, 4:] == 1).all())
 
 
 def test_pick_winners_gives_the_moe_section_format():
@@ -134,9 +139,9 @@ def test_sweep_and_main_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
     monkeypatch.setattr(tune, "sweep_configs", lambda bucket: configs)
     monkeypatch.setattr(tune, "time_graph", fake_time_graph)
     monkeypatch.setattr(tune, "_env", lambda device: {"gpu": "Test GPU 1"})
-    monkeypatch.setattr(tune, "SHAPES", {"tiny": (8, 32, 64, 2)})
+    monkeypatch.setattr(tune, "SHAPES", {"tiny": (8, 32, 64, 2, 0)})
     monkeypatch.setattr(tc, "CONFIG_DIR", str(tmp_path))
-    res = tune.sweep({"tiny": (8, 32, 64, 2)}, buckets=(1, 4), device="cpu", dtype=torch.float32, calls=2)
+    res = tune.sweep({"tiny": (8, 32, 64, 3, 1)}, buckets=(1, 4), device="cpu", dtype=torch.float32, calls=2)
     rows = res["shapes"]["tiny"]["buckets"]["4"]["configs"]
     assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows) and [r["us"] for r in rows] == [2.0, 1.0]
     assert res["table"] == {"E8_N32_H64": {"1": configs[1].to_dict(), "4": configs[1].to_dict()}}
