@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_optional_commands(sub) -> None:
-    """serve and bench live in their own modules; they register themselves if present."""
-    for module in ("metainfer.entrypoints.serve_cli", "metainfer.bench.cli"):
+    """serve, bench and the knowledge commands live in their own modules; they register themselves if present."""
+    for module in ("metainfer.entrypoints.serve_cli", "metainfer.bench.cli", "metainfer.knowledge.cli"):
         if importlib.util.find_spec(module) is not None:
             importlib.import_module(module).register(sub, add_engine_args, engine_kwargs)
 
