@@ -1,0 +1,249 @@
+"""The blueprint: every contract of the engine as a node (metainfer/knowledge/blueprint.json, its JSON Schema
+beside it), and the check that keeps it from drifting from the code.
+
+`check_blueprint()` returns the list of drift errors (empty = in step):
+  schema    the document against blueprint_schema.json (jsonschema);
+  links     unique node ids, known categories and phases, failure-mode ids that exist;
+  ref_code  every "module:qualname" imports;
+  tests     every pytest node id names an existing file and test function;
+  formulas  every per-rank shape formula, evaluated from each supported family's real config
+            (benchmarks/configs/) at tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
+            engine builds on the meta device under that tp; and every parameter of those models is covered
+            by some formula (a layer added without its node is drift too).
+Formulas are expressions over the ModelSpec fields, `tp` and the blueprint's `definitions`, evaluated by a
+small arithmetic evaluator (+ - * //, comparisons, and/or, `x if c else y`, max, min, cdiv): no eval().
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import json
+import operator
+import os
+import re
+from collections.abc import Iterable
+
+KNOWLEDGE_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(KNOWLEDGE_DIR))
+BLUEPRINT_PATH = os.path.join(KNOWLEDGE_DIR, "blueprint.json")
+SCHEMA_PATH = os.path.join(KNOWLEDGE_DIR, "blueprint_schema.json")
+TP_SIZES = (1, 2, 4, 8)
+# each supported family's real config (copies of the shared configs, so a clean clone can check them)
+FAMILY_CONFIGS = {"dense": ("qwen3-8b",), "qwen3_moe": ("qwen3-30b-a3b",), "deepseek_v2": ("deepseek-v2-lite",)}
+
+
+def load_blueprint(path: str = BLUEPRINT_PATH) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_FUNCTIONS = {"max": max, "min": min, "cdiv": lambda a, b: -(-a // b)}
+
+
+def evaluate(expr: str, symbols: dict[str, int]) -> int | bool:
+    """Value of an arithmetic formula over `symbols` (ValueError naming what it does not allow)."""
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in symbols:
+                raise ValueError(f"unknown symbol {node.id!r} in {expr!r}")
+            return symbols[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+            return _COMPARE[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
+        if isinstance(node, ast.BoolOp):
+            values = [ev(v) for v in node.values]
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.IfExp):
+            return ev(node.body) if ev(node.test) else ev(node.orelse)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS \
+                and not node.keywords:
+            return _FUNCTIONS[node.func.id](*(ev(a) for a in node.args))
+        raise ValueError(f"{ast.dump(node)[:60]} is not allowed in a formula ({expr!r})")
+
+    return ev(ast.parse(expr, mode="eval"))
+
+
+def spec_symbols(spec, tp: int, definitions: dict[str, str]) -> dict[str, int]:
+    """The formula symbols of one (spec, tp): every int/bool field of the ModelSpec (None as 0), `tp`,
+    `num_moe_layers`, then the blueprint's definitions in order."""
+    symbols: dict[str, int] = {"tp": tp, "num_moe_layers": len(spec.moe_layers)}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if value is None:
+            symbols[field.name] = 0
+        elif isinstance(value, bool | int) and not isinstance(value, float):
+            symbols[field.name] = int(value)
+    for name, expr in definitions.items():
+        symbols[name] = evaluate(expr, symbols)
+    return symbols
+
+
+def _family_models(root: str) -> Iterable[tuple[str, str, int, object, dict[str, tuple[int, ...]]]]:
+    """(family, config name, tp, spec, {parameter name: per-rank shape}) of the engine's model built on the
+    meta device, for every family config and every tp it can be split into (the spec's own constraints)."""
+    import torch
+
+    from metainfer.config import ConfigError, ModelSpec
+    from metainfer.distributed.parallel_state import tp_state
+    from metainfer.kernels import REF_OPS
+    from metainfer.models.registry import model_class
+    from metainfer.models.shape_contract import validate_tp_config
+
+    for family, names in FAMILY_CONFIGS.items():
+        for name in names:
+            spec = ModelSpec.from_file(os.path.join(root, "benchmarks", "configs", f"{name}.json"))
+            for tp in TP_SIZES:
+                try:
+                    validate_tp_config(spec, tp)
+                except ConfigError:
+                    continue
+                with tp_state(0, tp), torch.device("meta"):
+                    model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
+                yield family, name, tp, spec, {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _layer_indices(selection: str, spec) -> Iterable[int]:
+    if selection == "all":
+        return range(spec.num_layers)
+    if selection == "moe":
+        return spec.moe_layers
+    if selection == "dense_mlp":
+        return [i for i in range(spec.num_layers) if i not in spec.moe_layers]
+    return [None]
+
+
+def check_formulas(blueprint: dict, root: str = REPO_ROOT) -> tuple[list[str], int]:
+    """Drift errors between the formulas and the built models, and how many shapes were compared."""
+    errors, compared = [], 0
+    definitions = blueprint.get("definitions", {})
+    formula_nodes = [n for n in blueprint["nodes"] if n.get("formula")]
+    for family, name, tp, spec, shapes in _family_models(root):
+        symbols = spec_symbols(spec, tp, definitions)
+        covered: set[str] = set()
+        for node in formula_nodes:
+            formula = node["formula"]
+            if family not in formula["families"]:
+                continue
+            try:
+                if "when" in formula and not evaluate(formula["when"], symbols):
+                    continue
+                for i in _layer_indices(formula["layers"], spec):
+                    for template, dims in formula["params"].items():
+                        param = template.format(i=i) if i is not None else template
+                        expected = tuple(int(evaluate(d, symbols)) for d in dims)
+                        covered.add(param)
+                        compared += 1
+                        if param not in shapes:
+                            errors.append(f"{node['id']}: {name} tp={tp}: no parameter {param!r} in the built model")
+                        elif shapes[param] != expected:
+                            errors.append(f"{node['id']}: {name} tp={tp}: {param} is {shapes[param]}, "
+                                          f"the formula gives {expected}")
+            except (ValueError, KeyError, ZeroDivisionError) as exc:
+                errors.append(f"{node['id']}: {name} tp={tp}: formula error: {exc}")
+        for param in sorted(set(shapes) - covered):
+            errors.append(f"{name} tp={tp}: parameter {param!r} has no blueprint formula")
+    return errors, compared
+
+
+# ------------------------------------------------------------------------------------------------ links
+
+
+def check_schema(blueprint: dict) -> list[str]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(load_schema())
+    return [f"schema: {'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message[:200]}"
+            for e in sorted(validator.iter_errors(blueprint), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def check_links(blueprint: dict) -> list[str]:
+    errors = []
+    ids = [n["id"] for n in blueprint["nodes"]]
+    errors += [f"node id {i!r} is used twice" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    phases = {p["id"] for p in blueprint["phases"]}
+    modes = {m["id"] for m in blueprint.get("failure_modes", [])}
+    for node in blueprint["nodes"]:
+        if node["category"] not in blueprint["categories"]:
+            errors.append(f"{node['id']}: unknown category {node['category']!r}")
+        if node["phase"] not in phases:
+            errors.append(f"{node['id']}: unknown phase {node['phase']!r}")
+        errors += [f"{node['id']}: unknown failure mode {m!r}" for m in node["failure_modes"] if m not in modes]
+    return errors
+
+
+def resolve_ref(ref: str):
+    """The object a "module:qualname" reference names (ImportError / AttributeError where it does not)."""
+    module, _, qualname = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_refs(blueprint: dict) -> list[str]:
+    errors = []
+    for node in blueprint["nodes"]:
+        for ref in node["ref_code"]:
+            try:
+                resolve_ref(ref)
+            except (ImportError, AttributeError) as exc:
+                errors.append(f"{node['id']}: ref_code {ref!r} does not resolve: {type(exc).__name__}: {exc}")
+    return errors
+
+
+def test_exists(test_id: str, root: str = REPO_ROOT) -> bool:
+    """A pytest node id "path.py[::name[param]]" names an existing file and a top-level test function
+    (a phase may also name a test folder)."""
+    path, _, rest = test_id.partition("::")
+    full = os.path.join(root, path)
+    if not path.endswith(".py"):
+        return os.path.isdir(full)
+    if not os.path.isfile(full):
+        return False
+    if not rest:
+        return True
+    name = rest.split("[", 1)[0]
+    with open(full) as f:
+        return re.search(rf"^def {re.escape(name)}\(", f.read(), re.MULTILINE) is not None
+
+
+def all_test_ids(blueprint: dict) -> list[tuple[str, str]]:
+    pairs = [(n["id"], t) for n in blueprint["nodes"] for t in n["tests"]]
+    pairs += [(m["id"], t) for m in blueprint.get("failure_modes", []) for t in m["tests"]]
+    pairs += [(p["id"], t) for p in blueprint["phases"] for t in p["quick"] + p["full"]]
+    return pairs
+
+
+def check_tests(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
+    return [f"{owner}: test {t!r} does not exist" for owner, t in all_test_ids(blueprint) if not test_exists(t, root)]
+
+
+def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dict:
+    """Every check; {"errors": [...], "nodes": n, "shapes_compared": m}."""
+    blueprint = load_blueprint() if blueprint is None else blueprint
+    errors = check_schema(blueprint)
+    if errors:  # the other checks read the structure the schema guarantees
+        return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
+    errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
+    formula_errors, compared = check_formulas(blueprint, root)
+    return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

@@ -1,0 +1,91 @@
+"""The blueprint against the code (metainfer/knowledge/blueprint.py): in step as shipped, and every kind of
+drift caught: a wrong formula, a parameter without a node, a reference or a test that does not exist, a
+document the schema refuses. Formulas are evaluated without eval()."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from metainfer.knowledge.blueprint import check_blueprint, evaluate, load_blueprint
+
+
+@pytest.fixture(scope="module")
+def blueprint():
+    return load_blueprint()
+
+
+def _node(doc, node_id):
+    return next(n for n in doc["nodes"] if n["id"] == node_id)
+
+
+def test_blueprint_is_in_step_with_the_code(blueprint):
+    result = check_blueprint(blueprint)
+    assert result["errors"] == []
+    assert result["nodes"] >= 80 and result["shapes_compared"] > 1000
+    assert len(blueprint["categories"]) == 11
+    assert {n["category"] for n in blueprint["nodes"]} == set(blueprint["categories"])
+
+
+def test_a_broken_formula_is_drift(blueprint):
+    doc = copy.deepcopy(blueprint)
+    params = _node(doc, "dims.gqa_attention")["formula"]["params"]
+    params["model.layers.{i}.self_attn.qkv_proj.weight"][0] = "(heads_per_rank + kv_heads_per_rank) * head_dim"
+    errors = check_blueprint(doc)["errors"]
+    assert errors and all(e.startswith("dims.gqa_attention: ") for e in errors)
+    assert any("qwen3-8b tp=2" in e and "qkv_proj" in e for e in errors)
+
+
+def test_a_parameter_without_a_formula_is_drift(blueprint):
+    doc = copy.deepcopy(blueprint)
+    doc["nodes"] = [n for n in doc["nodes"] if n["id"] != "dims.mla"]
+    errors = check_blueprint(doc)["errors"]
+    assert any("deepseek-v2-lite tp=1: parameter 'model.layers.0.self_attn.kv_b_proj.weight' has no blueprint"
+               in e for e in errors)
+
+
+def test_missing_code_tests_and_links_are_drift(blueprint):
+    doc = copy.deepcopy(blueprint)
+    node = _node(doc, "kernel.rms_norm")
+    node["ref_code"].append("metainfer.kernels.rms_norm:no_such_kernel")
+    node["tests"].append("tests/kernels/test_elementwise.py::test_no_such_test")
+    node["phase"] = "P99"
+    node["failure_modes"] = ["fm.not_in_the_library"]
+    errors = check_blueprint(doc)["errors"]
+    assert any("no_such_kernel" in e for e in errors) and any("test_no_such_test" in e for e in errors)
+    assert any("unknown phase 'P99'" in e for e in errors) and any("fm.not_in_the_library" in e for e in errors)
+
+
+def test_the_schema_refuses_a_malformed_node(blueprint):
+    doc = copy.deepcopy(blueprint)
+    del _node(doc, "kernel.rms_norm")["contract"]
+    _node(doc, "kernel.silu_and_mul")["category"] = "kernels"
+    errors = check_blueprint(doc)["errors"]
+    assert any("'contract' is a required property" in e for e in errors)
+
+
+def test_formulas_are_arithmetic_only():
+    symbols = {"num_heads": 32, "tp": 4, "num_kv_heads": 8}
+    assert evaluate("max(1, num_kv_heads // tp) * 2 + cdiv(num_heads, 3)", symbols) == 15
+    assert evaluate("7 if tp > 2 and num_heads == 32 else 0", symbols) == 7
+    for bad in ("__import__('os')", "num_heads.bit_length()", "num_heads / tp", "[1, 2]", "unknown + 1"):
+        with pytest.raises(ValueError):
+            evaluate(bad, symbols)
+
+
+def test_cli_prints_and_checks(tmp_path, blueprint):
+    run = [sys.executable, "-m", "metainfer.entrypoints.cli", "blueprint"]
+    printed = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0 and json.loads(printed.stdout)["nodes"]
+    ok = subprocess.run([*run, "check"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "blueprint check: ok" in ok.stdout, ok.stderr[-2000:]
+    doc = copy.deepcopy(blueprint)
+    _node(doc, "dims.moe")["formula"]["params"]["model.layers.{i}.mlp.gate.weight"] = ["num_experts + 1", "hidden_size"]
+    broken = tmp_path / "blueprint.json"
+    broken.write_text(json.dumps(doc))
+    bad = subprocess.run([*run, "check", "--file", str(broken)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "drift: dims.moe:" in bad.stderr
