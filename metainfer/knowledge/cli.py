@@ -1,4 +1,4 @@
-"""The knowledge package's subcommands of `metainfer` (spec, blueprint), registered like serve and bench:
+"""The knowledge package's subcommands of `metainfer` (spec, blueprint, gate), registered like serve and bench:
 each command's module is imported when it runs, so `metainfer --help` stays light."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-COMMAND_MODULES = ("metainfer.knowledge.spec_cli", "metainfer.knowledge.blueprint_cli")
+COMMAND_MODULES = ("metainfer.knowledge.spec_cli", "metainfer.knowledge.blueprint_cli", "metainfer.knowledge.gate_cli")
 
 
 def register(sub, add_engine_args, engine_kwargs) -> None:

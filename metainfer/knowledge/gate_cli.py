@@ -1,0 +1,61 @@
+"""`metainfer gate [PHASE ...|all] [--quick] [--evidence DIR] [--mutants] [--update-manifest]`: run the
+blueprint's phase gates (metainfer/knowledge/gates.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("gate", help="run the blueprint's phase gates", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phases", nargs="*", default=["all"], help="phase ids (P0..P10) or all (default)")
+    p.add_argument("--quick", action="store_true", help="each phase's quick selection (the fast tier)")
+    p.add_argument("--evidence", default=None, help="write one JSON per gate into this folder")
+    p.add_argument("--mutants", action="store_true", help="also run the failure-mode library's mutations")
+    p.add_argument("--update-manifest", action="store_true",
+                   help="rewrite gate_manifest.json from the current test files (a deliberate, reviewed change)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from metainfer.knowledge.blueprint import load_blueprint
+    from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, run_gate
+
+    blueprint = load_blueprint()
+    if args.update_manifest:
+        with open(MANIFEST_PATH, "w") as f:
+            json.dump(build_manifest(blueprint), f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {os.path.relpath(MANIFEST_PATH)}")
+        return 0
+    ids = [p["id"] for p in blueprint["phases"]] if args.phases == ["all"] else args.phases
+    unknown = [i for i in ids if i not in {p["id"] for p in blueprint["phases"]}]
+    if unknown:
+        print(f"metainfer: error: unknown phase(s) {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    failed = 0
+    every = args.phases == ["all"]  # in order, each phase's own selection: the earlier ones just ran
+    for i, phase_id in enumerate(ids):
+        result = run_gate(phase_id, args.quick, blueprint, regression=not every, l0=i == 0)
+        failed += not result["passed"]
+        print(f"{phase_id} {'PASS' if result['passed'] else 'FAIL'} {result['seconds']:.1f}s "
+              f"{result.get('pytest', {}).get('summary', '')} " + "; ".join(result["errors"]), flush=True)
+        if args.evidence:
+            os.makedirs(args.evidence, exist_ok=True)
+            with open(os.path.join(args.evidence, f"gate_{phase_id}.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    if args.mutants:
+        from metainfer.knowledge import mutants
+
+        report = mutants.run_mutants(mutants.load_failure_modes(), mutants.REPO_ROOT)
+        print(f"mutants: {report['caught']}/{report['total']} caught")
+        failed += report["caught"] != report["total"]
+        if args.evidence:
+            with open(os.path.join(args.evidence, "mutants.json"), "w") as f:
+                json.dump(report, f, indent=1)
+    return 1 if failed else 0
+

@@ -1,0 +1,128 @@
+"""The phase gates: each phase of the blueprint names a quick and a full test selection; a gate runs its
+phase's selection after the earlier phases' quick selections (regression), behind three guards:
+
+  immutability  gate_manifest.json holds the sha256 of every test file a gate selects; a gate whose files
+                changed without their manifest entry fails (`metainfer gate --update-manifest` writes it, a
+                deliberate, reviewed commit);
+  L0            the engine's import closure (metainfer, its models, kernels, server) holds none of vllm,
+                sglang, flash_attn, flashinfer, xformers;
+  evidence      one JSON per gate under --evidence DIR: command, result, duration, commit, environment,
+                test counts.
+`--mutants` runs the failure-mode library's mutations (metainfer/knowledge/mutants.py) and reports
+caught / total.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from metainfer.knowledge.blueprint import KNOWLEDGE_DIR, REPO_ROOT, load_blueprint
+
+MANIFEST_PATH = os.path.join(KNOWLEDGE_DIR, "gate_manifest.json")
+FORBIDDEN_IMPORTS = ("vllm", "sglang", "flash_attn", "flashinfer", "xformers")
+ENGINE_MODULES = ("metainfer", "metainfer.llm", "metainfer.models.registry", "metainfer.worker.model_runner",
+                  "metainfer.kernels", "metainfer.entrypoints.cli", "metainfer.entrypoints.openai.api_server")
+
+
+def selection(phase: dict, quick: bool) -> list[str]:
+    return list(phase["quick"] if quick else phase["full"])
+
+
+def selected_files(test_ids: list[str], root: str = REPO_ROOT) -> list[str]:
+    """The test files a selection runs (a folder: every test_*.py below it), repo-relative, sorted."""
+    files = set()
+    for test_id in test_ids:
+        path = test_id.split("::", 1)[0]
+        if path.endswith(".py"):
+            files.add(path)
+        else:
+            files.update(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, path, "**", "test_*.py"),
+                                                                       recursive=True))
+    return sorted(files)
+
+
+def file_hashes(files: list[str], root: str = REPO_ROOT) -> dict[str, str]:
+    out = {}
+    for path in files:
+        with open(os.path.join(root, path), "rb") as f:
+            out[path] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def build_manifest(blueprint: dict, root: str = REPO_ROOT) -> dict:
+    """{phase id: {test file: sha256}} over both selections of every phase."""
+    return {p["id"]: file_hashes(selected_files(p["quick"] + p["full"], root), root) for p in blueprint["phases"]}
+
+
+def manifest_drift(phase_id: str, blueprint: dict, manifest: dict, root: str = REPO_ROOT) -> list[str]:
+    """Files of a gate whose content (or presence) differs from the committed manifest."""
+    current = build_manifest({"phases": [p for p in blueprint["phases"] if p["id"] == phase_id]}, root)[phase_id]
+    recorded = manifest.get(phase_id, {})
+    changed = [f for f in current if recorded.get(f) != current[f]]
+    gone = [f for f in recorded if f not in current]
+    return [f"{phase_id}: {f} changed without its manifest entry" for f in changed] + \
+        [f"{phase_id}: {f} left the gate without its manifest entry" for f in gone]
+
+
+def l0_violations() -> list[str]:
+    """Forbidden packages in the engine's import closure (a fresh interpreter imports the engine modules)."""
+    code = ("import importlib, json, sys\n"
+            f"for m in {ENGINE_MODULES!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    if proc.returncode:
+        return [f"L0: importing the engine failed: {proc.stderr.strip()[-300:]}"]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [f"L0: the engine imports {m}" for m in loaded if m.split(".")[0] in FORBIDDEN_IMPORTS]
+
+
+def _git_commit(root: str) -> str:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root)
+    return proc.stdout.strip() or "unknown"
+
+
+def run_pytest(test_ids: list[str], root: str = REPO_ROOT, timeout_s: int = 3600) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadscope",
+           *test_ids]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=timeout_s)
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "summary": tail[0],
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest: dict | None = None,
+             root: str = REPO_ROOT, regression: bool = True, l0: bool = True) -> dict:
+    """One gate: manifest check, L0, then the earlier phases' quick selections (regression) and this phase's
+    selection. A run of every phase in order passes regression=False (the earlier phases just ran) and checks
+    L0 once."""
+    blueprint = blueprint or load_blueprint()
+    if manifest is None:
+        with open(MANIFEST_PATH) as f:
+            manifest = json.load(f)
+    order = [p["id"] for p in blueprint["phases"]]
+    if phase_id not in order:
+        raise ValueError(f"unknown phase {phase_id!r}; phases: {', '.join(order)}")
+    phases = {p["id"]: p for p in blueprint["phases"]}
+    earlier = order[: order.index(phase_id)] if regression else []
+    start = time.perf_counter()
+    errors = [e for pid in [*earlier, phase_id] for e in manifest_drift(pid, blueprint, manifest, root)]
+    errors += l0_violations() if l0 else []
+    tests = [t for pid in earlier for t in phases[pid]["quick"]] + selection(phases[phase_id], quick)
+    result = {"gate": phase_id, "title": phases[phase_id]["title"], "quick": quick, "regression_phases": earlier,
+              "commit": _git_commit(root), "python": platform.python_version(), "platform": platform.platform()}
+    if not errors:
+        run = run_pytest(list(dict.fromkeys(tests)), root)
+        result["pytest"] = run
+        if run["returncode"]:
+            errors.append(f"{phase_id}: pytest failed: {run['summary']}")
+    result.update(errors=errors, passed=not errors, seconds=round(time.perf_counter() - start, 1))
+    return result
