@@ -1,0 +1,293 @@
+"""The failure-mode library (failure_modes.json) and its mutation harness.
+
+Why: a failure mode is only known if a test fails when the bug is put back. Each mode carries a minimal
+mutation of our code and the fastest tests that must catch it; `run_mutants` applies each mutation to a
+throw-away copy of the repository and runs those tests, so the score says how much of the library the
+suite really guards. The checkout itself is never modified.
+
+CLI: `python -m metainfer.knowledge.mutants [--only ID ...] [--json PATH] [--jobs N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+KEYS = {"id", "title", "symptom", "cause", "tests", "mutation"}
+MUTATION_KEYS = {"file", "find", "replace"}
+ID_PATTERN = re.compile(r"^fm\.[a-z0-9]+(?:_[a-z0-9]+)*$")
+PYTEST_ARGS = ("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
+TAIL_CHARS = 3000
+
+
+def load_failure_modes() -> list[dict]:
+    """The library as packaged (package data, so an installed wheel has it too)."""
+    text = resources.files("metainfer.knowledge").joinpath("failure_modes.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+# -- static checks ---------------------------------------------------------------------------------------
+
+
+def _test_exists(node_id: str, root: Path) -> str | None:
+    """None when the node id's file exists and defines its function (and class); else the problem."""
+    path, _, rest = node_id.partition("::")
+    file = root / path
+    if not rest:
+        return f"test id {node_id!r} names no function"
+    if not file.is_file():
+        return f"test id {node_id!r}: no file {path}"
+    text = file.read_text(encoding="utf-8")
+    *classes, func = rest.split("::")
+    func = func.split("[", 1)[0]
+    for cls in classes:
+        if not re.search(rf"^\s*class {re.escape(cls)}\b", text, re.M):
+            return f"test id {node_id!r}: no class {cls} in {path}"
+    if not re.search(rf"^\s*(?:async\s+)?def {re.escape(func)}\(", text, re.M):
+        return f"test id {node_id!r}: no function {func} in {path}"
+    return None
+
+
+def check_library(modes: list[dict], repo_root) -> list[str]:
+    """Every problem of the library against the tree at `repo_root` (empty: it is usable)."""
+    root, problems, seen = Path(repo_root), [], set()
+    for i, mode in enumerate(modes):
+        name = mode.get("id", f"#{i}") if isinstance(mode, dict) else f"#{i}"
+        if not isinstance(mode, dict) or set(mode) != KEYS:
+            keys = sorted(mode) if isinstance(mode, dict) else type(mode).__name__
+            problems.append(f"{name}: keys {keys}, expected {sorted(KEYS)}")
+            continue
+        if not isinstance(name, str) or not ID_PATTERN.match(name):
+            problems.append(f"{name!r}: id is not fm.<snake_case>")
+        if name in seen:
+            problems.append(f"{name}: duplicate id")
+        seen.add(name)
+        for key in ("title", "symptom", "cause"):
+            if not isinstance(mode[key], str) or not mode[key].strip():
+                problems.append(f"{name}: empty {key}")
+        tests = mode["tests"]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+            problems.append(f"{name}: tests must be a non-empty list of pytest node ids")
+            tests = []
+        for node_id in tests:
+            problem = _test_exists(node_id, root)
+            if problem:
+                problems.append(f"{name}: {problem}")
+        mutation = mode["mutation"]
+        if not isinstance(mutation, dict) or set(mutation) != MUTATION_KEYS:
+            problems.append(f"{name}: mutation needs exactly {sorted(MUTATION_KEYS)}")
+            continue
+        file = root / mutation["file"]
+        if not file.is_file():
+            problems.append(f"{name}: mutation file {mutation['file']} does not exist")
+            continue
+        if mutation["find"] == mutation["replace"]:
+            problems.append(f"{name}: the mutation changes nothing")
+        count = file.read_text(encoding="utf-8").count(mutation["find"]) if mutation["find"] else 0
+        if count != 1:
+            problems.append(f"{name}: find occurs {count} times in {mutation['file']}, expected exactly once")
+    return problems
+
+
+# -- the sandbox -----------------------------------------------------------------------------------------
+
+
+def _repo_files(root: Path) -> list[str]:
+    """Tracked files and untracked ones git does not ignore (what the suite sees of the checkout)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         check=True, capture_output=True).stdout
+    return sorted({f for f in out.decode().split("\0") if f})
+
+
+def make_copy(repo_root, dest) -> Path:
+    """Copy the repository's files into `dest` (the mutants' sandbox); returns dest."""
+    root, dest = Path(repo_root), Path(dest)
+    for rel in _repo_files(root):
+        src = root / rel
+        if src.is_file() and not src.is_symlink():  # a tracked file deleted in the work tree is skipped
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    return dest
+
+
+def sandbox_env(copy: Path) -> dict:
+    """The copy's metainfer first on the path (not the editable install's), the Triton interpreter on."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutated module must never be read back from a stale .pyc
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports_copy(copy: Path) -> str:
+    """Where `metainfer` resolves from inside the sandbox; raises unless it is the copy's."""
+    out = subprocess.run([sys.executable, "-c", "import metainfer; print(metainfer.__file__)"], cwd=copy,
+                         env=sandbox_env(copy), capture_output=True, text=True, timeout=120)
+    where = out.stdout.strip()
+    if out.returncode or not Path(where).resolve().is_relative_to(copy.resolve()):
+        raise RuntimeError(f"the sandbox imports metainfer from {where or out.stderr[-500:]!r}, not {copy}")
+    return where
+
+
+def _pytest(copy: Path, tests: list[str], timeout_s: float) -> tuple[int | None, str, float]:
+    """(return code or None on timeout, output tail, seconds)."""
+    start = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, *PYTEST_ARGS, *tests], cwd=copy, env=sandbox_env(copy),
+                             capture_output=True, text=True, timeout=timeout_s)
+        return out.returncode, (out.stdout + out.stderr)[-TAIL_CHARS:], time.monotonic() - start
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"") + (exc.stderr or b"")
+        text = text.decode(errors="replace") if isinstance(text, bytes) else text
+        return None, text[-TAIL_CHARS:], time.monotonic() - start
+
+
+def classify(returncode: int | None, output: str) -> str:
+    """pytest's exit code -> caught (tests failed), survived (passed), broken (collection or usage error,
+    no tests run), timeout."""
+    if returncode is None:
+        return "timeout"
+    if returncode == 0:
+        return "survived"
+    if returncode == 1 and "error during collection" not in output and "errors during collection" not in output:
+        return "caught"
+    return "broken"
+
+
+def _apply(copy: Path, mutation: dict) -> tuple[Path, str, str | None]:
+    """Write the mutated file into the copy; returns (path, original text, problem or None)."""
+    path = copy / mutation["file"]
+    original = path.read_text(encoding="utf-8")
+    if original.count(mutation["find"]) != 1:
+        return path, original, f"find occurs {original.count(mutation['find'])} times"
+    mutated = original.replace(mutation["find"], mutation["replace"])
+    path.write_text(mutated, encoding="utf-8")
+    if path.suffix == ".py":
+        try:
+            compile(mutated, str(path), "exec")
+        except SyntaxError as exc:
+            return path, original, f"the mutated file does not compile: {exc}"
+    return path, original, None
+
+
+def run_mode(copy: Path, mode: dict, timeout_s: float) -> dict:
+    """Apply one mode's mutation to the copy, run its tests, restore the file."""
+    path, original, problem = _apply(copy, mode["mutation"])
+    try:
+        if problem:
+            return {"id": mode["id"], "status": "broken", "seconds": 0.0, "detail": problem}
+        code, output, seconds = _pytest(copy, mode["tests"], timeout_s)
+    finally:
+        path.write_text(original, encoding="utf-8")
+    status = classify(code, output)
+    result = {"id": mode["id"], "status": status, "seconds": round(seconds, 2)}
+    if status != "caught":
+        result["detail"] = output
+    return result
+
+
+def run_mutants(modes: list[dict], repo_root, jobs: int = 1, timeout_s: float = 300,
+                log=None) -> dict:
+    """Baseline (every mode's tests on the unmutated copy) then each mode on its own mutated file, `jobs`
+    copies in parallel. A failing baseline stops the run: no mode's result would mean anything."""
+    log = log or (lambda msg: None)
+    start, jobs = time.monotonic(), max(1, min(jobs, len(modes) or 1))
+    with tempfile.TemporaryDirectory(prefix="metainfer-mutants-") as tmp:
+        copies = [make_copy(repo_root, Path(tmp) / f"copy{i}") for i in range(jobs)]
+        for copy in copies:
+            check_imports_copy(copy)
+        tests = list(dict.fromkeys(t for mode in modes for t in mode["tests"]))
+        code, output, seconds = _pytest(copies[0], tests, timeout_s * 2) if tests else (0, "", 0.0)
+        baseline = {"status": "passed" if code == 0 else "failed", "returncode": code, "seconds": round(seconds, 2),
+                    "tests": len(tests)}
+        log(f"baseline: {baseline['status']} ({len(tests)} tests, {seconds:.1f} s)")
+        if code != 0:
+            baseline["detail"] = output
+            return {"caught": 0, "total": len(modes), "score": 0.0, "modes": [], "baseline": baseline,
+                    "survivors": [m["id"] for m in modes], "wall_s": round(time.monotonic() - start, 1)}
+        results: dict[str, dict] = {}
+        todo: queue.Queue = queue.Queue()
+        for mode in modes:
+            todo.put(mode)
+
+        def worker(copy: Path) -> None:
+            while True:
+                try:
+                    mode = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    result = run_mode(copy, mode, timeout_s)
+                except Exception as exc:  # a harness failure is reported, never a silent gap in the results
+                    result = {"id": mode["id"], "status": "broken", "seconds": 0.0, "detail": repr(exc)}
+                results[mode["id"]] = result
+                log(f"{result['status']:>8} {result['seconds']:6.1f} s  {mode['id']}")
+
+        threads = [threading.Thread(target=worker, args=(copy,)) for copy in copies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    ordered = [results[m["id"]] for m in modes]
+    caught = sum(r["status"] == "caught" for r in ordered)
+    return {"caught": caught, "total": len(modes), "score": caught / len(modes) if modes else 1.0,
+            "modes": ordered, "baseline": baseline,
+            "survivors": [r["id"] for r in ordered if r["status"] != "caught"],
+            "wall_s": round(time.monotonic() - start, 1)}
+
+
+# -- CLI -------------------------------------------------------------------------------------------------
+
+
+def _default_root() -> Path:
+    here = Path(__file__).resolve().parents[2]
+    return here if (here / ".git").exists() else Path.cwd()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m metainfer.knowledge.mutants",
+                                     description="Run the failure-mode library's mutations against the tests.")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mode ids")
+    parser.add_argument("--json", metavar="PATH", help="write the full result here")
+    parser.add_argument("--jobs", type=int, default=1, help="parallel sandbox copies (default 1)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per mode's pytest run")
+    parser.add_argument("--repo", default=None, help="repository root (default: this checkout)")
+    args = parser.parse_args(argv)
+    root = Path(args.repo) if args.repo else _default_root()
+    modes = load_failure_modes()
+    if args.only:
+        unknown = set(args.only) - {m["id"] for m in modes}
+        if unknown:
+            parser.error(f"unknown mode id(s): {', '.join(sorted(unknown))}")
+        modes = [m for m in modes if m["id"] in args.only]
+    problems = check_library(modes, root)
+    if problems:
+        print("library problems:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    result = run_mutants(modes, root, jobs=args.jobs, timeout_s=args.timeout,
+                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"caught {result['caught']}/{result['total']} (score {result['score']:.3f}), "
+          f"baseline {result['baseline']['status']}, wall {result['wall_s']} s")
+    for mode in result["modes"]:
+        if mode["status"] != "caught":
+            print(f"  {mode['status']}: {mode['id']}")
+    return 0 if result["baseline"]["status"] == "passed" and result["caught"] == result["total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
