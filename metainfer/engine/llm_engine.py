@@ -29,6 +29,7 @@ from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.loader.gguf import gguf_config
+from metainfer.models.shape_contract import validate_tp_config
 from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
@@ -71,6 +72,8 @@ class LLMEngine:
         config.model_dir, config.gguf_file = locate_model(config.model)
         spec = _read_spec(config)
         config.finalize(spec)
+        # every tp, 1 included, before any weight is read: the constraints `metainfer spec` reports
+        validate_tp_config(spec, config.tensor_parallel_size, config.kv_cache_dtype)
         self.spec = spec
         self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
         eos = set(spec.eos_token_ids)

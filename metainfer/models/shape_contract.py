@@ -17,31 +17,19 @@ from __future__ import annotations
 from torch import nn
 
 from metainfer.config import ConfigError, ModelSpec
+from metainfer.knowledge.spec_report import spec_violations
 
 
 class ShapeContractError(ValueError):
     """A built model whose parameters disagree with the per-rank contract."""
 
 
-def validate_tp_config(spec: ModelSpec, tp_size: int) -> None:
-    """Raise ValueError, naming the config field, when the model cannot be split `tp_size` ways."""
-    if tp_size < 1:
-        raise ConfigError(f"tensor_parallel_size must be >= 1, got {tp_size}")
-    if spec.num_heads % tp_size:
-        raise ConfigError(f"num_attention_heads ({spec.num_heads}) is not divisible by "
-                          f"tensor_parallel_size ({tp_size})")
-    kv = spec.num_kv_heads
-    if kv >= tp_size and kv % tp_size:
-        raise ConfigError(f"num_key_value_heads ({kv}) is not divisible by tensor_parallel_size ({tp_size})")
-    if kv < tp_size and tp_size % kv:
-        raise ConfigError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads ({kv}); "
-                          "KV heads can only be replicated evenly")
-    if spec.intermediate_size % tp_size and len(spec.moe_layers) < spec.num_layers:
-        raise ConfigError(f"intermediate_size ({spec.intermediate_size}) is not divisible by "
-                          f"tensor_parallel_size ({tp_size})")
-    if spec.moe_layers and spec.moe_intermediate_size % tp_size:
-        raise ConfigError(f"moe_intermediate_size ({spec.moe_intermediate_size}) is not divisible by "
-                          f"tensor_parallel_size ({tp_size})")
+def validate_tp_config(spec: ModelSpec, tp_size: int, kv_cache_dtype="auto") -> None:
+    """Raise ConfigError for the first constraint (spec, tp_size) breaks, naming the blueprint node and the
+    config field; the same checks as `metainfer spec` (knowledge/spec_report.py: spec_violations)."""
+    violations = spec_violations(spec, tp_size, kv_cache_dtype)
+    if violations:
+        raise ConfigError(f"{violations[0]['node']}: {violations[0]['message']}")
 
 
 def per_rank_dims(spec: ModelSpec, tp_size: int) -> dict[str, int]:

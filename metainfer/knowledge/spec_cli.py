@@ -1,0 +1,78 @@
+"""`metainfer spec MODEL`: the model-spec report (knowledge/spec_report.py) on the command line, so a split
+can be checked and its memory planned from config.json or a GGUF header before any weight is fetched."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="per-rank facts of a model (shapes, bytes, constraints) from its config alone",
+                       description=__doc__)
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder (config.json) or .gguf file (default: the embedded SmolLM2 GGUF)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size the shapes and bytes are given for (default 1)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the whole report as JSON on stdout")
+    out.add_argument("-o", "--output", default=None,
+                     help="write the report to this file: JSON if it ends in .json, else YAML (e.g. model_spec.yaml)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="GPU memory per rank in GiB: adds `memory` (KV gets G x 2^30 x 0.9 minus the rank's weights)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache dtype: auto (the --dtype) or fp8 (1 byte a value)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="weight dtype the bytes are counted in (default bfloat16; DeepSeek's routers stay fp32)")
+    p.add_argument("--full-shapes", action="store_true",
+                   help="list every parameter name in per_rank_shapes instead of the {i}/{e} templates")
+    p.set_defaults(func=cmd_spec)
+
+
+def cmd_spec(args) -> int:
+    from metainfer.knowledge.spec_report import build_report, load_config, to_json, to_yaml
+
+    model = args.model
+    if model is None:
+        from metainfer.entrypoints.cli import default_model_path
+
+        model = default_model_path()
+    report = build_report(load_config(model), tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          gpu_memory_gib=args.gpu_memory_gib, full_shapes=args.full_shapes)
+    if args.json:
+        print(to_json(report))
+    elif args.output:
+        with open(args.output, "w") as f:
+            f.write(to_json(report) + "\n" if args.output.endswith(".json") else to_yaml(report))
+        print(f"wrote {args.output}")
+    else:
+        print(summary(report, args.tp))
+    if report["violations"]:  # one line, every violated node in it
+        print("metainfer spec: error: " + "; ".join(f"{v['node']}: {v['message']}" for v in report["violations"]),
+              file=sys.stderr)
+    return 1 if report["violations"] else 0
+
+
+def summary(report: dict, tp: int) -> str:
+    """A few readable lines of the report (the shapes only counted)."""
+    lines = [f"architecture: {report['architecture']} (family {report['family']}), tp={tp}"]
+    feats = report["features"]
+    if feats:
+        att, moe = feats["attention"], feats["moe"]
+        lines.append(f"attention: {att['kind']}, {att['num_heads']} heads"
+                     + (f", {att['num_kv_heads']} KV heads" if att["kind"] == "GQA" else
+                        f", latent {att['kv_lora_rank']} + rope {att['qk_rope_head_dim']}"))
+        lines.append(f"rope: {feats['rope']['type']}, theta {feats['rope']['theta']}")
+        if moe:
+            lines.append(f"moe: {moe['num_experts']} experts, top {moe['top_k']}, {moe['num_shared_experts']} shared, "
+                         f"{moe['num_moe_layers']} MoE layers")
+    if report["params_total"] is not None:
+        lines.append(f"parameters: {report['params_total']:,}")
+    if report["per_rank_shapes"] is not None:
+        lines.append(f"weights per rank: {report['weight_bytes_per_rank']:,} bytes")
+    if report["kv_bytes_per_token"] is not None:
+        lines.append(f"KV cache per token per rank: {report['kv_bytes_per_token']:,} bytes")
+    if report["memory"]:
+        m = report["memory"]
+        lines.append(f"memory: {m['kv_tokens']:,} KV tokens, {m['max_sequences_at_max_model_len']} sequences "
+                     "at max_model_len")
+    return "\n".join(lines)

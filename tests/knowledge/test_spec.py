@@ -1,0 +1,272 @@
+"""`metainfer spec` (knowledge/spec_report.py) against transformers' own models and the engine's: parameter
+counts and names from HF models built on the meta device, per-rank shapes from the engine's model built on
+the meta device as one rank of a faked TP group, and the constraints the engine refuses at build."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from metainfer.config import ConfigError, ModelSpec
+from metainfer.distributed.parallel_state import tp_state
+from metainfer.kernels import REF_OPS
+from metainfer.knowledge.spec_report import (
+    build_report,
+    compress_shapes,
+    expand_shapes,
+    fold_experts,
+    load_config,
+    param_shapes,
+    spec_violations,
+    to_yaml,
+)
+from metainfer.models.registry import model_class
+from tests.helpers.tiny_models import smollm2_gguf, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = ("qwen3-8b", "qwen3-30b-a3b", "deepseek-v2-lite")
+TPS = (1, 2, 4, 8)  # all valid for the three configs
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name in CONFIGS:
+        folder = tmp_path_factory.mktemp(name)
+        shutil.copy(os.path.join(ROOT, "benchmarks", "configs", f"{name}.json"), folder / "config.json")
+        out[name] = str(folder)
+    return out
+
+
+def hf_shapes(folder: str) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """(parameter count, {name: shape}) of transformers' model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters()), {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def engine_model(spec: ModelSpec, tp: int):
+    with tp_state(0, tp), torch.device("meta"):
+        return model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
+
+
+def assert_agrees_with_engine(model, shapes: dict[str, tuple[int, ...]], num_experts: int) -> None:
+    """Every checkpoint name maps (through the engine's own loader mapping) onto an engine parameter whose
+    per-rank shape is the report's shards stacked: fused q/k/v and gate/up rows, experts along dim 0."""
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    parts: dict[str, list] = {}
+    for name, shape in shapes.items():
+        target, sid = model.map_checkpoint_name(name) or (name, None)
+        if target == name:
+            for fragment, (fused, s) in model.packed_modules_mapping.items():
+                if f".{fragment}." in name:
+                    target, sid = name.replace(f".{fragment}.", f".{fused}."), s
+                    break
+        assert target in params, f"{name} -> {target}: no such engine parameter"
+        parts.setdefault(target, []).append((sid, shape))
+    assert set(parts) == set(params)
+    for target, shards in parts.items():
+        want = params[target]
+        if len(want) == 3:  # stacked experts [E + S, rows, cols]: E routed then S shared
+            shared = want[0] - num_experts
+            routed: dict[int, list] = {}
+            for (expert, _), shape in shards:
+                if expert == "shared":
+                    rows, cols = (shape[0] // shared, shape[1]) if target.endswith("gate_up_proj") else \
+                        (shape[0], shape[1] // shared)
+                    routed.setdefault("shared", []).append((rows, cols))
+                else:
+                    routed.setdefault(expert, []).append(shape)
+            assert len([e for e in routed if e != "shared"]) == num_experts
+            for expert, got in routed.items():
+                assert (sum(s[0] for s in got), got[0][1]) == want[1:], (target, expert, got, want)
+        else:
+            assert (sum(s[0] for _, s in shards), *shards[0][1][1:]) == want, (target, shards, want)
+            if len(shards) > 1:
+                assert len({s[1:] for _, s in shards}) == 1
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_params_and_names_equal_transformers(folders, name):
+    count, shapes = hf_shapes(folders[name])
+    report = build_report(load_config(folders[name]), tp=1)
+    assert report["violations"] == []
+    assert report["params_total"] == count
+    assert fold_experts(expand_shapes(report["per_rank_shapes"])) == shapes  # every name, exact shapes
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_per_rank_shapes_agree_with_the_engine(folders, name):
+    spec = ModelSpec.from_dict(load_config(folders[name]))
+    names = set(param_shapes(spec, 1))
+    for tp in TPS:
+        report = build_report(load_config(folders[name]), tp=tp)
+        assert report["violations"] == []
+        shapes = expand_shapes(report["per_rank_shapes"])
+        assert set(shapes) == names  # the same names at every tp
+        assert_agrees_with_engine(engine_model(spec, tp), shapes, spec.num_experts)
+        weights = sum(torch.Size(s).numel() * (4 if ".mlp.gate." in n and spec.router_fp32 else 2)
+                      for n, s in shapes.items())
+        assert report["weight_bytes_per_rank"] == weights
+
+
+def test_known_per_rank_shapes(folders):
+    """A few by hand: KV heads replicated (4 KV heads at tp=8), vocabulary padded, MLA split by heads."""
+    moe = expand_shapes(build_report(load_config(folders["qwen3-30b-a3b"]), tp=8)["per_rank_shapes"])
+    assert moe["model.layers.0.self_attn.k_proj.weight"] == (128, 2048)
+    assert moe["model.layers.0.self_attn.q_proj.weight"] == (512, 2048)
+    assert moe["model.layers.5.mlp.experts.127.down_proj.weight"] == (2048, 96)
+    assert moe["model.layers.5.mlp.gate.weight"] == (128, 2048)
+    assert moe["model.embed_tokens.weight"] == (151936 // 8, 2048)
+    ds = expand_shapes(build_report(load_config(folders["deepseek-v2-lite"]), tp=4)["per_rank_shapes"])
+    assert ds["model.layers.0.self_attn.q_proj.weight"] == (4 * 192, 2048)
+    assert ds["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (576, 2048)
+    assert ds["model.layers.0.self_attn.kv_b_proj.weight"] == (4 * 256, 512)
+    assert ds["model.layers.0.mlp.gate_proj.weight"] == (10944 // 4, 2048)
+    assert ds["model.layers.3.mlp.shared_experts.gate_proj.weight"] == (2 * 1408 // 4, 2048)
+    assert ds["model.layers.3.mlp.experts.63.up_proj.weight"] == (1408 // 4, 2048)
+    odd = ModelSpec.from_dict({**load_config(folders["qwen3-8b"]), "vocab_size": 151_937})
+    assert param_shapes(odd, 4)["lm_head.weight"] == (37_985, 4096)  # ceil(V / tp) rows
+
+
+def test_kv_bytes_and_memory(folders):
+    ds = build_report(load_config(folders["deepseek-v2-lite"]), tp=1)
+    assert ds["kv_bytes_per_token"] == 31_104 and ds["memory"] is None
+    assert build_report(load_config(folders["deepseek-v2-lite"]), tp=8)["kv_bytes_per_token"] == 31_104  # replicated
+    q8 = build_report(load_config(folders["qwen3-8b"]), tp=1, gpu_memory_gib=80)
+    assert q8["kv_bytes_per_token"] == 147_456
+    assert build_report(load_config(folders["qwen3-8b"]), kv_cache_dtype="fp8")["kv_bytes_per_token"] == 73_728
+    assert build_report(load_config(folders["qwen3-30b-a3b"]), tp=8)["kv_bytes_per_token"] == 2 * 48 * 128 * 2
+    mem = q8["memory"]
+    assert mem["budget_bytes"] == int(80 * 2**30 * 0.9)
+    assert mem["kv_bytes_available"] == mem["budget_bytes"] - q8["weight_bytes_per_rank"]
+    assert mem["kv_tokens"] == mem["kv_bytes_available"] // 147_456
+    assert mem["max_sequences_at_max_model_len"] == mem["kv_tokens"] // 40_960
+    assert build_report(load_config(folders["qwen3-8b"]), gpu_memory_gib=8)["memory"]["kv_tokens"] == 0
+
+
+@pytest.mark.parametrize("name,tp,overrides,node", [
+    ("qwen3-8b", 3, {}, "constraint.tp_divides_heads"),
+    ("deepseek-v2-lite", 64, {}, "constraint.tp_divides_heads"),
+    ("qwen3-8b", 16, {"num_key_value_heads": 6, "num_attention_heads": 48}, "constraint.tp_kv_heads"),
+    ("qwen3-8b", 4, {"intermediate_size": 12290}, "constraint.tp_divides_intermediate"),
+    ("qwen3-30b-a3b", 4, {"intermediate_size": 12290}, None),  # every layer MoE: the dense size is unused
+    ("qwen3-30b-a3b", 4, {"moe_intermediate_size": 770}, "constraint.tp_divides_moe_intermediate"),
+    ("qwen3-8b", 1, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "constraint.rope_scaling_supported"),
+    ("qwen3-8b", 1, {"architectures": ["MistralForCausalLM"]}, "constraint.supported_architecture"),
+])
+def test_violations_name_the_node(folders, name, tp, overrides, node):
+    report = build_report({**load_config(folders[name]), **overrides}, tp=tp)
+    assert [v["node"] for v in report["violations"]][:1] == ([node] if node else [])
+    assert report["architecture"] == (overrides.get("architectures") or [report["architecture"]])[0]
+    if node and node != "constraint.rope_scaling_supported":
+        assert report["per_rank_shapes"] is None
+
+
+def test_kv_cache_dtype_violation(folders):
+    spec = ModelSpec.from_dict(load_config(folders["qwen3-8b"]))
+    assert spec_violations(spec, 1, "int4") == [{"node": "constraint.kv_cache_dtype", "message":
+                                                 "kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got 'int4'"}]
+    assert spec_violations(spec, 8, "fp8") == []
+
+
+def test_cli_exit_status_and_one_line(folders, capsys, tmp_path):
+    from metainfer.entrypoints.cli import main
+
+    assert main(["spec", folders["qwen3-8b"], "--tp", "3", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["violations"][0]["node"] == "constraint.tp_divides_heads"
+    assert err.count("\n") == 1 and "constraint.tp_divides_heads" in err and "num_attention_heads (32)" in err
+    target = tmp_path / "model_spec.yaml"
+    assert main(["spec", folders["deepseek-v2-lite"], "--tp", "2", "-o", str(target)]) == 0
+    yaml = pytest.importorskip("yaml")
+    assert yaml.safe_load(target.read_text()) == build_report(load_config(folders["deepseek-v2-lite"]), tp=2)
+    assert main(["spec", folders["qwen3-8b"], "-o", str(tmp_path / "s.json"), "--gpu-memory-gib", "80"]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["memory"]["kv_tokens"] > 0
+
+
+def test_cli_module_prints_json(folders):
+    run = subprocess.run([sys.executable, "-m", "metainfer.entrypoints.cli", "spec", folders["qwen3-30b-a3b"],
+                          "--json", "--tp", "4"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert list(report) == ["architecture", "family", "features", "params_total", "per_rank_shapes",
+                            "weight_bytes_per_rank", "kv_bytes_per_token", "memory", "violations"]
+    assert report["family"] == "qwen3_moe" and report["features"]["moe"]["num_moe_layers"] == 48
+    key = "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"
+    assert report["per_rank_shapes"][key] == {"shape": [192, 2048], "i": [[0, 47]], "e": [[0, 127]]}
+
+
+def test_gguf_header_report():
+    """The embedded SmolLM2 GGUF: shapes from the header's tensor list, count from transformers' Llama."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from metainfer.loader.gguf import _hf_name
+
+    path = smollm2_gguf()
+    config = load_config(path)  # the header is parsed in ~3 s: once
+    report = build_report(config, tp=1)
+    assert report["architecture"] == "LlamaForCausalLM" and report["violations"] == []
+    header = {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in gguf.GGUFReader(path).tensors}
+    assert expand_shapes(report["per_rank_shapes"]) == header
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(**config))
+    assert report["params_total"] == sum(p.numel() for p in hf.parameters())
+    assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert build_report(config, tp=2)["violations"][0]["node"] == "constraint.tp_divides_heads"  # 9 heads
+
+
+def test_compressed_form_round_trips_and_is_small():
+    shapes = {"model.layers.0.a.weight": (2,), "model.layers.2.a.weight": (2,), "model.layers.1.a.weight": (3,),
+              "model.layers.0.mlp.experts.0.w": (1, 2), "model.layers.0.mlp.experts.1.w": (1, 2), "x": (5,)}
+    compressed = compress_shapes(shapes)
+    assert compressed["model.layers.0.a.weight"] == [2]  # shapes differ by layer: left expanded
+    assert compressed["model.layers.{i}.mlp.experts.{e}.w"] == {"shape": [1, 2], "i": [[0, 0]], "e": [[0, 1]]}
+    assert expand_shapes(compressed) == shapes
+    assert "model.layers.{i}" in to_yaml(compressed)
+
+
+# -- the engine refuses what the report flags, before any weight is read ------------------------------------
+@pytest.fixture
+def no_weights(monkeypatch):
+    import torch.multiprocessing as mp
+
+    from metainfer.worker import model_runner
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were read or a worker was started")
+    monkeypatch.setattr(model_runner, "load_model_weights", refuse)
+    monkeypatch.setattr(mp, "get_context", refuse)
+
+
+def _saved_tiny(folder, **overrides) -> str:
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(tiny_config("qwen3", **overrides).to_dict(), f)
+    return str(folder)
+
+
+def test_engine_refuses_tp3_naming_the_node(tmp_path, no_weights):
+    from metainfer import LLM
+
+    folder = _saved_tiny(tmp_path)
+    spec = ModelSpec.from_file(os.path.join(folder, "config.json"))
+    assert spec_violations(spec, 3)[0]["node"] == "constraint.tp_divides_heads"
+    with pytest.raises(ConfigError, match=r"constraint\.tp_divides_heads: num_attention_heads \(4\)"):
+        LLM(folder, device="cpu", tensor_parallel_size=3)
+
+
+def test_engine_refuses_at_tp1_too(tmp_path, no_weights):
+    from metainfer import LLM
+
+    folder = _saved_tiny(tmp_path, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ConfigError, match=r"constraint\.rope_scaling_supported: rope_scaling type 'dynamic'"):
+        LLM(folder, device="cpu", tensor_parallel_size=1)
