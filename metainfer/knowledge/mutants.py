@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import re
 import shutil
@@ -122,20 +121,19 @@ def make_copy(repo_root, dest) -> Path:
     return dest
 
 
-def sandbox_env(copy: Path) -> dict:
-    """The copy's metainfer first on the path (not the editable install's), the Triton interpreter on."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(copy)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutated module must never be read back from a stale .pyc
-    env.pop("PYTEST_ADDOPTS", None)
-    return env
+def sandbox_command(copy: Path, *args: str) -> list[str]:
+    """`python args` with the copy's metainfer first on the path (not the editable install's) and the Triton
+    interpreter on. Set through env(1): the child inherits this process's environment plus these, so the
+    harness reads no environment variable itself (config/env.py is the one reader)."""
+    return ["env", "-u", "PYTEST_ADDOPTS", f"PYTHONPATH={copy}", "TRITON_INTERPRET=1",
+            "PYTHONDONTWRITEBYTECODE=1",  # a mutated module must never be read back from a stale .pyc
+            sys.executable, *args]
 
 
 def check_imports_copy(copy: Path) -> str:
     """Where `metainfer` resolves from inside the sandbox; raises unless it is the copy's."""
-    out = subprocess.run([sys.executable, "-c", "import metainfer; print(metainfer.__file__)"], cwd=copy,
-                         env=sandbox_env(copy), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(sandbox_command(copy, "-c", "import metainfer; print(metainfer.__file__)"), cwd=copy,
+                         capture_output=True, text=True, timeout=120)
     where = out.stdout.strip()
     if out.returncode or not Path(where).resolve().is_relative_to(copy.resolve()):
         raise RuntimeError(f"the sandbox imports metainfer from {where or out.stderr[-500:]!r}, not {copy}")
@@ -146,8 +144,8 @@ def _pytest(copy: Path, tests: list[str], timeout_s: float) -> tuple[int | None,
     """(return code or None on timeout, output tail, seconds)."""
     start = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, *PYTEST_ARGS, *tests], cwd=copy, env=sandbox_env(copy),
-                             capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(sandbox_command(copy, *PYTEST_ARGS, *tests), cwd=copy, capture_output=True, text=True,
+                             timeout=timeout_s)
         return out.returncode, (out.stdout + out.stderr)[-TAIL_CHARS:], time.monotonic() - start
     except subprocess.TimeoutExpired as exc:
         text = (exc.stdout or b"") + (exc.stderr or b"")
