@@ -1,4 +1,5 @@
-"""The failure-mode library (failure_modes.json) and its mutation harness.
+"""The failure-mode library (the blueprint's `failure_modes`, metainfer/knowledge/blueprint.json) and its
+mutation harness.
 
 Why: a failure mode is only known if a test fails when the bug is put back. Each mode carries a minimal
 mutation of our code and the fastest tests that must catch it; `run_mutants` applies each mutation to a
@@ -31,9 +32,9 @@ TAIL_CHARS = 3000
 
 
 def load_failure_modes() -> list[dict]:
-    """The library as packaged (package data, so an installed wheel has it too)."""
-    text = resources.files("metainfer.knowledge").joinpath("failure_modes.json").read_text(encoding="utf-8")
-    return json.loads(text)
+    """The library as packaged in the blueprint (package data, so an installed wheel has it too)."""
+    text = resources.files("metainfer.knowledge").joinpath("blueprint.json").read_text(encoding="utf-8")
+    return json.loads(text)["failure_modes"]
 
 
 # -- static checks ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Contracts no other test pinned down, found by the failure-mode library (metainfer/knowledge): each test
-here catches a mutation of failure_modes.json that the rest of the suite let survive. Every check is against
+here catches a mode of the failure-mode library that the rest of the suite let survive. Every check is against
 an independent reference: HF transformers, a hand-written formula, or the engine's own unconstrained run.
 
 - RMSNorm with a large eps (the tiny models' 1e-6 hides where eps goes);

@@ -1,4 +1,4 @@
-"""The failure-mode library (metainfer/knowledge/failure_modes.json) and its mutation harness: the library is
+"""The failure-mode library (the blueprint's `failure_modes`) and its mutation harness: the library is
 well formed against the real tree and names the classic bugs of an inference engine; the harness catches a
 real mutation in a sandbox copy, reports a harmless one as survived and a non-compiling one as broken."""
 
