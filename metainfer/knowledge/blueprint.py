@@ -4,7 +4,7 @@ beside it), and the check that keeps it from drifting from the code.
 `check_blueprint()` returns the list of drift errors (empty = in step):
   schema    the document against blueprint_schema.json (jsonschema);
   links     unique node ids, known categories and phases, failure-mode ids that exist;
-  ref_code  every "module:qualname" imports;
+  ref_code  every "module:qualname" imports, and every op of the kernel sets is named by a node;
   tests     every pytest node id names an existing file and test function;
   formulas  every per-rank shape formula, evaluated from each supported family's real config
             (benchmarks/configs/) at tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
@@ -238,6 +238,29 @@ def check_tests(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
     return [f"{owner}: test {t!r} does not exist" for owner, t in all_test_ids(blueprint) if not test_exists(t, root)]
 
 
+def check_kernel_coverage(blueprint: dict) -> list[str]:
+    """Every op of the kernel set (KernelOps' callable fields, the CPU references and the GPU launchers) is
+    named by some node's ref_code: a kernel added without its node is drift."""
+    import dataclasses as dc
+    import functools
+
+    from metainfer.kernels import REF_OPS, TRITON_OPS
+
+    named = {ref for node in blueprint["nodes"] for ref in node["ref_code"]}
+    errors = []
+    for ops in (REF_OPS, TRITON_OPS):
+        for field in dc.fields(ops):
+            fn = getattr(ops, field.name)
+            while isinstance(fn, functools.partial):
+                fn = fn.func
+            if not callable(fn) or not hasattr(fn, "__qualname__"):
+                continue
+            ref = f"{fn.__module__}:{fn.__qualname__}"
+            if ref not in named:
+                errors.append(f"kernel op {field.name} ({ref}) has no blueprint node")
+    return errors
+
+
 def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dict:
     """Every check; {"errors": [...], "nodes": n, "shapes_compared": m}."""
     blueprint = load_blueprint() if blueprint is None else blueprint
@@ -245,5 +268,6 @@ def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dic
     if errors:  # the other checks read the structure the schema guarantees
         return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
+    errors += check_kernel_coverage(blueprint)
     formula_errors, compared = check_formulas(blueprint, root)
     return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

@@ -89,3 +89,28 @@ def test_cli_prints_and_checks(tmp_path, blueprint):
     broken.write_text(json.dumps(doc))
     bad = subprocess.run([*run, "check", "--file", str(broken)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "drift: dims.moe:" in bad.stderr
+
+
+def test_a_kernel_without_a_node_is_drift(blueprint):
+    doc = copy.deepcopy(blueprint)
+    doc["nodes"] = [n for n in doc["nodes"] if n["id"] != "kernel.fused_moe"]
+    errors = check_blueprint(doc)["errors"]
+    assert any(e.startswith("kernel op fused_moe (metainfer.kernels.fused_moe:fused_moe_triton)") for e in errors)
+    assert any(e.startswith("kernel op fused_moe (metainfer.kernels.moe_ref:fused_moe_ref)") for e in errors)
+
+
+def test_the_checked_configs_are_the_shared_real_ones():
+    """The check reads benchmarks/configs (a clean clone has them); where the team's shared configs are present
+    they must be the same documents."""
+    import os
+
+    from metainfer.knowledge.blueprint import FAMILY_CONFIGS, REPO_ROOT
+
+    shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "configs")
+    if not os.path.isdir(shared):
+        pytest.skip("the shared configs are not beside this checkout")
+    for names in FAMILY_CONFIGS.values():
+        for name in names:
+            with open(os.path.join(REPO_ROOT, "benchmarks", "configs", f"{name}.json")) as ours, \
+                    open(os.path.join(shared, name, "config.json")) as theirs:
+                assert json.load(ours) == json.load(theirs), name
