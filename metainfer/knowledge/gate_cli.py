@@ -1,5 +1,6 @@
-"""`metainfer gate [PHASE ...|all] [--quick] [--evidence DIR] [--mutants] [--update-manifest]`: run the
-blueprint's phase gates (metainfer/knowledge/gates.py)."""
+"""`metainfer gate [PHASE ...|all] [--quick] [--evidence DIR] [--mutants] [--perturb] [--update-manifest]`:
+run the blueprint's phase gates (metainfer/knowledge/gates.py); --mutants the failure-mode library,
+--perturb the quick gates' sensitivity (metainfer/knowledge/perturb.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="each phase's quick selection (the fast tier)")
     p.add_argument("--evidence", default=None, help="write one JSON per gate into this folder")
     p.add_argument("--mutants", action="store_true", help="also run the failure-mode library's mutations")
+    p.add_argument("--perturb", action="store_true",
+                   help="also check the quick gates catch a 1%% change of every CPU-path kernel reference's output")
     p.add_argument("--update-manifest", action="store_true",
                    help="rewrite gate_manifest.json from the current test files (a deliberate, reviewed change)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from metainfer.knowledge.blueprint import load_blueprint
+    from metainfer.knowledge.blueprint import REPO_ROOT, load_blueprint
     from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, run_gate
 
     blueprint = load_blueprint()
@@ -51,11 +54,21 @@ def run(args) -> int:
     if args.mutants:
         from metainfer.knowledge import mutants
 
-        report = mutants.run_mutants(mutants.load_failure_modes(), mutants.REPO_ROOT)
+        report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT)
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
             with open(os.path.join(args.evidence, "mutants.json"), "w") as f:
+                json.dump(report, f, indent=1)
+    if args.perturb:
+        from metainfer.knowledge import mutants, perturb
+
+        report = mutants.run_mutants(perturb.perturbation_modes(blueprint, REPO_ROOT), REPO_ROOT)
+        print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates"
+              + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))
+        failed += report["caught"] != report["total"]
+        if args.evidence:
+            with open(os.path.join(args.evidence, "perturb.json"), "w") as f:
                 json.dump(report, f, indent=1)
     return 1 if failed else 0
 
