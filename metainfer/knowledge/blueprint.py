@@ -3,7 +3,8 @@ beside it), and the check that keeps it from drifting from the code.
 
 `check_blueprint()` returns the list of drift errors (empty = in step):
   schema    the document against blueprint_schema.json (jsonschema);
-  links     unique node ids, known categories and phases, failure-mode ids that exist;
+  links     unique node ids, known categories and phases, failure-mode ids that exist, docs and their
+            headings that exist;
   ref_code  every "module:qualname" imports, and every op of the kernel sets is named by a node;
   tests     every pytest node id names an existing file and test function;
   formulas  every per-rank shape formula, evaluated from each supported family's real config
@@ -191,6 +192,27 @@ def check_links(blueprint: dict) -> list[str]:
     return errors
 
 
+def _anchors(path: str) -> set[str]:
+    """GitHub-style anchors of a markdown file's headings (lowercase, punctuation dropped, spaces -> -)."""
+    with open(path) as f:
+        headings = [line.lstrip("#").strip() for line in f if line.startswith("#")]
+    return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def check_docs(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
+    """Every ref_docs entry names an existing file, and its anchor (if any) one of the file's headings."""
+    errors = []
+    for node in blueprint["nodes"]:
+        for doc in node["ref_docs"]:
+            path, _, anchor = doc.partition("#")
+            full = os.path.join(root, path)
+            if not os.path.isfile(full):
+                errors.append(f"{node['id']}: ref_docs {doc!r}: no such file")
+            elif anchor and anchor not in _anchors(full):
+                errors.append(f"{node['id']}: ref_docs {doc!r}: no such heading")
+    return errors
+
+
 def resolve_ref(ref: str):
     """The object a "module:qualname" reference names (ImportError / AttributeError where it does not)."""
     module, _, qualname = ref.partition(":")
@@ -268,6 +290,6 @@ def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dic
     if errors:  # the other checks read the structure the schema guarantees
         return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
-    errors += check_kernel_coverage(blueprint)
+    errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root)
     formula_errors, compared = check_formulas(blueprint, root)
     return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

@@ -56,16 +56,29 @@ def file_hashes(files: list[str], root: str = REPO_ROOT) -> dict[str, str]:
     return out
 
 
+# what every gate also depends on: the shared fixtures and builders of the references
+SHARED_TEST_FILES = ("tests/conftest.py", "tests/helpers")
+SELECTION_KEY = "selection"
+
+
 def build_manifest(blueprint: dict, root: str = REPO_ROOT) -> dict:
-    """{phase id: {test file: sha256}} over both selections of every phase."""
-    return {p["id"]: file_hashes(selected_files(p["quick"] + p["full"], root), root) for p in blueprint["phases"]}
+    """{phase id: {file: sha256, "selection": sha256 of its quick and full lists}} over both selections of
+    every phase and the shared test helpers: narrowing a gate or changing a fixture is a manifest change."""
+    shared = [f for f in selected_files(list(SHARED_TEST_FILES), root)] + \
+        sorted(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "tests", "helpers", "*.py")))
+    out = {}
+    for p in blueprint["phases"]:
+        entry = file_hashes(sorted(set(selected_files(p["quick"] + p["full"], root)) | set(shared)), root)
+        entry[SELECTION_KEY] = hashlib.sha256(json.dumps([p["quick"], p["full"]]).encode()).hexdigest()
+        out[p["id"]] = entry
+    return out
 
 
 def manifest_drift(phase_id: str, blueprint: dict, manifest: dict, root: str = REPO_ROOT) -> list[str]:
     """Files of a gate whose content (or presence) differs from the committed manifest."""
     current = build_manifest({"phases": [p for p in blueprint["phases"] if p["id"] == phase_id]}, root)[phase_id]
     recorded = manifest.get(phase_id, {})
-    changed = [f for f in current if recorded.get(f) != current[f]]
+    changed = [f if f != SELECTION_KEY else "its test selection" for f in current if recorded.get(f) != current[f]]
     gone = [f for f in recorded if f not in current]
     return [f"{phase_id}: {f} changed without its manifest entry" for f in changed] + \
         [f"{phase_id}: {f} left the gate without its manifest entry" for f in gone]

@@ -2,10 +2,10 @@
 references, the torch path of every op) must make `metainfer gate --quick`'s tests fail.
 
 Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py): the
-function's `def` gets a decorator that scales its floating-point outputs by 1.01 in place (a function that
-returns nothing has its floating-point tensor arguments scaled instead: its output is what it wrote into
-them). The tests are the union of every phase's quick selection; `-x` stops at the first failure, so a caught
-perturbation costs seconds.
+function's `def` gets a decorator that scales its floating-point outputs by 1.01 and adds 1 to its integer
+outputs (ids, positions), in place (a function that returns nothing has its tensor arguments changed
+instead: its output is what it wrote into them). The tests are the union of every phase's quick selection;
+`-x` stops at the first failure, so a caught perturbation costs seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ DECORATOR = '''def _perturbed_output(fn):
         for item in items:
             if isinstance(item, _torch.Tensor) and item.is_floating_point():
                 item.mul_(1.01)
+            elif isinstance(item, _torch.Tensor) and item.dtype in (_torch.int32, _torch.int64):
+                item.add_(1)
         return out
     return wrapped
 
