@@ -84,17 +84,31 @@ def manifest_drift(phase_id: str, blueprint: dict, manifest: dict, root: str = R
         [f"{phase_id}: {f} left the gate without its manifest entry" for f in gone]
 
 
-def l0_violations() -> list[str]:
+def l0_violations(modules: tuple[str, ...] = ENGINE_MODULES,
+                  forbidden: tuple[str, ...] = FORBIDDEN_IMPORTS) -> list[str]:
     """Forbidden packages in the engine's import closure (a fresh interpreter imports the engine modules)."""
     code = ("import importlib, json, sys\n"
-            f"for m in {ENGINE_MODULES!r}:\n"
+            f"for m in {modules!r}:\n"
             "    importlib.import_module(m)\n"
             "print(json.dumps(sorted(sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     if proc.returncode:
         return [f"L0: importing the engine failed: {proc.stderr.strip()[-300:]}"]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    return [f"L0: the engine imports {m}" for m in loaded if m.split(".")[0] in FORBIDDEN_IMPORTS]
+    return [f"L0: the engine imports {m}" for m in loaded if m.split(".")[0] in forbidden]
+
+
+def _environment() -> dict:
+    """The versions and machine a gate ran on (evidence)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    env = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    for package in ("torch", "transformers", "triton"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = None
+    return env
 
 
 def _git_commit(root: str) -> str:
@@ -103,13 +117,27 @@ def _git_commit(root: str) -> str:
 
 
 def run_pytest(test_ids: list[str], root: str = REPO_ROOT, timeout_s: int = 3600) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadscope",
-           *test_ids]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=timeout_s)
-    tail = proc.stdout.strip().splitlines()[-1:] or [""]
-    return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "summary": tail[0],
-            "seconds": round(time.perf_counter() - start, 1)}
+    """pytest over the selection (2 xdist workers); the counts come from its JUnit XML report."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+
+    with tempfile.TemporaryDirectory(prefix="metainfer-gate-") as tmp:
+        report = os.path.join(tmp, "junit.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadscope",
+               f"--junitxml={report}", *test_ids]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=timeout_s)
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        if os.path.exists(report):
+            for suite in ET.parse(report).getroot().iter("testsuite"):
+                for key in counts:
+                    counts[key] += int(suite.get(key, 0))
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    summary = f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+    failing = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))][:5]
+    return {"command": " ".join(["pytest", *cmd[3:-len(test_ids)], *test_ids]).replace(f"--junitxml={report} ", ""),
+            "returncode": proc.returncode, "summary": summary, "counts": {"passed": passed, **counts},
+            "failing": failing, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest: dict | None = None,
@@ -131,11 +159,11 @@ def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest
     errors += l0_violations() if l0 else []
     tests = [t for pid in earlier for t in phases[pid]["quick"]] + selection(phases[phase_id], quick)
     result = {"gate": phase_id, "title": phases[phase_id]["title"], "quick": quick, "regression_phases": earlier,
-              "commit": _git_commit(root), "python": platform.python_version(), "platform": platform.platform()}
+              "commit": _git_commit(root), "environment": _environment()}
     if not errors:
         run = run_pytest(list(dict.fromkeys(tests)), root)
         result["pytest"] = run
         if run["returncode"]:
-            errors.append(f"{phase_id}: pytest failed: {run['summary']}")
+            errors.append(f"{phase_id}: pytest failed: {run['summary']}: {'; '.join(run['failing'])}")
     result.update(errors=errors, passed=not errors, seconds=round(time.perf_counter() - start, 1))
     return result

@@ -1,0 +1,52 @@
+"""The phase gates (metainfer/knowledge/gates.py): the committed manifest matches the tree; a changed test
+file, a narrowed selection or a changed fixture is drift; L0 finds a planted import; a gate writes its
+evidence."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from metainfer.knowledge.blueprint import load_blueprint
+from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, l0_violations, manifest_drift, run_gate
+
+
+def _manifest():
+    with open(MANIFEST_PATH) as f:
+        return json.load(f)
+
+
+def test_the_committed_manifest_matches_the_tree():
+    blueprint, manifest = load_blueprint(), _manifest()
+    assert {p["id"] for p in blueprint["phases"]} == set(manifest)
+    assert [e for p in blueprint["phases"] for e in manifest_drift(p["id"], blueprint, manifest)] == []
+
+
+def test_changed_files_and_selections_are_drift():
+    blueprint, manifest = load_blueprint(), _manifest()
+    changed = copy.deepcopy(manifest)
+    changed["P1"]["tests/kernels/test_elementwise.py"] = "0" * 64  # as if the file had been edited
+    assert manifest_drift("P1", blueprint, changed) == [
+        "P1: tests/kernels/test_elementwise.py changed without its manifest entry"]
+    fixture = copy.deepcopy(manifest)
+    fixture["P3"]["tests/helpers/tiny_models.py"] = "0" * 64
+    assert any("tiny_models.py" in e for e in manifest_drift("P3", blueprint, fixture))
+    narrowed = copy.deepcopy(blueprint)
+    narrowed["phases"][7]["quick"] = []
+    assert manifest_drift(narrowed["phases"][7]["id"], narrowed, manifest) == [
+        f"{narrowed['phases'][7]['id']}: its test selection changed without its manifest entry"]
+    assert build_manifest(blueprint) == manifest
+
+
+def test_l0_finds_a_planted_import():
+    assert l0_violations() == []
+    planted = l0_violations(modules=("json",), forbidden=("json",))
+    assert planted and all(v.startswith("L0: the engine imports json") for v in planted)
+
+
+def test_a_gate_runs_its_selection_and_records_evidence():
+    result = run_gate("P0", quick=True, regression=False, l0=False)
+    assert result["passed"], result["errors"]
+    assert result["pytest"]["returncode"] == 0 and result["pytest"]["counts"]["passed"] >= 10
+    assert result["pytest"]["counts"]["failures"] == 0 and result["environment"]["torch"]
+    assert len(result["commit"]) == 40 and result["seconds"] > 0 and result["gate"] == "P0"
