@@ -8,7 +8,8 @@ beside it), and the check that keeps it from drifting from the code.
   ref_code  every "module:qualname" imports, and every op of the kernel sets is named by a node;
   tests     every pytest node id names an existing file and test function;
   formulas  every per-rank shape formula, evaluated from each supported family's real config
-            (benchmarks/configs/) at tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
+            (benchmarks/configs/) and variants of them (Qwen2-style qkv bias, tied Llama, q-LoRA MLA) at
+            tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
             engine builds on the meta device under that tp; and every parameter of those models is covered
             by some formula (a layer added without its node is drift too).
 Formulas are expressions over the ModelSpec fields, `tp` and the blueprint's `definitions`, evaluated by a
@@ -33,6 +34,13 @@ SCHEMA_PATH = os.path.join(KNOWLEDGE_DIR, "blueprint_schema.json")
 TP_SIZES = (1, 2, 4, 8)
 # each supported family's real config (copies of the shared configs, so a clean clone can check them)
 FAMILY_CONFIGS = {"dense": ("qwen3-8b",), "qwen3_moe": ("qwen3-30b-a3b",), "deepseek_v2": ("deepseek-v2-lite",)}
+# variants of those configs, so that every formula's `when` is true somewhere: (name, base, overrides)
+CONFIG_VARIANTS = (
+    ("qwen2-style", "qwen3-8b", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}),
+    ("llama-tied", "qwen3-8b", {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                "tie_word_embeddings": True}),
+    ("deepseek-v2-qlora", "deepseek-v2-lite", {"q_lora_rank": 1536}),
+)
 
 
 def load_blueprint(path: str = BLUEPRINT_PATH) -> dict:
@@ -110,17 +118,22 @@ def _family_models(root: str) -> Iterable[tuple[str, str, int, object, dict[str,
     from metainfer.models.registry import model_class
     from metainfer.models.shape_contract import validate_tp_config
 
-    for family, names in FAMILY_CONFIGS.items():
-        for name in names:
-            spec = ModelSpec.from_file(os.path.join(root, "benchmarks", "configs", f"{name}.json"))
-            for tp in TP_SIZES:
-                try:
-                    validate_tp_config(spec, tp)
-                except ConfigError:
-                    continue
-                with tp_state(0, tp), torch.device("meta"):
-                    model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
-                yield family, name, tp, spec, {n: tuple(p.shape) for n, p in model.named_parameters()}
+    def load(name: str) -> dict:
+        with open(os.path.join(root, "benchmarks", "configs", f"{name}.json")) as f:
+            return json.load(f)
+
+    configs = [(name, load(name)) for names in FAMILY_CONFIGS.values() for name in names]
+    configs += [(name, {**load(base), **overrides}) for name, base, overrides in CONFIG_VARIANTS]
+    for name, cfg in configs:
+        spec = ModelSpec.from_dict(cfg)
+        for tp in TP_SIZES:
+            try:
+                validate_tp_config(spec, tp)
+            except ConfigError:
+                continue
+            with tp_state(0, tp), torch.device("meta"):
+                model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
+            yield spec.family, name, tp, spec, {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def _layer_indices(selection: str, spec) -> Iterable[int]:

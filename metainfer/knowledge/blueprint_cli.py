@@ -42,5 +42,5 @@ def run(args) -> int:
     if not args.json:
         state = "ok" if not result["errors"] else f"{len(result['errors'])} error(s)"
         print(f"blueprint check: {state}: {result['nodes']} nodes, {result['shapes_compared']} per-rank shapes "
-              "compared (3 families x tp 1, 2, 4, 8)")
+              "compared (3 families and 3 variants x tp 1, 2, 4, 8)")
     return 1 if result["errors"] else 0

@@ -70,6 +70,12 @@ def spec_violations(spec: ModelSpec, tp: int, kv_cache_dtype="auto") -> list[dic
     if kind not in SUPPORTED_ROPE_TYPES:
         bad("constraint.rope_scaling_supported", f"rope_scaling type {kind!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    raw = spec.raw or {}
+    if raw.get("mlp_bias"):
+        bad("constraint.supported_features", "mlp_bias is not supported (no MLP biases in the engine's layers)")
+    if raw.get("use_sliding_window") and raw.get("sliding_window"):
+        bad("constraint.supported_features", f"sliding-window attention (sliding_window={raw['sliding_window']}) "
+            "is not supported: the paged attention attends to the whole context")
     if not _kv_dtype_ok(kv_cache_dtype):
         bad("constraint.kv_cache_dtype", f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; "
             f"got {kv_cache_dtype!r}")

@@ -270,3 +270,22 @@ def test_engine_refuses_at_tp1_too(tmp_path, no_weights):
     folder = _saved_tiny(tmp_path, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(ConfigError, match=r"constraint\.rope_scaling_supported: rope_scaling type 'dynamic'"):
         LLM(folder, device="cpu", tensor_parallel_size=1)
+
+
+def test_unsupported_features_are_refused_by_node(tmp_path):
+    """MLP biases and sliding-window attention: the spec report names constraint.supported_features, and the
+    engine refuses the same config through the one shared check (validate_tp_config) before any weight."""
+    import json as _json
+
+    from metainfer.config import ConfigError, ModelSpec
+    from metainfer.knowledge.spec_report import spec_violations
+    from metainfer.models.shape_contract import validate_tp_config
+
+    with open(os.path.join(ROOT, "benchmarks", "configs", "qwen3-8b.json")) as f:
+        cfg = _json.load(f)
+    for extra in ({"mlp_bias": True}, {"use_sliding_window": True, "sliding_window": 4096}):
+        spec = ModelSpec.from_dict({**cfg, **extra})
+        assert [v["node"] for v in spec_violations(spec, 1)] == ["constraint.supported_features"]
+        with pytest.raises(ConfigError, match="constraint.supported_features"):
+            validate_tp_config(spec, 1)
+    assert spec_violations(ModelSpec.from_dict(cfg), 1) == []
