@@ -157,6 +157,8 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
+                # an id the model cannot produce needs no mask (a tokenizer's EOS beyond a small vocabulary)
+                ids = [i for i in ids if 0 <= i < self.vocab_size]
                 rows += [row] * len(ids)
                 cols += ids
         logits[self._rows(rows, torch.long), self._rows(cols, torch.long)] = float("-inf")

@@ -97,3 +97,11 @@ def test_logprobs_are_log_softmax(llm):
         assert max(entry.values()) == pytest.approx(entry[token])  # greedy picks the top token
         assert all(v <= 0 for v in entry.values())
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_min_tokens_with_stop_ids_outside_the_vocabulary(llm):
+    """min_tokens masks the stop ids and EOS; ids the model cannot produce (a tokenizer's EOS beyond a small
+    vocabulary, a stray huge id) need no mask and must not fail the step."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[10**6])
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 3
