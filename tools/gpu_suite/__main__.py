@@ -45,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moe_families: comma list of benchmarks/configs names")
     p.add_argument("--moe-parts", default="engine,hf,agreement",
                    help="moe_families: comma list of engine, hf, agreement")
+    p.add_argument("--moe-tune-shapes", default="",
+                   help="tune_moe: comma list of tools/tune_moe.py shape names (default: all)")
+    p.add_argument("--graph-family", default="qwen3", choices=("qwen3", "deepseek_v2", "qwen3_moe"),
+                   help="graphs: the small model's family")
+    p.add_argument("--agreement-positions", type=int, default=128,
+                   help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args(argv)
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]

@@ -141,6 +141,28 @@ def eager_reference(name: str) -> str:
     return "eager_kv_fp8_fp16" if "fp16" in name else "eager_kv_fp8"
 
 
+def small_config(family: str):
+    """The graphs check's small fp32 model: the dense family, DeepSeek-V2 (MLA + MoE with a shared expert and
+    a dense first layer) or Qwen3-MoE (a dense layer among MoE ones); routers drawn wide (initializer 0.3) so
+    routing is decided, not a tie."""
+    import transformers
+
+    common = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                  max_position_embeddings=2048, initializer_range=0.3)
+    if family == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=512, num_key_value_heads=2, head_dim=64, **common)
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, num_key_value_heads=8, topk_method="greedy", **common)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+            mlp_only_layers=[1], num_key_value_heads=2, head_dim=64, norm_topk_prob=True, **common)
+    raise ValueError(f"--graph-family must be qwen3, deepseek_v2 or qwen3_moe, got {family!r}")
+
+
 def graphs(args, results) -> dict:
     """A small fp32 model: graph replay (async and sync, kill switches off, preemption, fp8 KV) must give
     the eager greedy tokens exactly; the prompts share a 96-token prefix, sent in two waves (prefix hits)."""
@@ -148,12 +170,9 @@ def graphs(args, results) -> dict:
 
     from metainfer import LLM, SamplingParams
 
-    folder = os.path.join(tempfile.gettempdir(), "metainfer-small")
+    folder = os.path.join(tempfile.gettempdir(), f"metainfer-small-{args.graph_family}")
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=2048, initializer_range=0.3)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(small_config(args.graph_family)).save_pretrained(folder)
     copy_tokenizer(args.tokenizer_dir, folder)
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(0, 4096, (96,), generator=g).tolist()

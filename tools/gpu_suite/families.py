@@ -122,7 +122,7 @@ def family_agreement(args, name: str) -> dict:
         for pname, param in hf32.named_parameters():
             if pname.endswith("mlp.gate.weight"):
                 param.normal_(0, 0.1)
-    prompt_len, n = 32, 128
+    prompt_len, n = 32, args.agreement_positions
     tokens = torch.randint(0, 10000, (prompt_len + n,), generator=torch.Generator().manual_seed(0))
     ref32 = hf_logits(hf32, tokens, prompt_len, n)
     routers = {p: t.detach().clone() for p, t in hf32.named_parameters() if p.endswith("mlp.gate.weight")}
@@ -133,7 +133,7 @@ def family_agreement(args, name: str) -> dict:
             owner, _, leaf = p.rpartition(".")
             setattr(hf16.get_submodule(owner), leaf, torch.nn.Parameter(t, requires_grad=False))
     ref16 = hf_logits(hf16, tokens, prompt_len, n)
-    llm = _engine(folder, max_num_seqs=8, num_kv_blocks=64)
+    llm = _engine(folder, max_num_seqs=8, num_kv_blocks=max(64, (prompt_len + n) // 16 + 8))
     copy_hf_weights(llm, hf16)
     del hf16
     release()
@@ -186,7 +186,9 @@ def tune_moe(args, results) -> dict:
     from metainfer.kernels.tuned_configs import config_path
     from tools.gpu_suite.common import out_dir
 
-    res = _tool("tools.tune_moe", ["--write-config", "--budget-s", "200"], "tune_moe.json")
+    shapes = [s for s in args.moe_tune_shapes.split(",") if s]
+    argv = ["--write-config", "--budget-s", "200"] + (["--shapes", *shapes] if shapes else [])
+    res = _tool("tools.tune_moe", argv, "tune_moe.json")
     path = config_path(torch.cuda.get_device_name())
     shutil.copy(path, os.path.join(out_dir(), os.path.basename(path)))
     return res
