@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property
@@ -28,3 +28,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # prompt tokens whose KV came from the prefix cache at admission (vLLM's field; 0 without a hit)
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when a step failed because of this request (its finish_reason is "error")

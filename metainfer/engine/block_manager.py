@@ -122,7 +122,10 @@ class BlockManager:
         seq.num_hashed_blocks = max(start, full)
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Release in reverse so a prefix's tail is evicted before its head."""
+        """Register every full block the sequence computed (its last step's too: a finished request's
+        prompt and reply stay findable for the same prompt or the next chat turn; a preempted one finds its
+        own), then release in reverse so a prefix's tail is evicted before its head."""
+        self.register_full_blocks(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

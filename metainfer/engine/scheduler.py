@@ -119,7 +119,7 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks."""
+        """Remove a finished or aborted sequence and free its blocks (registered first: free_sequence)."""
         seq.status = SequenceStatus.FINISHED
         seq.drop_pending()
         if seq in self.running:

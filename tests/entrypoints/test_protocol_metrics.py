@@ -68,4 +68,5 @@ def test_metrics_render_from_outputs():
     assert f'metainfer:e2e_request_latency_seconds_bucket{{{label},le="+Inf"}} 1' in text
     assert f'metainfer:request_success_total{{{label},finished_reason="length"}} 1' in text
     assert f'metainfer:request_success_total{{{label},finished_reason="stop"}} 0' in text
-    assert usage({"a": out("a", 3, "length")}) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert usage({"a": out("a", 3, "length")}) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}

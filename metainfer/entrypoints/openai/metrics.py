@@ -57,6 +57,8 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, found there
         self.success: collections.Counter[str] = collections.Counter()
         self.aborted = 0
         self.engine_errors = 0
@@ -107,6 +109,8 @@ class ServerMetrics:
             self.prompt_tokens = engine.stats.get("prompt_tokens", 0)
             self.generation_tokens = engine.stats.get("generation_tokens", 0)
             self.preemptions = getattr(engine.scheduler, "num_preemptions", 0)
+            self.prefix_cache_queries = engine.block_manager.prefix_query_tokens
+            self.prefix_cache_hits = engine.block_manager.prefix_hit_tokens
             self.peak_running = max(self.peak_running, running, batch_size or 0)
             if batch_size:
                 self.batch.observe(batch_size)
@@ -145,6 +149,10 @@ class ServerMetrics:
             scalar("metainfer:generation_tokens_total", "counter", self.generation_tokens, "Tokens generated.")
             scalar("metainfer:num_preemptions_total", "counter", self.preemptions,
                    "Sequences preempted for KV space.")
+            scalar("metainfer:prefix_cache_queries_total", "counter", self.prefix_cache_queries,
+                   "Prompt tokens looked up in the prefix cache.")
+            scalar("metainfer:prefix_cache_hits_total", "counter", self.prefix_cache_hits,
+                   "Prompt tokens found in the prefix cache.")
             head("metainfer:request_success_total", "counter", "Requests finished, by finish reason.")
             for reason in sorted(set(self.success) | {"stop", "length"}):
                 out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '

@@ -178,4 +178,6 @@ def usage(finals: dict[str, RequestOutput]) -> dict:
     """The `usage` object of a response: prompt and generated tokens over all its engine requests."""
     prompt = sum(len(o.prompt_token_ids) for o in finals.values())
     completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens for o in finals.values())  # prompt tokens served by the prefix cache
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
