@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metainfer.engine.request_validation import InvalidRequestError, check_sampling_params
+
 
 @dataclass
 class SamplingParams:
@@ -29,44 +31,27 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
+        elif self.stop is None:
+            self.stop_strings = []
+        else:
+            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
+        self.validate()
 
     def validate(self) -> None:
-        """Re-check the fields (they may have been changed after construction)."""
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", "must be >= 0 and <= max_tokens")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be non-negative")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if any(not s for s in self.stop_strings):
-            raise bad("stop", "must not contain empty strings")
+        """Check every field (again: they may have been changed after construction); raises a ValueError
+        (`InvalidRequestError`, its `param` the field) naming the field. The engine adds the checks that
+        need the model: metainfer/engine/request_validation.py."""
+        check_sampling_params(self)
 
     @property
     def greedy(self) -> bool:

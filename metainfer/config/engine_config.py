@@ -88,6 +88,9 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     cpu_kv_cache_gib: float = 2.0
+    # per-request bounds checked when a request is added (engine/request_validation.py)
+    max_n: int = 128  # samples of one request (OpenAI's own cap); vLLM caps best-of fan-out alike
+    max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
     # launch step n+1 before reading step n back (None: on for a single CUDA GPU, off elsewhere)
     async_scheduling: bool | None = None
     # kill switches (on by default where the device supports them; env overrides: config/env.py)
@@ -111,6 +114,10 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:

@@ -15,16 +15,19 @@ step with a running penalised sequence first reads back what is in flight.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
+from metainfer.engine.request_validation import RequestLimits, check_request
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -33,7 +36,7 @@ from metainfer.models.shape_contract import validate_tp_config
 from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
-from metainfer.worker.sampler import HostSample
+from metainfer.worker.sampler import HostSample, SampledBatch
 from metainfer.worker.tp.driver import TPDriver
 
 log = logging.getLogger("metainfer")
@@ -50,6 +53,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     stream: bool = True  # report progress every step (else only when finished)
+    error: str | None = None  # why fault isolation finished it (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -98,7 +102,12 @@ class LLMEngine:
         self.in_flight: deque[LaunchedStep] = deque()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "failed_steps": 0, "failed_requests": 0}
+        self._failed: list[Request] = []  # finished by fault isolation, reported by the next step()
+        self._id_space: int | None = None  # token ids a request may name (request_limits)
+        # Test hook: called with each batch's sequences before it runs; raising there acts as a step that
+        # failed because of those sequences' data (fault isolation, _execute_isolating).
+        self.fault_hook: Callable[[list[Sequence]], None] | None = None
         # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
         # throughput bench's timeline. None (the default) records nothing.
         self.step_trace: list[tuple[float, bool, int, int]] | None = None
@@ -108,23 +117,27 @@ class LLMEngine:
                     params: SamplingParams | None = None, stream: bool = True) -> None:
         """Queue a request. `stream=False` (offline use) reports it only when finished and
         detokenizes once at the end unless stop strings need the text as it grows."""
-        params = params or SamplingParams()
+        params = copy.deepcopy(params or SamplingParams())  # checked once: the caller's object may change
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        max_len = self.config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, longer than max_model_len ({max_len})")
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contain ids outside [0, {self.spec.vocab_size}): {bad[:5]}")
+        check_request(params, ids, self.spec.vocab_size, self.request_limits())  # engine/request_validation.py
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         for seq in seqs:
             seq.incremental_detokenize = stream or bool(params.stop_strings)
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, stream=stream)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def request_limits(self) -> RequestLimits:
+        """What one request may ask of this engine (ids either the model or the tokenizer can name)."""
+        c = self.config
+        if self._id_space is None:
+            self._id_space = max(self.spec.vocab_size, len(self.tokenizer))
+        return RequestLimits(vocab_size=self._id_space,
+                             max_model_len=c.max_model_len, max_n=min(c.max_n, c.max_num_seqs),
+                             max_logprobs=min(c.max_logprobs, self.spec.vocab_size))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -175,6 +188,8 @@ class LLMEngine:
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} unfinished "
                                f"request(s) and {self.block_manager.num_free_blocks} free KV blocks")
         self._read_back(self.lookahead if batch is not None else 0, touched)
+        touched.update((r.request_id, r) for r in self._failed)  # finished by fault isolation
+        self._failed.clear()
         return [self._request_output(r) for r in touched.values() if r.finished or r.stream]
 
     @torch.inference_mode()
@@ -182,13 +197,89 @@ class LLMEngine:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
         if self.step_trace is not None:
             self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens))
+        batch, sampled = self._execute_isolating(batch)
         sampling = batch.sampling_seqs
-        sampled = self.runner.execute(batch)
         if batch.is_prefill:  # before after_step, which zeroes num_scheduled_tokens
             self.stats["prompt_tokens"] += batch.num_tokens
         self.scheduler.after_step(batch)
         index = [seq.add_pending(row) for row, seq in enumerate(sampling)]
         return LaunchedStep(batch, sampling, index, sampled.to_host() if sampled is not None else None)
+
+    # -- fault isolation ----------------------------------------------------------------
+    def _execute_isolating(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, SampledBatch | None]:
+        """Run the batch. If it raises, bisect it down to the sequences that fail on their own, finish
+        their requests with finish_reason "error" (RequestOutput.error says why) and run the rest, so one
+        request's data cannot fail the batch (vLLM's behaviour). A failure no single sequence reproduces,
+        or any failure under tensor parallelism (the group is unusable after a failed step), is raised."""
+        try:
+            return batch, self._run(batch)
+        except Exception as exc:
+            if self.tp_driver is not None:
+                raise
+            first = exc
+        self.stats["failed_steps"] += 1
+        saved = self._sampling_state(batch.seqs)
+        culprits: dict[str, BaseException] = {}
+        self._bisect(batch, batch.seqs, first, saved, culprits)
+        if not culprits:
+            raise first
+        for request_id, exc in culprits.items():
+            log.error("request %s failed a step and was finished with an error: %s: %s", request_id,
+                      type(exc).__name__, exc)
+            self._fail_request(request_id, f"{type(exc).__name__}: {exc}")
+        rest = replace(batch, seqs=[s for s in batch.seqs if s.request_id not in culprits])
+        self._restore_sampling_state(saved)
+        return rest, (self._run(rest) if rest.seqs else None)
+
+    def _run(self, batch: ScheduledBatch) -> SampledBatch | None:
+        if self.fault_hook is not None:
+            self.fault_hook(batch.seqs)
+        return self.runner.execute(batch)
+
+    def _bisect(self, batch, seqs: list[Sequence], exc: BaseException, saved, culprits: dict) -> None:
+        """`seqs` fail together with `exc`: find the single sequences that fail alone."""
+        if len(seqs) == 1:
+            culprits.setdefault(seqs[0].request_id, exc)
+            return
+        half = len(seqs) // 2
+        for part in (seqs[:half], seqs[half:]):
+            self._restore_sampling_state(saved)
+            try:
+                self._run(replace(batch, seqs=part))
+                error = None
+            except Exception as err:
+                error = err
+            if self.config.torch_device.type == "cuda":
+                torch.cuda.synchronize()  # a trial's uploads done before the next reuses the staging buffers
+            if error is not None:
+                self._bisect(batch, part, error, saved, culprits)
+
+    def _sampling_state(self, seqs: list[Sequence]):
+        """What a trial run changes besides the KV it rewrites: seeded generators, the sampled-ids buffer."""
+        ids = getattr(self.runner, "sampled_ids", None)
+        gens = [(s, s.generator, s.generator.get_state() if s.generator is not None else None) for s in seqs]
+        return (ids.clone() if ids is not None else None), gens
+
+    def _restore_sampling_state(self, saved) -> None:
+        ids, gens = saved
+        if ids is not None:
+            self.runner.sampled_ids.copy_(ids)
+        for seq, gen, state in gens:
+            seq.generator = gen
+            if gen is not None:
+                gen.set_state(state)
+
+    def _fail_request(self, request_id: str, error: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        request.error, request.finished_time = error, time.monotonic()
+        self._failed.append(request)
+        self.stats["failed_requests"] += 1
 
     def _read_back(self, keep: int, touched: dict[str, Request]) -> None:
         """Read back launched steps, oldest first, until `keep` remain in flight."""
@@ -268,7 +359,7 @@ class LLMEngine:
                    "finished_time": request.finished_time,
                    "num_cached_tokens": request.seqs[0].num_cached_prompt_tokens}
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outs,
-                             request.finished, metrics, metrics["num_cached_tokens"])
+                             request.finished, metrics, error=request.error)
 
     # -- observability ------------------------------------------------------------------
     def num_running(self) -> int:

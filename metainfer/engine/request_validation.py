@@ -1,0 +1,126 @@
+"""Every per-request value checked in one place, before a request is queued.
+
+A value that passes these checks cannot make a step raise: ranges, finiteness (NaN and infinity
+compare false against every bound, so they are refused explicitly), types (a bool is not an integer
+here), integer width (every integer must fit an int64, the width the sampler's tensors use) and the
+vocabulary (token ids the sampler indexes with). `SamplingParams` runs `check_sampling_params` on
+construction and again when the engine adds it (the object may have changed); the engine adds the
+checks that need the model and its options (`check_request`); the server and the CLI reach both
+through those two, so a bad value gets the same message everywhere. An `InvalidRequestError` names
+the offending field in `.param` (the server's 400 body uses it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class InvalidRequestError(ValueError):
+    """A request value the engine refuses; `param` is the field's name (vLLM's / OpenAI's spelling)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(p, name: str, low: int, high: int = INT64_MAX, none_ok: bool = False, what: str = "") -> None:
+    value = getattr(p, name)
+    if value is None and none_ok:
+        return
+    if not _is_int(value) or not low <= value <= high:
+        bound = f"in [{low}, {high}]" if high != INT64_MAX else f">= {low} (and fit in int64)"
+        raise InvalidRequestError(name, f"{name} must be an integer {what or bound}, got {value!r}")
+
+
+def _float(p, name: str, low: float, high: float, low_open: bool = False) -> None:
+    value = getattr(p, name)
+    ok = _is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        span = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else \
+            (f"> {low:g}" if low_open else f">= {low:g}")
+        raise InvalidRequestError(name, f"{name} must be a finite number {span}, got {value!r}")
+
+
+def check_sampling_params(p) -> None:
+    """The checks that need nothing but the parameters themselves (raise InvalidRequestError)."""
+    _int(p, "n", 1)
+    _float(p, "temperature", 0.0, math.inf)
+    _float(p, "top_p", 0.0, 1.0, low_open=True)
+    if p.top_k != -1:
+        _int(p, "top_k", 0, what=">= 0 (0 or -1: disabled; it must fit in int64)")
+    _float(p, "min_p", 0.0, 1.0)
+    _int(p, "seed", INT64_MIN, none_ok=True, what=f"in [{INT64_MIN}, {INT64_MAX}] (int64)")
+    _int(p, "max_tokens", 1, none_ok=True)
+    _int(p, "min_tokens", 0)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({p.max_tokens}), "
+                                                f"got {p.min_tokens!r}")
+    _int(p, "logprobs", 0, none_ok=True)
+    _float(p, "presence_penalty", -2.0, 2.0)
+    _float(p, "frequency_penalty", -2.0, 2.0)
+    _float(p, "repetition_penalty", 0.0, math.inf, low_open=True)
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if not isinstance(getattr(p, name), bool):
+            raise InvalidRequestError(name, f"{name} must be true or false, got {getattr(p, name)!r}")
+    if not isinstance(p.stop_token_ids, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX
+                                                         for t in p.stop_token_ids):
+        raise InvalidRequestError("stop_token_ids", "stop_token_ids must be a list of non-negative integer token "
+                                                    f"ids, got {p.stop_token_ids!r}"[:300])
+    if not all(isinstance(s, str) and s for s in p.stop_strings):
+        raise InvalidRequestError("stop", f"stop must be a string or a list of non-empty strings, got {p.stop!r}"[:300])
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the engine's model and options allow one request (EngineConfig.max_n, max_logprobs)."""
+
+    vocab_size: int  # the larger of the model's and the tokenizer's vocabularies: any id either can name
+    max_model_len: int
+    max_n: int
+    max_logprobs: int
+
+
+def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits: RequestLimits) -> None:
+    """Everything `check_sampling_params` checks, plus the bounds that need the model and the engine's
+    options. `prompt_token_ids` must index the model's embedding (`model_vocab_size`)."""
+    check_sampling_params(p)
+    if p.n > limits.max_n:
+        raise InvalidRequestError("n", f"n must be <= {limits.max_n} (the engine's max_n: one request's samples "
+                                       f"may not fill the batch), got {p.n}")
+    if p.logprobs is not None and p.logprobs > limits.max_logprobs:
+        raise InvalidRequestError("logprobs", f"logprobs must be <= {limits.max_logprobs} (the engine's "
+                                              f"max_logprobs), got {p.logprobs}")
+    bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {limits.vocab_size}) (the "
+                                                    f"vocabulary), got {bad[:5]}")
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
+    if len(prompt_token_ids) > limits.max_model_len:
+        raise InvalidRequestError("prompt", f"prompt is {len(prompt_token_ids)} tokens long, longer than "
+                                            f"max_model_len ({limits.max_model_len})")
+    if not all(_is_int(t) for t in prompt_token_ids):
+        raise InvalidRequestError("prompt", "prompt_token_ids must be a list of integers")
+    bad = [t for t in prompt_token_ids if not 0 <= t < model_vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt", f"prompt_token_ids contain ids outside [0, {model_vocab_size}): "
+                                            f"{bad[:5]}")
+
+
+def max_new_tokens(p, prompt_len: int, max_model_len: int) -> int:
+    """The tokens a request can generate: max_tokens clamped to the context left after its prompt
+    (vLLM's server answers 400 instead; the engine stops at max_model_len either way, with
+    finish_reason "length")."""
+    left = max_model_len - prompt_len
+    return left if p.max_tokens is None else min(p.max_tokens, left)
