@@ -28,4 +28,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # prompt tokens whose KV came from the prefix cache at admission (vLLM's field; 0 without a hit)
+    num_cached_tokens: int = 0
     error: str | None = None  # set when a step failed because of this request (its finish_reason is "error")

@@ -359,7 +359,7 @@ class LLMEngine:
                    "finished_time": request.finished_time,
                    "num_cached_tokens": request.seqs[0].num_cached_prompt_tokens}
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outs,
-                             request.finished, metrics, error=request.error)
+                             request.finished, metrics, metrics["num_cached_tokens"], error=request.error)
 
     # -- observability ------------------------------------------------------------------
     def num_running(self) -> int:
