@@ -17,6 +17,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# "mp": rank 0 spawns the TP workers; "external_launcher": torchrun (or another launcher) starts every rank
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype,
@@ -55,13 +57,20 @@ def resolve_dtype(dtype: str | torch.dtype, spec_dtype: str, device: torch.devic
 
 
 def resolve_device(device: str) -> torch.device:
+    """The torch device; "mlx" (the MLX backend, metainfer/mlx/) samples on the CPU, so it resolves to cpu once
+    MLX imports (else a ValueError naming the install command). "auto" never picks MLX."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "mlx":
+        from metainfer.mlx import require_mlx
+
+        require_mlx()
+        return torch.device("cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda; got {device!r}")
+        raise ConfigError(f"device must be auto, cpu, cuda or mlx; got {device!r}")
     return dev
 
 
@@ -98,6 +107,11 @@ class EngineConfig:
     enable_skinny_gemm: bool = True  # tensor-core skinny GEMM for 3-64-row decode GEMMs with a tuned table
     enable_fused_sampler: bool = True  # one-pass Gumbel-max sampler for greedy/temperature-only batches
     enable_custom_all_reduce: bool = True  # one-shot all-reduce over symmetric memory for small TP messages
+    # "mp": rank 0 spawns its TP workers (the default); "external_launcher": this process is one rank of a group
+    # started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; worker/tp/launched.py)
+    distributed_executor_backend: str = "mp"
+    # external launcher: how long a rank waits for the others (joining; each collective) before it fails
+    distributed_timeout_s: float = 600.0
     # filled by finalize()
     spec: ModelSpec | None = None
     model_dir: str | None = None
@@ -122,6 +136,11 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
+                              f"got {self.distributed_executor_backend!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
         if self.max_model_len is None:
@@ -140,12 +159,33 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
+        if self.device == "mlx":
+            self._check_mlx(spec)
         self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device)
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:
             raise ConfigError("async_scheduling is not supported with tensor_parallel_size > 1 (the workers "
                               "read their input ids from rank 0's host)")
+
+
+    def _check_mlx(self, spec: ModelSpec) -> None:
+        """The MLX backend: dense family, one device, model-dtype KV, synchronous steps. dtype "auto" is the
+        checkpoint's dtype there (as mlx-lm), not fp32: MLX's CPU build runs bf16 GEMMs faster than fp32."""
+        if spec.family != "dense":
+            raise ConfigError(f"device='mlx' supports the dense family (Qwen3, Qwen2, Llama); got {spec.architecture}")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("device='mlx' runs on one device: tensor_parallel_size must be 1")
+        if self.kv_cache_dtype not in ("auto", self.torch_dtype):
+            raise ConfigError(f"device='mlx' keeps K/V in the model dtype: kv_cache_dtype must be auto, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.async_scheduling:
+            raise ConfigError("device='mlx' does not support async_scheduling (its steps are synchronous)")
+        self.async_scheduling = False
+        if self.dtype == "auto":
+            self.torch_dtype = _DTYPES.get(spec.torch_dtype.replace("torch.", ""), torch.float32)
+        if self.torch_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"device='mlx' computes in float32, bfloat16 or float16; got dtype {self.dtype!r}")
 
 
 def locate_model(model: str) -> tuple[str, str | None]:

@@ -88,6 +88,10 @@ class LLMEngine:
         self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 else None
         if self.tp_driver is not None:
             self.runner = self.tp_driver.build_runner(self.eos_token_ids)
+        elif config.device == "mlx":  # the MLX backend (metainfer/mlx/): same scheduler, sampler and outputs
+            from metainfer.mlx.model_runner import MLXModelRunner
+
+            self.runner = MLXModelRunner(config, eos_token_ids=self.eos_token_ids)
         else:
             self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -199,8 +203,8 @@ class LLMEngine:
             self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens))
         batch, sampled = self._execute_isolating(batch)
         sampling = batch.sampling_seqs
-        if batch.is_prefill:  # before after_step, which zeroes num_scheduled_tokens
-            self.stats["prompt_tokens"] += batch.num_tokens
+        # before after_step, which zeroes num_scheduled_tokens (a mixed step's decode rows are not prompt)
+        self.stats["prompt_tokens"] += batch.num_prefill_tokens
         self.scheduler.after_step(batch)
         index = [seq.add_pending(row) for row, seq in enumerate(sampling)]
         return LaunchedStep(batch, sampling, index, sampled.to_host() if sampled is not None else None)

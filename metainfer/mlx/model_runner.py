@@ -1,0 +1,115 @@
+"""MLXModelRunner: the ModelRunner contract (`num_blocks`, `execute(batch) -> SampledBatch | None`) with the
+forward computed in MLX; LLMEngine builds it for `device="mlx"` and drives it like the torch runner.
+
+A step: the scheduled batch's ints packed with numpy (ids, positions, slots; per sequence its block
+table), one lazy MLX graph for the whole forward (every layer's K/V stored into the paged pool in the
+same graph, paged_kv.py), one `mx.eval` of the sampling rows' logits and the pools, then the engine's
+own torch Sampler on those logits (fp32, moved through numpy without a copy): every SamplingParams
+field behaves exactly as on the torch path. Sampling is not the bottleneck: the numpy hand-over and a
+greedy sample of 8 x 49,152 logits took well under 1% of a SmolLM2 decode step (docs/PERFORMANCE.md).
+No async scheduling: the next step's inputs need this step's tokens on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from metainfer.config import ConfigError, EngineConfig
+from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.mlx.paged_kv import DecodeAttention, PagedKVPool, PrefillAttention
+from metainfer.mlx.weights import load_model
+from metainfer.worker.sampler import SampledBatch, Sampler
+
+log = logging.getLogger("metainfer")
+
+
+class MLXModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple = ()):
+        self.config, self.spec = config, config.spec
+        self.block_size = config.block_size
+        mx.random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config)
+        self.dtype = self.model.dtype
+        spec = self.spec
+        self.num_blocks = self._decide_num_blocks()
+        self.kv = PagedKVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                              self.dtype)
+        self.sampler = Sampler(spec.vocab_size, tuple(eos_token_ids), "cpu", seed=config.seed)
+        self.graph_batch_sizes: list[int] = []  # no CUDA graphs (the bench reports this field)
+
+    # -- one step ---------------------------------------------------------------------------
+    def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
+        logits = self.compute_logits(batch)
+        sampling = batch.sampling_seqs
+        if not sampling:
+            return None
+        with torch.inference_mode():
+            return self.sampler(torch.from_numpy(np.array(logits, copy=False)), sampling)
+
+    def compute_logits(self, batch: ScheduledBatch) -> mx.array:
+        """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""
+        ids, positions, step, rows = (self._decode_inputs if not batch.is_prefill else self._prefill_inputs)(batch)
+        hidden = self.model.forward(mx.array(ids), mx.array(positions), step, self.kv)
+        logits = self.model.logits(hidden[mx.array(rows)] if len(rows) != len(ids) else hidden)
+        mx.eval(logits, self.kv.k, self.kv.v)
+        return logits
+
+    def _decode_inputs(self, batch: ScheduledBatch):
+        seqs, bs = batch.seqs, self.block_size
+        positions = np.array([s.num_computed_tokens for s in seqs], dtype=np.int32)
+        ids = np.array([s.token_ids[p] for s, p in zip(seqs, positions)], dtype=np.int32)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            tables[row, :len(seq.block_table)] = seq.block_table
+        slots = (tables[np.arange(len(seqs)), positions // bs] * bs + positions % bs).astype(np.int32)
+        step = DecodeAttention(slots, tables, positions + 1, bs, self.dtype)
+        return ids, positions, step, np.arange(len(seqs), dtype=np.int32)
+
+    def _prefill_inputs(self, batch: ScheduledBatch):
+        bs = self.block_size
+        ids, positions, slots, spans, rows, row = [], [], [], [], [], 0
+        for seq in batch.seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            pos = np.arange(start + n, dtype=np.int64)
+            ctx_slots = (np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs).astype(np.int32)
+            positions.append(pos[start:].astype(np.int32))
+            slots.append(ctx_slots[start:])
+            spans.append((row, n, ctx_slots))
+            row += n
+            if seq.will_sample:
+                rows.append(row - 1)
+        step = PrefillAttention(np.concatenate(slots), spans)
+        return (np.asarray(ids, dtype=np.int32), np.concatenate(positions), step, np.asarray(rows, dtype=np.int32))
+
+    # -- the KV pool ----------------------------------------------------------------------------
+    def _decide_num_blocks(self) -> int:
+        cfg, spec = self.config, self.spec
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
+        per_block = PagedKVPool.bytes_per_block(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                                self.dtype.size)
+        blocks = min(int(cfg.cpu_kv_cache_gib * 2**30) // per_block, useful)
+        if blocks < 1:
+            raise ConfigError("cpu_kv_cache_gib leaves no room for one KV block; raise it or set num_kv_blocks")
+        log.info("MLX KV pool: %d blocks of %d tokens (%.2f GiB)", blocks, self.block_size,
+                 blocks * per_block / 2**30)
+        return int(blocks)
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes a batch-1 decode step reads: every weight array, the embedding table counted only as the
+        tied LM head (an untied table is read one row a token)."""
+        model = self.model
+        table = model.embed.table.arrays()
+        skip = {id(a) for a in table} if model.lm_head is not model.embed.table else set()
+        return sum(a.nbytes for a in model.arrays() if id(a) not in skip)
+
+    def close(self) -> None:
+        pass
