@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import inspect
 import json
 import operator
 import os
@@ -296,6 +297,57 @@ def check_kernel_coverage(blueprint: dict) -> list[str]:
     return errors
 
 
+# ------------------------------------------------------------------------------------------------ perturb
+
+
+def _covers(ref: str, target: str) -> bool:
+    return target == ref or target.startswith(ref + ".")
+
+
+def check_perturb_fields(blueprint: dict) -> list[str]:
+    """Every ref_code of every node is a perturbation target (or contains one) or is exempt with a reason;
+    every target resolves to a function, method or property and belongs to one of the node's refs."""
+    errors = []
+    for node in blueprint["nodes"]:
+        field = node.get("perturb") or {}
+        targets, exempt = field.get("targets", []), field.get("exempt", {})
+        for ref in node["ref_code"]:
+            if not any(_covers(ref, t) for t in targets) and not exempt.get(ref, "").strip():
+                errors.append(f"{node['id']}: ref_code {ref!r} is neither a perturbation target nor exempt "
+                              "with a reason (perturb.targets / perturb.exempt)")
+        for ref in exempt:
+            if ref not in node["ref_code"]:
+                errors.append(f"{node['id']}: perturb.exempt names {ref!r}, not one of its ref_code")
+        for target in targets:
+            if not any(_covers(ref, target) for ref in node["ref_code"]):
+                errors.append(f"{node['id']}: perturbation target {target!r} is not under its ref_code")
+                continue
+            try:
+                locate_target(target)
+            except (ImportError, AttributeError, ValueError) as exc:
+                errors.append(f"{node['id']}: perturbation target {target!r}: {exc}")
+    return errors
+
+
+def locate_target(target: str) -> tuple[str, str, str]:
+    """(source file, owner qualname or "", attribute name) of a target; ValueError if it is not a function,
+    method or property."""
+    module, _, qualname = target.partition(":")
+    owner_name, _, name = qualname.rpartition(".")
+    if not owner_name:
+        fn = resolve_ref(target)
+        if not inspect.isfunction(fn):
+            raise ValueError("a module-level target must be a function")
+        return inspect.getsourcefile(fn), "", fn.__name__
+    owner = resolve_ref(f"{module}:{owner_name}")
+    if not inspect.isclass(owner):
+        raise ValueError(f"{owner_name} is not a class")
+    raw = inspect.getattr_static(owner, name)
+    if not (inspect.isfunction(raw) or isinstance(raw, staticmethod | classmethod | property)):
+        raise ValueError(f"{name} is not a method or property of {owner_name}")
+    return inspect.getsourcefile(owner), owner_name, name
+
+
 def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dict:
     """Every check; {"errors": [...], "nodes": n, "shapes_compared": m}."""
     blueprint = load_blueprint() if blueprint is None else blueprint
@@ -303,6 +355,6 @@ def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dic
     if errors:  # the other checks read the structure the schema guarantees
         return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
-    errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root)
+    errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root) + check_perturb_fields(blueprint)
     formula_errors, compared = check_formulas(blueprint, root)
     return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

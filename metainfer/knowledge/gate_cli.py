@@ -18,7 +18,11 @@ def add_parser(sub) -> None:
     p.add_argument("--evidence", default=None, help="write one JSON per gate into this folder")
     p.add_argument("--mutants", action="store_true", help="also run the failure-mode library's mutations")
     p.add_argument("--perturb", action="store_true",
-                   help="also check the quick gates catch a 1%% change of every CPU-path kernel reference's output")
+                   help="also check the quick gates catch a perturbed output of every CPU-path blueprint function")
+    p.add_argument("--perturb-only", nargs="+", metavar="ID", default=None,
+                   help="with --perturb: only these perturbation ids (perturb.<qualname>) or node ids")
+    p.add_argument("--committed", action="store_true",
+                   help="--mutants / --perturb on a copy of the last commit, not the work tree (a shared tree)")
     p.add_argument("--update-manifest", action="store_true",
                    help="rewrite gate_manifest.json from the current test files (a deliberate, reviewed change)")
     p.set_defaults(func=run)
@@ -54,7 +58,7 @@ def run(args) -> int:
     if args.mutants:
         from metainfer.knowledge import mutants
 
-        report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT)
+        report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None)
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
@@ -63,8 +67,14 @@ def run(args) -> int:
     if args.perturb:
         from metainfer.knowledge import mutants, perturb
 
-        report = mutants.run_mutants(perturb.perturbation_modes(blueprint, REPO_ROOT), REPO_ROOT)
-        print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates"
+        modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only)
+        report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                                     commit="HEAD" if args.committed else None)
+        for mode, result in zip(modes, report["modes"]):
+            result["nodes"] = mode["nodes"]
+        report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
+        print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates "
+              f"({len(report['not_cpu_path'])} refs exempt as not on the CPU path, with reasons)"
               + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))
         failed += report["caught"] != report["total"]
         if args.evidence:

@@ -110,9 +110,19 @@ def _repo_files(root: Path) -> list[str]:
     return sorted({f for f in out.decode().split("\0") if f})
 
 
-def make_copy(repo_root, dest) -> Path:
-    """Copy the repository's files into `dest` (the mutants' sandbox); returns dest."""
+def make_copy(repo_root, dest, commit: str | None = None) -> Path:
+    """Copy the repository's files into `dest` (the mutants' sandbox); returns dest. With `commit`, the files
+    of that commit instead of the work tree (a shared tree's uncommitted edits of others left out)."""
     root, dest = Path(repo_root), Path(dest)
+    if commit:
+        import io
+        import tarfile
+
+        archive = subprocess.run(["git", "archive", commit], cwd=root, check=True, capture_output=True).stdout
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(dest, filter="data")
+        return dest
     for rel in _repo_files(root):
         src = root / rel
         if src.is_file() and not src.is_symlink():  # a tracked file deleted in the work tree is skipped
@@ -170,9 +180,12 @@ def _apply(copy: Path, mutation: dict) -> tuple[Path, str, str | None]:
     """Write the mutated file into the copy; returns (path, original text, problem or None)."""
     path = copy / mutation["file"]
     original = path.read_text(encoding="utf-8")
-    if original.count(mutation["find"]) != 1:
+    if "append" in mutation:  # the perturbations replace a method at the end of its module
+        mutated = original + mutation["append"]
+    elif original.count(mutation["find"]) != 1:
         return path, original, f"find occurs {original.count(mutation['find'])} times"
-    mutated = original.replace(mutation["find"], mutation["replace"])
+    else:
+        mutated = original.replace(mutation["find"], mutation["replace"])
     path.write_text(mutated, encoding="utf-8")
     if path.suffix == ".py":
         try:
@@ -193,19 +206,23 @@ def run_mode(copy: Path, mode: dict, timeout_s: float) -> dict:
         path.write_text(original, encoding="utf-8")
     status = classify(code, output)
     result = {"id": mode["id"], "status": status, "seconds": round(seconds, 2)}
-    if status != "caught":
+    if status == "caught":  # which test caught it (the evidence names it)
+        failed = [line.split(" ", 1)[1].split(" - ", 1)[0] for line in output.splitlines()
+                  if line.startswith(("FAILED ", "ERROR "))]
+        result["caught_by"] = failed[:1]
+    else:
         result["detail"] = output
     return result
 
 
 def run_mutants(modes: list[dict], repo_root, jobs: int = 1, timeout_s: float = 300,
-                log=None) -> dict:
+                log=None, commit: str | None = None) -> dict:
     """Baseline (every mode's tests on the unmutated copy) then each mode on its own mutated file, `jobs`
     copies in parallel. A failing baseline stops the run: no mode's result would mean anything."""
     log = log or (lambda msg: None)
     start, jobs = time.monotonic(), max(1, min(jobs, len(modes) or 1))
     with tempfile.TemporaryDirectory(prefix="metainfer-mutants-") as tmp:
-        copies = [make_copy(repo_root, Path(tmp) / f"copy{i}") for i in range(jobs)]
+        copies = [make_copy(repo_root, Path(tmp) / f"copy{i}", commit) for i in range(jobs)]
         for copy in copies:
             check_imports_copy(copy)
         tests = list(dict.fromkeys(t for mode in modes for t in mode["tests"]))

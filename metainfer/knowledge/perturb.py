@@ -1,57 +1,35 @@
-"""The quick gates' sensitivity: perturbing the output of any blueprint function on the CPU path (the kernel
-references, the torch path of every op) must make `metainfer gate --quick`'s tests fail.
+"""The quick gates' sensitivity: perturbing the output of any blueprint function that runs on the CPU path
+must make `metainfer gate --quick`'s tests fail.
 
-Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py): the
-function's `def` gets a decorator that scales its floating-point outputs by 1.01 and adds 1 to its integer
-outputs (ids, positions), in place (a function that returns nothing has its tensor arguments changed
-instead: its output is what it wrote into them). The tests are the union of every phase's quick selection;
-`-x` stops at the first failure, so a caught perturbation costs seconds.
+Every node says which of its `ref_code` run on the CPU path and how they are perturbed, in its `perturb`
+field: `targets` (functions, methods or properties: each one a perturbation) and `exempt` ({ref: why it is
+not perturbed}: GPU-only Triton kernels, CUDA graphs, declarations with no output). `blueprint check`
+requires every ref_code of every node to be one of the two (blueprint.check_perturb_fields), so nothing is skipped
+silently. What a perturbation does to a value depends on its kind (perturb_runtime.py: tensors x 1.01, ids
+and counts + 1, decisions flipped, lists one element short, ...).
+
+Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py), applied to
+a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
+property is replaced at the end of its class's module. The tests are the union of every phase's quick
+selection, the files of the node's own tests first; `-x` stops at the first failure, so a caught
+perturbation costs seconds.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 
-from metainfer.knowledge.blueprint import load_blueprint
+from metainfer.knowledge.blueprint import load_blueprint, locate_target
 
-DECORATOR = '''def _perturbed_output(fn):
-    import functools
-
-    import torch as _torch
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        items = out if isinstance(out, tuple) else (out,) if out is not None else args
-        for item in items:
-            if isinstance(item, _torch.Tensor) and item.is_floating_point():
-                item.mul_(1.01)
-            elif isinstance(item, _torch.Tensor) and item.dtype in (_torch.int32, _torch.int64):
-                item.add_(1)
-        return out
-    return wrapped
+RUNTIME = "__import__('metainfer.knowledge.perturb_runtime', fromlist=['perturbed'])"
 
 
-@_perturbed_output
-'''
-
-
-def cpu_path_functions(blueprint: dict | None = None) -> list[str]:
-    """The kernel_contracts nodes' references that run on the CPU: module-level functions of
-    metainfer.kernels whose name ends in _ref, plus the CPU GEMM and the cos/sin table."""
-    blueprint = blueprint or load_blueprint()
-    refs = []
-    for node in blueprint["nodes"]:
-        if node["category"] != "kernel_contracts":
-            continue
-        for ref in node["ref_code"]:
-            module, _, name = ref.partition(":")
-            if module.startswith("metainfer.kernels.") and "." not in name and (
-                    name.endswith("_ref") or name in ("linear_ref", "build_cos_sin_cache")):
-                refs.append(ref)
-    return list(dict.fromkeys(refs))
+def _mutation(target: str, root: str | None) -> dict:
+    path, owner, name = locate_target(target)
+    rel = os.path.relpath(path, root) if root else path
+    if not owner:
+        return {"file": rel, "find": f"\ndef {name}(", "replace": f"\n@{RUNTIME}.perturbed\ndef {name}("}
+    return {"file": rel, "append": f"\n{RUNTIME}.perturb_attribute({owner}, {name!r})\n"}
 
 
 def quick_tests(blueprint: dict | None = None) -> list[str]:
@@ -59,16 +37,38 @@ def quick_tests(blueprint: dict | None = None) -> list[str]:
     return list(dict.fromkeys(t for phase in blueprint["phases"] for t in phase["quick"]))
 
 
-def perturbation_modes(blueprint: dict | None = None, root: str | None = None) -> list[dict]:
-    """One harness mode per CPU-path function: its `def` line decorated with _perturbed_output."""
+def _ordered(tests: list[str], first_files: set[str]) -> list[str]:
+    """The same selection, the entries in the node's own test files first (a caught perturbation fails early)."""
+    return sorted(tests, key=lambda t: t.split("::", 1)[0] not in first_files)
+
+
+def cpu_path_targets(blueprint: dict | None = None) -> list[tuple[dict, str]]:
+    blueprint = blueprint or load_blueprint()
+    return [(n, t) for n in blueprint["nodes"] for t in (n.get("perturb") or {}).get("targets", [])]
+
+
+def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
+    """The refs no perturbation covers, with the node's reason (the evidence lists them)."""
+    blueprint = blueprint or load_blueprint()
+    return [{"node": n["id"], "ref": ref, "reason": why}
+            for n in blueprint["nodes"] for ref, why in (n.get("perturb") or {}).get("exempt", {}).items()]
+
+
+def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
+                       only: list[str] | None = None) -> list[dict]:
+    """One harness mode per CPU-path target (`only`: ids or node ids to keep)."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
+    nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
+    for node, target in cpu_path_targets(blueprint):
+        nodes.setdefault(target, []).append(node)
     modes = []
-    for ref in cpu_path_functions(blueprint):
-        module, _, name = ref.partition(":")
-        path = inspect.getsourcefile(importlib.import_module(module))
-        rel = os.path.relpath(path, root) if root else path
-        modes.append({"id": f"perturb.{name}", "title": f"{ref} output x 1.01", "tests": tests,
-                      "symptom": "the quick gates must fail", "cause": f"{ref}'s output scaled by 1.01",
-                      "mutation": {"file": rel, "find": f"\ndef {name}(", "replace": f"\n{DECORATOR}def {name}("}})
+    for target, owners in nodes.items():
+        mode_id = f"perturb.{target.partition(':')[2]}"
+        if only and mode_id not in only and not {n["id"] for n in owners} & set(only):
+            continue
+        own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
+        modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": _ordered(tests, own),
+                      "symptom": "the quick gates must fail", "cause": f"{target}'s output perturbed",
+                      "nodes": [n["id"] for n in owners], "mutation": _mutation(target, root)})
     return modes

@@ -80,10 +80,11 @@ def test_classify():
 
 def test_run_mutants_catches_a_real_bug_and_lets_a_harmless_edit_survive():
     cheap = next(m for m in load_failure_modes() if m["id"] == CHEAP)
+    first_line = (ROOT / "metainfer/engine/block_manager.py").read_text(encoding="utf-8").splitlines()[0]
+    assert first_line.startswith('"""'), "the harmless edit rewords the module docstring's first line"
     harmless = {**cheap, "id": "fm.harmless_docstring_edit", "mutation": {
-        "file": "metainfer/engine/block_manager.py",
-        "find": "Release in reverse so a prefix's tail is evicted before its head.",
-        "replace": "Release in reverse: a prefix's tail is evicted before its head."}}
+        "file": "metainfer/engine/block_manager.py", "find": first_line,
+        "replace": first_line.replace('"""', '"""In short: ', 1)}}
     syntax = {**cheap, "id": "fm.does_not_compile", "mutation": {
         "file": "metainfer/engine/block_manager.py", "find": "def chain_hash(", "replace": "def chain_hash(("}}
     result = run_mutants([cheap, harmless, syntax], ROOT, timeout_s=120)
