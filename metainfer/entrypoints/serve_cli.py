@@ -1,49 +1,73 @@
 """`metainfer serve`: the OpenAI-compatible server (see the openai/ package); fastapi and uvicorn are
-imported only when the command runs, so the CLI works without the serve extra."""
+imported only when the command runs, so the CLI works without the serve extra (and says which extra
+to install when they are missing, before the model loads)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+
+SERVER_PACKAGES = ("fastapi", "uvicorn")
 
 
 def register(subparsers, add_engine_args, engine_kwargs) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
-        description="OpenAI-compatible HTTP server. All live requests share one continuously batched engine.")
+        description="OpenAI-compatible HTTP server. All live requests share one continuously batched engine. "
+                    "SIGTERM / SIGINT: new requests get 503, those in flight may finish for --shutdown-timeout "
+                    "seconds, the rest end with a final error event; the engine is closed and the exit status is 0.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model path (same as --model)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $METAINFER_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and the API docs; /health and /metrics stay "
+                        "open (default: $METAINFER_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use as `model` (default: the model path)")
+                   help="name(s) clients use as `model` (default: the model folder's or .gguf file's name)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are waiting for their first token (default: no cap)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds requests in flight may run on after SIGTERM / SIGINT (default 5)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=lambda args: cmd_serve(args, engine_kwargs))
 
 
-def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
-    from metainfer import LLM
-    from metainfer.entrypoints.openai.api_server import serve
+def missing_server_packages() -> list[str]:
+    return [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
 
+
+def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
+    missing = missing_server_packages()
+    if missing:
+        raise SystemExit(f"metainfer: error: serve needs {' and '.join(missing)}: "
+                         "pip install 'metainfer[serve]'")
     if args.model_tag and args.model and args.model_tag != args.model:
-        raise SystemExit("give the model either as MODEL or as --model, not both")
+        raise SystemExit("metainfer: error: give the model either as MODEL or as --model, not both")
     args.model = args.model or args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise SystemExit("--max-queued-requests must be >= 0")
+        raise SystemExit("metainfer: error: --max-queued-requests must be >= 0")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit("metainfer: error: --shutdown-timeout must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"metainfer: error: --port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from metainfer import LLM
+    from metainfer.entrypoints.openai.api_server import default_served_name, serve
+
     kwargs = engine_kwargs(args)
-    names = args.served_model_name or [args.model or kwargs["model"]]
+    names = args.served_model_name or [default_served_name(kwargs["model"])]
     llm = LLM(**kwargs)
     try:
         serve(llm, served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
               max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-              access_log=not args.no_access_log)
+              access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout)
     finally:
         llm.close()
+        logging.getLogger("metainfer.server").info("engine closed; exiting")
     return 0

@@ -1,8 +1,13 @@
 """The FastAPI app of the OpenAI-compatible server: assembly, auth, the small routes, and `serve`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}] (all behind the
-optional bearer key), GET /health (503 once the engine thread is gone), GET /metrics (Prometheus).
-All live requests share one continuously batched engine, stepped by one `EngineLoop` thread.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /docs, /redoc,
+/openapi.json (all behind the optional bearer key; the docs can be turned off), GET /health (503 once
+the engine thread is gone), GET /metrics (Prometheus); /health and /metrics stay open, as in vLLM.
+POST bodies must be `application/json` (415 otherwise: a text/plain body is a CORS "simple request" a
+web page could send to a key-less loopback server). All live requests share one continuously batched
+engine, stepped by one `EngineLoop` thread. `serve` handles SIGTERM / SIGINT itself: new requests get
+503, those in flight may finish for `shutdown_timeout` seconds, the rest end with a final error event,
+and `serve` returns (so the caller's `close()` runs and the process exits 0).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -61,9 +67,17 @@ class OpenAIServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise OpenAIError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
 
+    async def require_json(self, request: Request) -> None:
+        """POST bodies must say they are JSON: anything else is 415, before the body is read."""
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise OpenAIError(415, f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                              "invalid_request_error", None, "unsupported_media_type")
+
     def model_card(self, name: str) -> dict:
+        # root is the served name too: the model's filesystem path is not the clients' business
         return {"id": name, "object": "model", "created": self.created, "owned_by": "metainfer",
-                "root": self.engine.config.model, "max_model_len": self.engine.config.max_model_len}
+                "root": name, "max_model_len": self.engine.config.max_model_len}
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.served_model_names]})
@@ -81,15 +95,22 @@ class OpenAIServer:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def default_served_name(model: str) -> str:
+    """The model id clients see when none is given: the folder's (or .gguf file's) name, never its path."""
+    name = os.path.basename(os.path.normpath(model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
 def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
-              max_queued_requests: int | None = None) -> FastAPI:
+              max_queued_requests: int | None = None, docs: bool = True) -> FastAPI:
     """The ASGI app. `llm_or_kwargs`: an `LLM` (the caller keeps ownership) or a dict of `LLM`
-    keyword arguments (the app builds the LLM and closes it at shutdown)."""
+    keyword arguments (the app builds the LLM and closes it at shutdown). `docs=False` drops /docs,
+    /redoc and /openapi.json (with an API key they need it, like /v1/*)."""
     owns = isinstance(llm_or_kwargs, dict)
     llm = LLM(**llm_or_kwargs) if owns else llm_or_kwargs
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
-    names = list(served_model_names or [llm.llm_engine.config.model])
+    names = list(served_model_names or [default_served_name(llm.llm_engine.config.model)])
     server = OpenAIServer(llm, names, api_key, max_queued_requests, owns_llm=owns)
 
     @asynccontextmanager
@@ -100,24 +121,75 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
         finally:
             server.shutdown()
 
-    app = FastAPI(title="MetaInfer OpenAI-compatible server", lifespan=lifespan)
+    # FastAPI's own docs routes would be open to anyone: ours below sit behind the key
+    app = FastAPI(title="MetaInfer OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.server = server
     auth = [Depends(server.check_auth)]
-    app.add_api_route("/v1/completions", server.completion.create, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", server.chat.create, methods=["POST"], dependencies=auth)
+    post = [*auth, Depends(server.require_json)]
+    app.add_api_route("/v1/completions", server.completion.create, methods=["POST"], dependencies=post)
+    app.add_api_route("/v1/chat/completions", server.chat.create, methods=["POST"], dependencies=post)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
+    if docs:
+        _add_docs(app, auth)
     add_exception_handlers(app)
     return app
 
 
+def _add_docs(app: FastAPI, auth: list) -> None:
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+    title = app.title
+
+    async def openapi(request: Request):
+        return JSONResponse(app.openapi())
+
+    async def swagger(request: Request):
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - Swagger UI")
+
+    async def redoc(request: Request):
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
+
+    for path, endpoint in (("/openapi.json", openapi), ("/docs", swagger), ("/redoc", redoc)):
+        app.add_api_route(path, endpoint, methods=["GET"], dependencies=auth, include_in_schema=False)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our shutdown: the first SIGTERM / SIGINT starts the drain; the signal is not re-raised
+    after shutdown (uvicorn does that, and it kills the process before the caller's close() runs)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()
+        if first:
+            self._on_exit()
+
+
 def serve(llm, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
-          max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True) -> None:
-    """Serve `llm` under uvicorn until interrupted (the caller keeps ownership of `llm`)."""
+          max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True,
+          docs: bool = True, shutdown_timeout: float = 5.0) -> None:
+    """Serve `llm` under uvicorn until SIGTERM / SIGINT (the caller keeps ownership of `llm`). At the
+    signal, requests in flight may finish for `shutdown_timeout` seconds; the rest end with a final
+    error event (code server_shutdown); then this returns."""
     app = build_app(llm, served_model_names=served_model_names, api_key=api_key,
-                    max_queued_requests=max_queued_requests)
+                    max_queued_requests=max_queued_requests, docs=docs)
+    engine_loop = app.state.server.engine_loop
+
+    def on_exit() -> None:  # in the signal handler, on the event loop's thread
+        log.info("shutting down: draining %d request(s) for up to %g s", engine_loop.num_in_flight,
+                 shutdown_timeout)
+        engine_loop.request_drain(shutdown_timeout)
+
     log.info("serving %s on http://%s:%d (max_model_len %d)", served_model_names, host, port,
              llm.llm_engine.config.max_model_len)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    _Server(config, on_exit).run()

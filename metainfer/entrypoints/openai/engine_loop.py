@@ -10,7 +10,9 @@ HTTP handlers run on the asyncio loop. A handler submits its engine requests (on
 a `RequestGroup`; a concurrent Future that the engine thread resolves says whether they were added
 (a ValueError from `add_request` becomes a 400), and the engine's cumulative `RequestOutput`s reach
 the group's asyncio.Queue through `loop.call_soon_threadsafe`. A group that is closed before its
-requests finish (client gone, error) aborts them, which frees their KV blocks.
+requests finish (client gone, error) aborts them, which frees their KV blocks. A request that a
+failed step was bisected to (LLMEngine fault isolation) ends with its own EngineError; the others go
+on. At shutdown `drain` refuses new requests, waits for those in flight, then ends the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ Item = tuple[str, Any, SamplingParams]
 class EngineError(RuntimeError):
     """The engine raised while stepping; the affected requests were aborted."""
 
+    status, code = 500, "engine_error"
+
+
+class ServerShutdown(EngineError):
+    """The server is shutting down and the request did not finish within the drain time."""
+
+    status, code = 503, "server_shutdown"
+
 
 class EngineLoop:
     """Owns the engine: every engine call happens on this one thread.
@@ -55,6 +65,8 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.draining = False  # shutting down: new requests get 503, in-flight ones may finish
+        self._drain_task: asyncio.Task | None = None
         self.fatal: BaseException | None = None
 
     # called from the asyncio thread ---------------------------------------------------------
@@ -85,10 +97,38 @@ class EngineLoop:
         self._commands.append(("abort", request_ids))
         self._wake.set()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests with a waiting client (read from the asyncio thread; a dict's len is atomic)."""
+        return len(self._sinks)
+
+    def request_drain(self, timeout: float) -> None:
+        """Start `drain` on the event loop; safe from a signal handler or another thread."""
+        self.draining = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            def start():
+                self._drain_task = loop.create_task(self.drain(timeout))
+            loop.call_soon_threadsafe(start)
+
+    async def drain(self, timeout: float) -> None:
+        """Shutdown: refuse new requests, let those in flight finish for up to `timeout` seconds, then end
+        the rest with a ServerShutdown (a stream's final event says so) so every connection closes."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while (self.num_in_flight or self._commands) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.num_in_flight or self._commands:
+            self._commands.append(("fail_all", ServerShutdown("the server is shutting down; the request was "
+                                                              f"not finished within {timeout:g} s")))
+            self._wake.set()
+
     async def submit(self, items: list[Item]) -> RequestGroup:
         """Add one HTTP request's engine requests; 503 when the engine is down or the queue is full."""
         if not self.alive:
             raise engine_dead()
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down", "server_error", None, "server_shutdown")
         cap = self.max_queued_requests
         if cap is not None and self.num_queued + len(items) > cap:
             raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
@@ -137,6 +177,8 @@ class EngineLoop:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
                 self._add(*cmd[1:])
+            elif cmd[0] == "fail_all":
+                self._fail_all(cmd[1])
             else:
                 self._abort(cmd[1])
 
@@ -185,8 +227,9 @@ class EngineLoop:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if out.finished:
                 self._timing.pop(out.request_id, None)
-            if sink is not None:
-                deliveries.append((sink, out))
+            if sink is not None:  # a request a failed step was bisected to ends with its own error
+                deliveries.append((sink, out if out.error is None else EngineError(f"the request failed in the "
+                                                                                   f"engine: {out.error}")))
         self.metrics.publish(self.engine, len(outputs))
         if deliveries:
             self._send(deliveries)

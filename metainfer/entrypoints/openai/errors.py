@@ -46,8 +46,10 @@ def engine_dead() -> OpenAIError:
 
 
 def engine_failed(exc: BaseException) -> OpenAIError:
-    """The engine failed while the request was in flight (a step raised, or the loop died)."""
-    return OpenAIError(500, str(exc), "server_error", None, "engine_error")
+    """The engine failed while the request was in flight (a step raised, the loop died, or the server
+    shut down before it finished: the exception's `status` / `code`)."""
+    return OpenAIError(getattr(exc, "status", 500), str(exc), "server_error", None,
+                       getattr(exc, "code", "engine_error"))
 
 
 def from_engine_error(exc: BaseException) -> OpenAIError:
@@ -58,8 +60,8 @@ def from_engine_error(exc: BaseException) -> OpenAIError:
 
     if isinstance(exc, (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError)):
         msg = str(exc) or type(exc).__name__
-        first_word = msg.split(" ", 1)[0]
-        return bad_request(msg, _PARAM_OF_MESSAGE.get(first_word))
+        param = getattr(exc, "param", None)  # InvalidRequestError (engine/request_validation.py) names it
+        return bad_request(msg, param if param is not None else _PARAM_OF_MESSAGE.get(msg.split(" ", 1)[0]))
     log.exception("adding a request failed", exc_info=exc)
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 

@@ -62,6 +62,8 @@ class ServerMetrics:
         self.success: collections.Counter[str] = collections.Counter()
         self.aborted = 0
         self.engine_errors = 0
+        self.failed_requests = 0  # finished with an error by the engine's fault isolation
+        self.failed_steps = 0  # steps that raised and were bisected to the requests causing it
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -99,7 +101,8 @@ class ServerMetrics:
         if out.finished:
             finished = out.metrics.get("finished_time")
             self.e2e.observe((finished if finished is not None else now) - timing.arrival)
-            self.success[out.outputs[0].finish_reason or "unknown"] += 1  # per request, as vLLM counts
+            if out.error is None:  # failed requests: metainfer:request_failed_total
+                self.success[out.outputs[0].finish_reason or "unknown"] += 1  # per request, as vLLM counts
 
     def publish(self, engine, batch_size: int | None = None) -> None:
         """Copy the engine's gauges and counters; `batch_size`: requests progressed by the last step."""
@@ -109,6 +112,8 @@ class ServerMetrics:
             self.prompt_tokens = engine.stats.get("prompt_tokens", 0)
             self.generation_tokens = engine.stats.get("generation_tokens", 0)
             self.preemptions = getattr(engine.scheduler, "num_preemptions", 0)
+            self.failed_requests = engine.stats.get("failed_requests", 0)
+            self.failed_steps = engine.stats.get("failed_steps", 0)
             self.prefix_cache_queries = engine.block_manager.prefix_query_tokens
             self.prefix_cache_hits = engine.block_manager.prefix_hit_tokens
             self.peak_running = max(self.peak_running, running, batch_size or 0)
@@ -158,7 +163,12 @@ class ServerMetrics:
                 out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
                            f"{self.success[reason]}")
             scalar("metainfer:request_aborted_total", "counter", self.aborted, "Requests aborted (client went away).")
-            scalar("metainfer:engine_errors_total", "counter", self.engine_errors, "Engine steps that raised.")
+            scalar("metainfer:engine_errors_total", "counter", self.engine_errors,
+                   "Engine steps that raised and failed every request in flight.")
+            scalar("metainfer:request_failed_total", "counter", self.failed_requests,
+                   "Requests finished with an error because a step failed on their data (the rest went on).")
+            scalar("metainfer:isolated_step_failures_total", "counter", self.failed_steps,
+                   "Engine steps that raised and were bisected to the requests that caused it.")
             histogram("metainfer:time_to_first_token_seconds", self.ttft, "Time to first token.")
             histogram("metainfer:inter_token_latency_seconds", self.itl, "Time between output tokens.")
             histogram("metainfer:e2e_request_latency_seconds", self.e2e, "Arrival to finish, per request.")

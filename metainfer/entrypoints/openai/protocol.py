@@ -88,7 +88,13 @@ class _SamplingFields(_Body):
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as exc:
-            raise from_engine_error(exc) from None
+            err = from_engine_error(exc)
+            err.param = self.body_field(err.param)
+            raise err from None
+
+    def body_field(self, param: str | None) -> str | None:
+        """The body's name for a SamplingParams field (they differ in the chat API)."""
+        return param
 
 
 class CompletionRequest(_SamplingFields):
@@ -155,6 +161,11 @@ class ChatCompletionRequest(_SamplingFields):
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+
+    def body_field(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if param == "logprobs" else param
 
     @property
     def max_new_tokens(self) -> int | None:
