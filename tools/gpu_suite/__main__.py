@@ -8,7 +8,8 @@ tests' output, and prints a short table last ($OUT/table.md). Sections (tools/gp
   by name    kv_fp8, allreduce, profile_batch, the sweeps gemv / gemm_rows / skinny_sweep / attn_sweep /
              attn_kv_dtype, sampler, ab (in-engine kernel A/B and the kill switches); the MoE families:
              moe_families (DeepSeek-V2-Lite and Qwen3-30B-A3B figures, HF beside, agreement), tune_moe,
-             tune_gemv_moe, bench_moe, bench_mla
+             tune_gemv_moe, bench_moe, bench_mla; serving (prefix hits after start, bench serve against the
+             offline engine, 1,000 x 1,000 throughput: needs .gpu_assets/wheels for the server)
 --print-table renders $OUT/gpu_results.json again (CPU). The tokenizer comes from --tokenizer-dir
 (.gpu_assets/tokenizer, git-ignored: carry it to the device machine).
 """
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tune_moe: comma list of tools/tune_moe.py shape names (default: all)")
     p.add_argument("--graph-family", default="qwen3", choices=("qwen3", "deepseek_v2", "qwen3_moe"),
                    help="graphs: the small model's family")
+    p.add_argument("--serving-parts", default="prefix_hits,serve_vs_offline,throughput_1k",
+                   help="serving: comma list of prefix_hits, serve_vs_offline, throughput_1k")
     p.add_argument("--agreement-positions", type=int, default=128,
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")

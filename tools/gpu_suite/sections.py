@@ -5,7 +5,7 @@ gpu_tests gets what is left of --budget-s."""
 
 from __future__ import annotations
 
-from tools.gpu_suite import ab, agreement, checks, families, figures, profiles, studies
+from tools.gpu_suite import ab, agreement, checks, families, figures, profiles, serving, studies
 
 SECTIONS = {
     "latency": figures.latency,
@@ -31,6 +31,7 @@ SECTIONS = {
     "bench_moe": families.bench_moe,
     "bench_mla": families.bench_mla,
     "tune_gemv_moe": families.tune_gemv_moe,
+    "serving": serving.serving,
 }
 
 # latency first: its engine start is then a cold one (Triton compiles included); gpu_tests last, its

@@ -1,0 +1,163 @@
+"""Issue 23's serving figures at Qwen3-8B dims (dummy bf16 weights):
+
+- `prefix_hits`: an 8,192-token prompt computed once (max_tokens=1), then sent twice more; the first of
+  those is the first prefix hit after start (a Triton compile there would show), the second a repeat.
+  Target: first hit <= 2x the repeat. The requests' `num_cached_tokens` beside.
+- `serve_vs_offline`: `metainfer serve` in a subprocess, `bench serve` with 256 prompts of 512 tokens, 256
+  out, at concurrency 64, against the offline engine decoding the same shape with max_num_seqs=64
+  (output tok/s both). Target >= 90% of offline, ITL p99 <= 2x median. Needs fastapi, uvicorn and
+  httpx: installed from `.gpu_assets/wheels` when the machine lacks them.
+- `throughput_1k`: 1,000 prompts of 1,000 tokens, 1,000 out, max_num_seqs 512, bf16 and fp8 KV.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tools.gpu_suite.common import ROOT, bench_llm, error_of, model_dir, on_engine, out_dir, release, show
+
+
+def _timed_generate(llm, prompt_ids: list[int], max_tokens: int) -> dict:
+    from metainfer import SamplingParams
+
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+    return {"ms": (time.perf_counter() - start) * 1e3, "num_cached_tokens": getattr(out, "num_cached_tokens", None)}
+
+
+def prefix_hits(args) -> dict:
+    import torch
+
+    start = time.perf_counter()
+    llm = bench_llm(args, max_model_len=16384, max_num_batched_tokens=8192)
+    startup = time.perf_counter() - start
+    try:
+        ids = torch.randint(10, 100000, (8192,), generator=torch.Generator().manual_seed(1)).tolist()
+        other = torch.randint(10, 100000, (8192,), generator=torch.Generator().manual_seed(2)).tolist()
+        res = {"startup_s": startup,
+               "cold": _timed_generate(llm, ids, 1),
+               "first_hit": _timed_generate(llm, ids, 1),
+               "repeat_hit": _timed_generate(llm, ids, 1),
+               "cold_other_prompt": _timed_generate(llm, other, 1)}
+        res["first_over_repeat"] = res["first_hit"]["ms"] / res["repeat_hit"]["ms"]
+    finally:
+        del llm
+        release()
+    return res
+
+
+def _ensure_server_packages() -> dict:
+    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        wheels = os.path.join(ROOT, ".gpu_assets", "wheels")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
+                        "fastapi", "uvicorn", "httpx"], check=True)
+    return {"installed": missing}
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("server not ready")
+
+
+def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concurrency=64) -> dict:
+    from metainfer import SamplingParams
+
+    res = {"setup": _ensure_server_packages(), "num_prompts": num_prompts, "input_len": input_len,
+           "output_len": output_len, "concurrency": concurrency}
+
+    def offline(llm) -> dict:
+        import random
+
+        rng = random.Random(0)
+        prompts = [{"prompt_token_ids": [rng.randint(10, 500) for _ in range(input_len)]} for _ in range(num_prompts)]
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompts[:concurrency], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return {"output_tok_s": num_prompts * output_len / elapsed, "elapsed_s": elapsed}
+
+    res["offline"] = on_engine(args, offline, max_num_seqs=concurrency)
+    show("offline", res["offline"])
+    port = 8311
+    log_path = os.path.join(out_dir(), "server_log.txt")
+    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", model_dir(args), "--load-format", "dummy",
+           "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
+           "--no-access-log", "--log-level", "warning"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(port, proc, timeout=180)
+            record = os.path.join(out_dir(), "bench_serve.json")
+            subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+                            "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len",
+                            str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
+                            "--output-json", record], cwd=ROOT, check=True, timeout=300)
+            with open(record) as f:
+                res["serve"] = json.load(f)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    serve = res["serve"]
+    res["serve_over_offline"] = serve.get("output_throughput", 0) / res["offline"]["output_tok_s"]
+    return res
+
+
+def throughput_1k(args) -> dict:
+    from metainfer.bench.throughput import run_throughput
+
+    def brief(llm) -> dict:
+        full = run_throughput(llm, num_seqs=1000, min_in=1000, max_in=1000, min_out=1000, max_out=1000,
+                              progress=False)
+        return {**{k: full[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")},
+                "decode_seconds": full["timeline"]["decode_seconds"]}
+
+    res = {}
+    for name, kw in {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}}.items():
+        try:
+            res[name] = on_engine(args, brief, max_num_seqs=512, **kw)
+        except Exception as exc:
+            res[name] = error_of(exc)
+        show(f"throughput_1k {name}", res[name])
+    return res
+
+
+def serving(args, results) -> dict:
+    """The parts of --serving-parts (prefix_hits, serve_vs_offline, throughput_1k); one failing part keeps
+    the others."""
+    parts = {"prefix_hits": prefix_hits, "serve_vs_offline": serve_vs_offline, "throughput_1k": throughput_1k}
+    res = {}
+    for name in args.serving_parts.split(","):
+        try:
+            res[name] = parts[name](args)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            res[name] = error_of(exc)
+            release()
+        show(name, res[name])
+    return res
