@@ -137,8 +137,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; "
-                              f"got {self.distributed_executor_backend!r}")
+            raise ConfigError("distributed_executor_backend must be one of "
+                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got {self.distributed_executor_backend!r}")
         if not self.distributed_timeout_s > 0:
             raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

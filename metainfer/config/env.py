@@ -37,3 +37,15 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
             raise ConfigError(f"{name}={raw!r}: expected one of {', '.join(values)}")
         out[field_name] = values[raw]
     return out
+
+
+# What torchrun (or srun / mpirun wrappers that mimic it) sets for each process it starts; read for
+# distributed_executor_backend="external_launcher" (distributed/external_launcher.py), never an engine switch.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT")
+
+
+def launcher_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{variable: value} for each of LAUNCHER_VARIABLES that is set and non-empty."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in LAUNCHER_VARIABLES if environ.get(name, "").strip()}

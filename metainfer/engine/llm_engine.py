@@ -38,6 +38,7 @@ from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
 from metainfer.worker.sampler import HostSample, SampledBatch
 from metainfer.worker.tp.driver import TPDriver
+from metainfer.worker.tp.launched import LaunchedRank
 
 log = logging.getLogger("metainfer")
 
@@ -84,9 +85,13 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver
-        self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 else None
-        if self.tp_driver is not None:
+        # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver, or,
+        # under torchrun (external launcher), every process builds its own rank's (worker/tp/launched.py)
+        self.launcher = LaunchedRank(config) if config.distributed_executor_backend == "external_launcher" else None
+        self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 and self.launcher is None else None
+        if self.launcher is not None:
+            self.runner = self.launcher.build_runner(self.eos_token_ids)
+        elif self.tp_driver is not None:
             self.runner = self.tp_driver.build_runner(self.eos_token_ids)
         elif config.device == "mlx":  # the MLX backend (metainfer/mlx/): same scheduler, sampler and outputs
             from metainfer.mlx.model_runner import MLXModelRunner
@@ -218,7 +223,7 @@ class LLMEngine:
         try:
             return batch, self._run(batch)
         except Exception as exc:
-            if self.tp_driver is not None:
+            if self.tp_driver is not None or self.launcher is not None:
                 raise
             first = exc
         self.stats["failed_steps"] += 1
@@ -380,6 +385,8 @@ class LLMEngine:
     def close(self) -> None:
         if self.tp_driver is not None:
             self.tp_driver.close()
+        if self.launcher is not None:
+            self.launcher.close()
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:

@@ -1,0 +1,250 @@
+"""Tensor parallelism under an external launcher (`distributed_executor_backend="external_launcher"`):
+torchrun starts every rank, each a process running the same script (SPMD), on one node or several.
+
+Who decides: rank 0 runs the whole engine (scheduler, sampler, detokenizer) as in spawn mode; its link
+(`LeaderLink`) sends each step's StepDelta (protocol.py) over the store channel (distributed/store_channel.py)
+instead of a pipe. Ranks 1..N-1 build the same ModelRunner and replay rank 0's steps through a StepMirror, so
+every rank runs the same schedule and the same forwards; they never schedule or sample. The sampled ids are
+rank 0's alone (broadcast, in effect, by the next step's delta), so no determinism across ranks is assumed.
+
+Calls. `LLM.generate` (and `chat`) on every rank is one call: rank 0 announces it with a fingerprint of its
+arguments and every follower answers whether its own arguments are the same; on a difference every rank raises
+the same ValueError. Rank 0 then runs the call while the followers replay its steps; at the end they receive its
+outputs (or its error, re-raised: a ValueError stays a ValueError), so every rank's generate returns the same
+RequestOutputs. Commands (`metainfer serve`, `bench`, `generate`) run on rank 0 only; the followers `follow()`,
+replaying steps and answering calls without comparing, until rank 0 closes.
+
+Close is a handshake: rank 0 sends ("close",) and waits (bounded) until each follower has read it, so a rank 0
+that hosts the store (no torchrun agent) does not take it away from a follower still reading.
+
+Faults. A rank that dies makes the others' next collective fail (gloo at once; NCCL after the process group's
+timeout, `distributed_timeout_s`), and a follower waiting for rank 0 fails as soon as the store goes; each
+raises one RuntimeError saying which rank noticed what. torchrun then stops the rest of its node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, is_dataclass, replace
+
+from metainfer.config import EngineConfig
+from metainfer.distributed.external_launcher import LauncherEnv, join_launched_group, read_launcher_env
+from metainfer.distributed.parallel_state import destroy_tp_group, tp_state
+from metainfer.distributed.store_channel import StoreChannel
+from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.models.shape_contract import validate_tp_config
+from metainfer.worker.model_runner import ModelRunner
+from metainfer.worker.tp.driver import GroupUnusable
+from metainfer.worker.tp.protocol import BuildSync, RankLink, StepEncoder, StepMirror
+from metainfer.worker.tp.rank import build_rank_runner
+
+log = logging.getLogger("metainfer")
+
+CLOSE_WAIT_S = 30.0  # rank 0's close waits at most this long for the followers to read ("close",)
+
+
+class LeaderLink(RankLink):
+    """Rank 0's link: each step's delta goes to the followers before rank 0 runs the same batch."""
+
+    def __init__(self, channel: StoreChannel, sync: BuildSync):
+        super().__init__(sync)
+        self.channel = channel
+        self.encoder = StepEncoder()
+        self.broken: str | None = None
+        self._last_step = 0
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise GroupUnusable(f"the tensor-parallel group is unusable ({self.broken}); restart every rank")
+
+    def publish(self, batch: ScheduledBatch) -> None:
+        self.check_usable()
+        index = self.channel.send(("step", self.encoder.encode(batch)))
+        # rank 0 finished the previous step's forward, which every follower joined after reading its message
+        self.channel.forget_through(self._last_step)
+        self._last_step = index
+
+    def step_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, GroupUnusable):
+            return
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        self.broken = f"a step failed on rank 0: {type(exc).__name__}: {first_line}"
+        if isinstance(exc, Exception):
+            raise RuntimeError(f"tensor-parallel rank 0: a step failed ({type(exc).__name__}: {first_line}); "
+                               "another rank has probably stopped") from exc
+
+
+def call_fingerprint(args) -> list[str]:
+    """One digest per argument (a prompt, its sampling params), independent of hash seeds and object ids."""
+    def plain(obj):
+        if is_dataclass(obj):
+            return asdict(obj)
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj, key=repr)
+        return repr(obj)
+
+    return [hashlib.sha256(json.dumps(a, sort_keys=True, default=plain).encode()).hexdigest()[:16] for a in args]
+
+
+def describe_difference(mine: list[str], rank0: list[str]) -> str | None:
+    if len(mine) != len(rank0):
+        return f"{len(mine) // 2} prompt(s) against rank 0's {len(rank0) // 2}"
+    for i, (a, b) in enumerate(zip(mine, rank0)):
+        if a != b:
+            return f"{'prompt' if i % 2 == 0 else 'the sampling params of prompt'} {i // 2} differs from rank 0's"
+    return None
+
+
+def _rank0_error(kind: str, message: str) -> Exception:
+    if kind in ("ValueError", "ConfigError"):
+        return ValueError(message)
+    return RuntimeError(f"rank 0 failed: {kind}: {message}")
+
+
+class LaunchedRank:
+    """This process's rank of a launched group: joins it (before any weight is read), builds this rank's runner,
+    then leads (rank 0) or follows. `LLMEngine` holds it as `engine.launcher`."""
+
+    def __init__(self, config: EngineConfig, env: LauncherEnv | None = None):
+        env = env or read_launcher_env()
+        validate_tp_config(config.spec, config.tensor_parallel_size)
+        self.config, self.env = config, env
+        self.rank, self.world_size = env.rank, env.world_size
+        self.is_leader = env.rank == 0
+        if not self.is_leader:  # rank 0 alone reports progress; the others keep their errors
+            logging.getLogger("metainfer").setLevel(logging.ERROR)
+        self.device, _ = join_launched_group(config, env)
+        self.channel = StoreChannel(env.master_addr, env.master_port, env.rank, env.world_size,
+                                    f"{env.key_prefix}/msg")
+        self.runner: ModelRunner | None = None
+        self.link: RankLink | None = None
+        self.mirror = StepMirror()
+        self._closed = False
+        self._followed_close = False
+
+    def build_runner(self, eos_token_ids: tuple = ()) -> ModelRunner:
+        """This rank's runner; every rank agrees it built (a rank that fails makes the others fail too)."""
+        sync = BuildSync(self.device)
+        self.link = LeaderLink(self.channel, sync) if self.is_leader else RankLink(sync)
+        config = replace(self.config, torch_device=self.device)
+        try:
+            with tp_state(self.rank, self.world_size):
+                self.runner = build_rank_runner(config, self.rank, self.world_size, eos_token_ids, link=self.link)
+        except BaseException:
+            self.close()
+            raise
+        if self.is_leader:
+            log.info("tensor parallel (external launcher): %d ranks (%s), %d KV blocks per rank", self.world_size,
+                     "nccl" if self.device.type == "cuda" else "gloo", self.runner.num_blocks)
+        return self.runner
+
+    # -- calls ----------------------------------------------------------------------------------------
+    def call(self, args, run):
+        """One LLM call made by every rank with the same `args`: rank 0 runs `run()`, the others replay it;
+        every rank returns rank 0's result (or raises its error)."""
+        fingerprint = call_fingerprint(args)
+        if self.is_leader:
+            return self._lead(fingerprint, run)
+        return self._follow_call(fingerprint)
+
+    def _lead(self, fingerprint: list[str], run):
+        self.link.check_usable()
+        index = self.channel.send(("call", fingerprint))
+        answers = self.channel.replies(index, self.config.distributed_timeout_s)
+        different = {r: d for r, d in answers.items() if d}
+        if different:
+            rank, what = min(different.items())
+            message = (f"generate() got different arguments on rank {rank} ({what}); under the external launcher "
+                       "every rank must pass the same prompts and sampling params")
+            self.channel.send(("error", "ValueError", message))
+            raise ValueError(message)
+        try:
+            result = run()
+        except BaseException as exc:
+            self.channel.try_send(("error", type(exc).__name__, str(exc)))
+            raise
+        self.channel.send(("result", result))
+        return result
+
+    def _follow_call(self, fingerprint: list[str]):
+        message = self.channel.recv()
+        if message[0] != "call":
+            raise RuntimeError(f"rank {self.rank} expected rank 0's generate call but got {message[0]!r}: every "
+                               "rank must make the same LLM calls in the same order")
+        self.channel.reply(self.channel.received, describe_difference(fingerprint, message[1]))
+        return self._replay(in_call=True)
+
+    def follow(self) -> None:
+        """Replay rank 0 until it closes (the followers of `metainfer serve`, `bench`, `generate`)."""
+        if not self.is_leader:
+            self._replay(in_call=False)
+
+    def _replay(self, in_call: bool):
+        while True:
+            message = self.channel.recv()
+            kind = message[0]
+            if kind == "step":
+                self._step(message[1])
+            elif kind == "call":  # rank 0 runs a call of its own (a command): nothing to compare
+                self.channel.reply(self.channel.received, None)
+            elif kind == "result" and in_call:
+                return message[1]
+            elif kind == "error" and in_call:
+                raise _rank0_error(message[1], message[2])
+            elif kind == "close":
+                self.channel.reply(self.channel.received, None)
+                self._followed_close = True
+                if in_call:
+                    raise RuntimeError("rank 0 closed its engine during a generate call")
+                return None
+
+    def _step(self, delta) -> None:
+        try:
+            self.runner.execute(self.mirror.apply(delta))
+        except Exception as exc:
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: a step failed ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}); another rank has probably "
+                               "stopped") from exc
+
+    # -- close --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.is_leader:
+                index = self.channel.send(("close",))
+                self.channel.replies(index, min(CLOSE_WAIT_S, self.config.distributed_timeout_s))
+            elif not self._followed_close:
+                self._drain_to_close()
+        except Exception as exc:  # a rank already gone: nothing left to hand over
+            log.warning("external launcher: rank %d closed without the others (%s)", self.rank, exc)
+        finally:
+            destroy_tp_group()
+
+    def _drain_to_close(self) -> None:
+        """A follower that closes first (its script ended) reads on to rank 0's ("close",) and answers it."""
+        while True:
+            message = self.channel.recv()
+            if message[0] == "close":
+                self.channel.reply(self.channel.received, None)
+                return
+            if message[0] == "call":
+                self.channel.reply(self.channel.received, "its engine is closed")
+            elif message[0] == "step":
+                raise RuntimeError(f"rank {self.rank} closed its engine while rank 0 still runs steps")
+
+
+def follow_rank0(llm) -> bool:
+    """For commands: on a follower of a launched group, replay rank 0 until it closes, close, and return True
+    (the command then ends); elsewhere return False at once."""
+    launcher = llm.llm_engine.launcher
+    if launcher is None or launcher.is_leader:
+        return False
+    try:
+        launcher.follow()
+    finally:
+        llm.close()
+    return True

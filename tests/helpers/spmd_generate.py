@@ -1,0 +1,86 @@
+"""The SPMD script the external-launcher tests start under torchrun (one process a rank).
+
+Every rank builds `LLM(..., distributed_executor_backend="external_launcher")`, generates the prompts of
+`--prompts` (a JSON list of token-id lists) greedily and writes what its `generate` returned to
+OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank a different max_model_len;
+`--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds an engine.
+Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len-on", default=None, help="RANK:N")
+    p.add_argument("--timeout", type=float, default=60.0, help="distributed_timeout_s")
+    p.add_argument("--die-rank", type=int, default=None)
+    p.add_argument("--die-at-step", type=int, default=3)
+    p.add_argument("--stall-rank", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def die_in_step(step: int) -> None:
+    """SIGKILL this process in its `step`-th model step (no cleanup, like a crashed node)."""
+    from metainfer.worker.model_runner import ModelRunner
+
+    original, calls = ModelRunner.execute, [0]
+
+    def execute(self, batch):
+        calls[0] += 1
+        if calls[0] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, batch)
+
+    ModelRunner.execute = execute
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(args.out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == args.stall_rank:
+        time.sleep(3600)
+        return 0
+    from metainfer import LLM, SamplingParams
+
+    max_model_len = args.max_model_len
+    if args.max_model_len_on:
+        on, value = (int(x) for x in args.max_model_len_on.split(":"))
+        max_model_len = value if rank == on else max_model_len
+    if rank == args.die_rank:
+        die_in_step(args.die_at_step)
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    llm = LLM(args.model, device="cpu", dtype="float32", tensor_parallel_size=args.tp, max_model_len=max_model_len,
+              distributed_executor_backend="external_launcher", distributed_timeout_s=args.timeout)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # a second call
+    finally:
+        llm.close()
+    record = {"rank": rank, "token_ids": [o.outputs[0].token_ids for o in outs],
+              "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+              "second_call": again[0].outputs[0].token_ids}
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
