@@ -1,11 +1,14 @@
-"""Continuous-batching scheduler: prefill first (chunked to the token budget), then decode.
+"""Continuous-batching scheduler: one token budget a step shared by decodes and prefill chunks (vLLM v1).
 
-A step is all prefill or all decode. Prefill admits waiting sequences while the token
-budget and `max_num_seqs` allow; a prompt larger than the remaining budget is computed in
-chunks over several steps. Decode gives every running sequence one token; when blocks run
-out the most recently admitted running sequence is preempted (blocks freed, recomputed
-later from its tokens), so nothing is lost and greedy output is unchanged. A decode batch lists
-its rows longest context first.
+A step first gives every running sequence one token (its decode row), then fills what is left of the
+`max_num_batched_tokens` budget with waiting prompts in arrival order, the last one chunked to fit, so a long
+prompt arriving never stalls the running streams: they get a token every step while it is prefilled in
+chunks beside them. When blocks run out for a decode row, the most recently admitted running sequence is
+preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
+a step that preempted (and still has decode rows) admits no waiting prompt. Three step kinds come out (`ScheduledBatch`): pure decode (rows
+longest context first; the decode kernels and CUDA graphs), pure prefill, and mixed (decode rows first, then
+prefill rows); the latter two run the prefill-with-context attention, a decode row being a 1-token query over
+its context.
 """
 
 from __future__ import annotations
@@ -19,12 +22,25 @@ from metainfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's rows. `is_prefill`: the step runs the prefill-with-context path (any prefill row; a mixed
+    step's decode rows are 1-token queries there); False: a pure decode step. The first `num_decode_rows` rows
+    are decode rows (running sequences' next token), the rest prefill rows (prompt chunks, recomputations)."""
+
     seqs: list[Sequence]
     is_prefill: bool
+    num_decode_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_rows
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.is_prefill and self.num_decode_rows > 0
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -51,11 +67,24 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        return batch if batch.seqs else self._schedule_decode()
+        """Decode rows for the running sequences, then prefill rows in the budget left (see the module doc)."""
+        preempted_before = self.num_preemptions
+        decodes = self._schedule_decodes()
+        budget = self.max_num_batched_tokens - len(decodes)
+        # a step that preempted a running sequence for blocks admits no prompt (it would take them back)
+        admit = not decodes or self.num_preemptions == preempted_before
+        prefills = self._schedule_prefills(budget) if admit else []
+        if prefills:
+            return ScheduledBatch(decodes + prefills, is_prefill=True, num_decode_rows=len(decodes))
+        if not decodes:
+            return None
+        # rows longest context first (the running order, which preemption follows, is kept): the decode
+        # attention starts its programs in row order, so the longest ones stay out of the launch's last
+        # wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md)
+        return ScheduledBatch(_longest_first(decodes), is_prefill=False, num_decode_rows=len(decodes))
 
-    def _schedule_prefill(self) -> ScheduledBatch:
-        budget, scheduled = self.max_num_batched_tokens, []
+    def _schedule_prefills(self, budget: int) -> list[Sequence]:
+        scheduled: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -73,9 +102,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(scheduled, is_prefill=True)
+        return scheduled
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decodes(self) -> list[Sequence]:
+        """One token for each running sequence (running order), at most the token budget of them."""
         scheduled: list[Sequence] = []
         done: list[Sequence] = []  # last token in flight (async scheduling); finishes on read-back
         limit = min(self.max_num_seqs, self.max_num_batched_tokens)  # one token per sequence
@@ -95,12 +125,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled + done))
-        if not scheduled:
-            return None
-        # rows longest context first (the running order, which preemption follows, is kept): the decode
-        # attention starts its programs in row order, so the longest ones stay out of the launch's last
-        # wave (ragged contexts ran 7% below uniform ones, docs/PERFORMANCE.md)
-        return ScheduledBatch(_longest_first(scheduled), is_prefill=False)
+        return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)

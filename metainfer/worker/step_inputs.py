@@ -91,18 +91,24 @@ class StepStaging:
 
 
 def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_width: int | None = None) -> StepLayout:
-    """Fill the host buffer `view` with the batch's fields and return their layout. Decode batches are
+    """Fill the host buffer `view` with the batch's fields and return their layout. Prefill and mixed steps
+    (`batch.is_prefill`) pack each row's new tokens flat (a mixed step's decode row is one token whose id
+    may still be PENDING: its `src` is the row's sample_row in the previous step). Pure decode batches are
     padded to `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing). With
     `graph_width` the layout is the bucket's captured one (`graph_layout`: tables that wide), else tables
     are as wide as the longest one. `batch` is a ScheduledBatch (or the TP rank's mirror of one)."""
     seqs, bs = batch.seqs, block_size
     width = graph_width if graph_width is not None else max(len(s.block_table) for s in seqs)
     sampling_rows: list[int] = []
-    if batch.is_prefill:
-        ids, pos, cu, ctx, slot_parts = [], [], [0], [], []
+    if batch.is_prefill:  # prefill or mixed: any number of new tokens per row over its context
+        ids, pos, cu, ctx, slot_parts, pending = [], [], [0], [], [], []
         for seq in seqs:
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            tokens = seq.token_ids[start:start + n]
+            if tokens[-1] == PENDING:  # a mixed step's decode row whose token is still on the device
+                tokens[-1] = 0
+                pending.append((cu[-1] + n - 1, seq.sample_row))
+            ids.extend(tokens)
             p = np.arange(start, start + n, dtype=np.int64)
             pos.append(p)
             slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs)
@@ -111,7 +117,9 @@ def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_wid
             if seq.will_sample:
                 sampling_rows.append(cu[-1] - 1)
         num_tokens, positions, slots = cu[-1], np.concatenate(pos), np.concatenate(slot_parts)
-        src = [-1] * num_tokens  # prefill tokens are always known
+        src = [-1] * num_tokens  # known tokens; a PENDING one reads its sampled id on the device
+        for index, row in pending:
+            src[index] = row
         num_seqs = len(seqs)
     else:
         ids, positions, slots, src, ctx = [], [], [], [], []

@@ -74,9 +74,10 @@ def test_chunked_prefill_fills_the_token_budget_and_resumes_the_chunk_first():
     assert list(sched.running) == [a] and list(sched.waiting) == [b, c]
     _step(sched, batch)
     assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 3)
-    batch = sched.schedule()  # prefill goes first: b's rest (5), then c (2) within 10
-    assert batch.is_prefill and batch.seqs == [b, c] and batch.num_tokens == 7
-    assert b.num_scheduled_tokens == 5 and batch.sampling_seqs == [b, c]
+    batch = sched.schedule()  # a mixed step: a's decode token first, then b's rest (5), then c (2) within 10
+    assert batch.is_prefill and batch.is_mixed and batch.seqs == [a, b, c] and batch.num_tokens == 8
+    assert batch.num_decode_rows == 1 and batch.num_prefill_tokens == 7
+    assert b.num_scheduled_tokens == 5 and batch.sampling_seqs == [a, b, c]
     assert b.block_table and len(b.block_table) == 2, "a chunked prompt keeps the blocks it was given"
     _step(sched, batch)
     assert list(sched.running) == [a, b, c] and not sched.waiting
@@ -122,12 +123,12 @@ def test_admission_is_in_order_and_stops_at_a_prompt_that_does_not_fit():
 
 
 def test_decode_takes_at_most_the_token_budget_of_sequences():
-    sched = _scheduler(max_num_batched_tokens=3)
+    sched = _scheduler(max_num_batched_tokens=10)
     seqs = _seqs([2, 2, 2, 2, 2])
     for seq in seqs:
         sched.add(seq)
-    while sched.waiting:
-        _step(sched, sched.schedule())
+    _step(sched, sched.schedule())  # all five admitted
+    sched.max_num_batched_tokens = 3
     batch = sched.schedule()
     assert not batch.is_prefill and len(batch.seqs) == 3
     assert [s.request_id for s in sched.running] == [f"r{i}" for i in range(5)], "running order kept"
@@ -143,10 +144,10 @@ def test_a_preempted_sequence_frees_its_blocks_and_recomputes_prompt_and_outputs
     assert sched.block_manager.num_free_blocks == 1  # r3's three blocks: one each to r1 and r2
     _step(sched, batch)
     sched.finish(seqs[0])  # frees 3 blocks: room for r3's 13 tokens (4 blocks)
-    batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == [r3]
+    batch = sched.schedule()  # mixed: r1 and r2 decode, r3 recomputes in the same step
+    assert batch.is_prefill and batch.seqs == [seqs[1], seqs[2], r3] and batch.num_decode_rows == 2
     assert r3.num_scheduled_tokens == 13, "the prompt and the token sampled before preemption"
-    assert batch.sampling_seqs == [r3]
+    assert batch.sampling_seqs == [seqs[1], seqs[2], r3]
     assert r3.num_cached_prompt_tokens == 0, "a readmission is not a prefix-cache statistic"
 
 
@@ -173,13 +174,14 @@ def test_cached_prompt_tokens_are_recorded_at_the_first_admission_only():
     run(sched.schedule())
     b = Sequence("b", 0, a.token_ids[:8] + [50, 51, 52], SamplingParams(max_tokens=100))
     sched.add(b)
-    batch = sched.schedule()
-    assert batch.seqs == [b] and b.num_scheduled_tokens == 3 and b.num_cached_prompt_tokens == 8
+    batch = sched.schedule()  # a decodes beside b's prefill
+    assert batch.seqs == [a, b] and b.num_scheduled_tokens == 3 and b.num_cached_prompt_tokens == 8
     run(batch)
     run(sched.schedule())  # a decode step: b's third block is full and hashed
+    sched.running.remove(b)  # as the scheduler does before preempting
     sched._preempt(b)
     batch = sched.schedule()
-    assert batch.seqs == [b] and b.num_computed_tokens == 12, "the readmission hits b's own blocks"
+    assert batch.seqs == [a, b] and b.num_computed_tokens == 12, "the readmission hits b's own blocks"
     assert b.num_cached_prompt_tokens == 8
 
 
