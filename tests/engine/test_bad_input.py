@@ -8,7 +8,7 @@ import pytest
 
 from metainfer import LLM, SamplingParams
 from tests.helpers.engine_checks import assert_drained
-from tests.helpers.tiny_models import build_tiny_model, copy_model_files
+from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, copy_model_files, hf_reference
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,214 @@ def test_bad_engine_options(setup):
         LLM(folder, device="cpu", dtype="float8")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(folder, device="cpu", max_num_batched_tokens=0)
+
+
+# -- hardening (issue 24): every poisoned value is refused at add time; a failed step fails only its culprit --
+
+POISONED = [  # (SamplingParams keywords, the field the ValueError names); the issue's list and its neighbours
+    ({"min_tokens": 2, "stop_token_ids": [1_000_000_000]}, "stop_token_ids"),
+    ({"min_tokens": 2, "stop_token_ids": [-1_000_000_000]}, "stop_token_ids"),
+    ({"min_tokens": 2, "stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"top_k": 2**63}, "top_k"), ({"top_k": 9223372036854775808}, "top_k"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"top_p": float("inf")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    ({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
+    ({"logprobs": 10**6}, "logprobs"), ({"logprobs": 2**64}, "logprobs"),
+    ({"n": 20000}, "n"), ({"n": 2**70}, "n"), ({"n": True}, "n"),
+    ({"max_tokens": 2**63}, "max_tokens"), ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
+    ({"temperature": "0.5"}, "temperature"), ({"stop": [1]}, "stop"), ({"ignore_eos": "no"}, "ignore_eos"),
+]
+
+
+def _param_of(exc: ValueError) -> str | None:
+    return getattr(exc, "param", None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A tiny Qwen3, four prompts and HF's greedy continuations (the independent reference)."""
+    folder = str(tmp_path_factory.mktemp("qwen3ref"))
+    hf, prompts, expected = hf_reference(folder, "qwen3", [5, 9, 3, 12], 6)
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128)
+    yield hf, prompts, expected, llm
+    llm.close()
+
+
+def _run_alongside(llm, prompts, bad=None, hook=None) -> dict:
+    """Four well-formed greedy requests, plus optionally a poisoned one or a fault hook, stepped together."""
+    engine = llm.llm_engine
+    engine.fault_hook = hook
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"good-{i}", {"prompt_token_ids": p}, OK_6, stream=False)
+        if bad is not None:
+            engine.add_request("bad", *bad, stream=False)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        engine.fault_hook = None
+    return done
+
+
+OK_6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kwargs, field", POISONED, ids=[f"{f}-{i}" for i, (_, f) in enumerate(POISONED)])
+def test_poisoned_values_are_refused_and_neighbours_keep_their_outputs(reference, kwargs, field):
+    """The issue's poisoned inputs: a ValueError naming the field, offline (SamplingParams or add_request),
+    while four well-formed requests stepped together finish with exactly HF's greedy outputs."""
+    hf, prompts, expected, llm = reference
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"good-{i}", {"prompt_token_ids": p}, OK_6, stream=False)
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad", "x", SamplingParams(**{"max_tokens": 4, **kwargs}))
+    assert _param_of(err.value) == field and field in str(err.value), err.value
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert_matches_hf(hf, prompts, [done[f"good-{i}"].outputs[0].token_ids for i in range(4)], expected)
+    assert_drained(llm)
+
+
+def test_params_changed_after_add_do_not_reach_the_step(reference):
+    """The engine checks and keeps its own copy: poisoning the caller's object afterwards changes nothing."""
+    hf, prompts, expected, llm = reference
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, min_tokens=2)
+    llm.llm_engine.add_request("mutated", {"prompt_token_ids": prompts[0]}, params, stream=False)
+    params.stop_token_ids, params.top_k, params.temperature = [10**9], 2**64, float("nan")
+    done = _run_alongside(llm, prompts[1:])
+    assert done["mutated"].outputs[0].token_ids == expected[0]
+    assert_matches_hf(hf, prompts[1:], [done[f"good-{i}"].outputs[0].token_ids for i in range(3)], expected[1:])
+
+
+def test_forced_step_failure_finishes_only_its_own_request(reference):
+    """A step that raises because of one request's data (the fault hook) is bisected: that request ends with
+    finish_reason "error" and the exception; the four others finish with exactly HF's outputs."""
+    hf, prompts, expected, llm = reference
+    engine = llm.llm_engine
+    before = dict(engine.stats)
+
+    def hook(seqs):
+        if any(s.request_id == "bad" for s in seqs):
+            raise RuntimeError("poisoned row")
+
+    done = _run_alongside(llm, prompts, bad=({"prompt_token_ids": [7, 8, 9]}, OK_6), hook=hook)
+    bad = done["bad"]
+    assert bad.finished and bad.outputs[0].finish_reason == "error" and "poisoned row" in bad.error
+    assert all(done[f"good-{i}"].error is None for i in range(4))
+    assert_matches_hf(hf, prompts, [done[f"good-{i}"].outputs[0].token_ids for i in range(4)], expected)
+    assert engine.stats["failed_requests"] - before["failed_requests"] == 1
+    assert engine.stats["failed_steps"] - before["failed_steps"] == 1
+    assert_drained(llm)
+
+
+def test_forced_failure_mid_decode_keeps_seeded_neighbours_exact(reference):
+    """Bisection re-runs parts of the batch; it restores what those trial runs change (seeded generators,
+    the sampled-ids buffer), so a seeded request sampled next to a failing one gives the tokens it gives alone."""
+    _, prompts, _, llm = reference
+    seeded = [SamplingParams(temperature=0.9, top_k=50, seed=7 + i, max_tokens=8, ignore_eos=True) for i in range(3)]
+    alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], seeded,
+                                                          use_tqdm=False)]
+    engine, steps = llm.llm_engine, {"n": 0}
+
+    def hook(seqs):  # the culprit fails from its third step on (mid-decode, next to running neighbours)
+        if any(s.request_id == "bad" and s.num_output_tokens >= 2 for s in seqs):
+            raise ValueError("bad data at decode")
+
+    engine.fault_hook = hook
+    try:
+        for i, (p, sp) in enumerate(zip(prompts[:3], seeded)):
+            engine.add_request(f"s{i}", {"prompt_token_ids": p}, sp, stream=False)
+        engine.add_request("bad", {"prompt_token_ids": prompts[3]}, OK_6, stream=False)
+        done = {}
+        while engine.has_unfinished_requests():
+            steps["n"] += 1
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        engine.fault_hook = None
+    assert done["bad"].outputs[0].finish_reason == "error" and len(done["bad"].outputs[0].token_ids) == 2
+    assert [done[f"s{i}"].outputs[0].token_ids for i in range(3)] == alone
+    assert_drained(llm)
+
+
+def test_max_tokens_is_clamped_to_the_context_left(setup):
+    """Documented choice: max_tokens beyond the context is accepted and generation stops at max_model_len
+    (finish_reason "length"); vLLM's server answers 400 instead."""
+    _, llm = setup  # max_model_len 64
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=10**12,
+                                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 3
+    assert_drained(llm)
+
+
+def test_n_and_logprobs_bounds_are_engine_options(setup):
+    folder, llm = setup
+    assert llm.llm_engine.request_limits().max_n == 128 and llm.llm_engine.request_limits().max_logprobs == 20
+    with pytest.raises(ValueError, match="n must be <= 128") as err:
+        llm.generate("x", SamplingParams(n=129, max_tokens=1), use_tqdm=False)
+    assert _param_of(err.value) == "n"
+    small = LLM(folder, device="cpu", dtype="float32", max_model_len=64, max_n=2, max_logprobs=3)
+    try:
+        with pytest.raises(ValueError, match="n must be <= 2"):
+            small.generate("x", SamplingParams(n=3, max_tokens=1), use_tqdm=False)
+        with pytest.raises(ValueError, match="logprobs must be <= 3"):
+            small.generate("x", SamplingParams(logprobs=4, max_tokens=1), use_tqdm=False)
+        out = small.generate("x", SamplingParams(n=2, logprobs=3, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert [len(c.token_ids) for c in out[0].outputs] == [2, 2]
+        assert all(len(e) >= 3 for e in out[0].outputs[0].logprobs)
+    finally:
+        small.close()
+    with pytest.raises(ValueError, match="max_n"):
+        LLM(folder, device="cpu", max_n=0)
+
+
+def test_stop_token_ids_bounded_by_the_id_space(setup):
+    """Ids the tokenizer knows beyond a small model vocabulary are fine; ids neither knows are refused."""
+    _, llm = setup
+    id_space = llm.llm_engine.request_limits().vocab_size
+    assert id_space == len(llm.get_tokenizer()) > llm.llm_engine.spec.vocab_size
+    ok = SamplingParams(temperature=0, max_tokens=3, min_tokens=1, stop_token_ids=[id_space - 1], ignore_eos=True)
+    assert len(llm.generate("x", ok, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        llm.generate("x", SamplingParams(max_tokens=3, stop_token_ids=[id_space]), use_tqdm=False)
+
+
+def test_missing_tokenizer_names_the_folder_and_the_option(setup, tmp_path):
+    folder, _ = setup
+    copy_model_files(folder, str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=f"model folder '{tmp_path}' has no tokenizer files.*--tokenizer"):
+        LLM(str(tmp_path), device="cpu", dtype="float32")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64, tokenizer=folder)
+    try:
+        assert llm.get_tokenizer().encode("hello") and llm.get_tokenizer().decode([87]) == "x"
+        assert len(llm.generate("x", OK, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow  # converts the GGUF's vocabulary once (cached afterwards)
+def test_llm_without_a_model_loads_the_embedded_default():
+    from metainfer.llm import default_model_path
+
+    llm = LLM(device="cpu", max_model_len=128)
+    try:
+        assert llm.llm_engine.config.model == default_model_path()
+        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) >= 1
+    finally:
+        llm.close()
