@@ -90,10 +90,13 @@ def run_on_engine(name: str, args, engine_kwargs, measure) -> dict:
     """Start an engine from CLI args (timing the start), run `measure(llm) -> record`, close it,
     and add what every benchmark record carries."""
     from metainfer import LLM
+    from metainfer.worker.tp.launched import follow_rank0
 
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     startup = time.perf_counter() - start
+    if follow_rank0(llm):  # under torchrun rank 0 measures and reports; the others replay its steps, then exit
+        raise SystemExit(0)
     try:
         record = measure(llm)
     finally:

@@ -47,6 +47,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="launch step n+1 before reading step n back (default: on for one CUDA GPU)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
+                   help="mp: this process spawns the --tp ranks (default); external_launcher: started by torchrun, "
+                        "one process a rank (rank 0 runs the command, the others follow it)")
+    p.add_argument("--distributed-timeout-s", type=float, default=600.0,
+                   help="external_launcher: how long a rank waits for the others to join or answer (default 600)")
 
 
 def engine_kwargs(args) -> dict:
@@ -59,7 +64,9 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,
-                tokenizer=getattr(args, "tokenizer", None))
+                tokenizer=getattr(args, "tokenizer", None),
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
+                distributed_timeout_s=getattr(args, "distributed_timeout_s", 600.0))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -91,11 +98,14 @@ def sampling_params(args):
 
 def cmd_generate(args) -> int:
     from metainfer import LLM
+    from metainfer.worker.tp.launched import follow_rank0
     prompts = args.prompts or ["The capital of France is"]
     if not all(prompts):
         raise SystemExit("metainfer: error: prompt must not be empty")
     params = sampling_params(args)  # before the model loads
     llm = LLM(**engine_kwargs(args))
+    if follow_rank0(llm):  # under torchrun, ranks > 0 replay rank 0's steps until it closes; rank 0 prints
+        return 0
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
@@ -112,8 +122,11 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from metainfer import LLM
+    from metainfer.worker.tp.launched import follow_rank0
     params = sampling_params(args)  # before the model loads
     llm = LLM(**engine_kwargs(args))
+    if follow_rank0(llm):  # under torchrun the conversation is rank 0's; the other ranks replay its steps
+        return 0
     engine = llm.llm_engine
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("metainfer chat: empty line or Ctrl-D to quit", file=sys.stderr)

@@ -59,10 +59,13 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from metainfer import LLM
     from metainfer.entrypoints.openai.api_server import default_served_name, serve
+    from metainfer.worker.tp.launched import follow_rank0
 
     kwargs = engine_kwargs(args)
     names = args.served_model_name or [default_served_name(kwargs["model"])]
     llm = LLM(**kwargs)
+    if follow_rank0(llm):  # under torchrun the API server runs on rank 0 only; the others replay its steps
+        return 0
     try:
         serve(llm, served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
               max_queued_requests=args.max_queued_requests, log_level=args.log_level,

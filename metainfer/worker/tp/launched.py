@@ -14,8 +14,8 @@ outputs (or its error, re-raised: a ValueError stays a ValueError), so every ran
 RequestOutputs. Commands (`metainfer serve`, `bench`, `generate`) run on rank 0 only; the followers `follow()`,
 replaying steps and answering calls without comparing, until rank 0 closes.
 
-Close is a handshake: rank 0 sends ("close",) and waits (bounded) until each follower has read it, so a rank 0
-that hosts the store (no torchrun agent) does not take it away from a follower still reading.
+Close: rank 0 sends ("close",). Where rank 0 hosts the store (no torchrun agent), it then waits (bounded) until
+each follower has read it, so that it does not take the store away from a follower still reading.
 
 Faults. A rank that dies makes the others' next collective fail (gloo at once; NCCL after the process group's
 timeout, `distributed_timeout_s`), and a follower waiting for rank 0 fails as soon as the store goes; each
@@ -43,6 +43,7 @@ from metainfer.worker.tp.rank import build_rank_runner
 log = logging.getLogger("metainfer")
 
 CLOSE_WAIT_S = 30.0  # rank 0's close waits at most this long for the followers to read ("close",)
+BROKEN_CLOSE_WAIT_S = 5.0  # ... or this long after a failed step (a follower may be gone)
 
 
 class LeaderLink(RankLink):
@@ -216,7 +217,10 @@ class LaunchedRank:
         try:
             if self.is_leader:
                 index = self.channel.send(("close",))
-                self.channel.replies(index, min(CLOSE_WAIT_S, self.config.distributed_timeout_s))
+                if self.env.agent_store:  # torchrun's agent keeps the store for the followers
+                    return
+                wait = BROKEN_CLOSE_WAIT_S if self.link is not None and self.link.broken else CLOSE_WAIT_S
+                self.channel.replies(index, min(wait, self.config.distributed_timeout_s))
             elif not self._followed_close:
                 self._drain_to_close()
         except Exception as exc:  # a rank already gone: nothing left to hand over

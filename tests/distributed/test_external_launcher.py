@@ -1,0 +1,313 @@
+"""Scale-out launch (`distributed_executor_backend="external_launcher"`) under torchrun on the CPU (gloo, fp32).
+
+The end-to-end tests start `python -m torch.distributed.run` in subprocesses running tests/helpers/spmd_generate.py:
+one node with two ranks, and two "nodes" (two torchrun calls, --nnodes 2, on the loopback address) with TP=2 and
+TP=4. Every rank's generate must return exactly the TP=1 greedy ids (themselves checked against HF). The fault
+tests kill a rank mid-generate, start one node only, hold a rank back from joining, and give one rank another
+max_model_len. Every process (torchrun and each rank, by the pid the script writes first) must be gone when a
+test ends; a finally kills whatever is left. The unit tests cover the pieces without processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from metainfer import LLM, SamplingParams
+from metainfer.config import ConfigError, EngineConfig, ModelSpec
+from metainfer.distributed.external_launcher import (
+    LauncherEnv,
+    check_launch,
+    config_fingerprint,
+    first_mismatch,
+    read_launcher_env,
+)
+from metainfer.distributed.store_channel import ChannelClosed, StoreChannel
+from metainfer.worker.tp.launched import call_fingerprint, describe_difference
+from tests.helpers.engine_checks import generate_ids
+from tests.helpers.processes import alive, wait_gone
+from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "helpers", "spmd_generate.py")
+VOCAB = 509  # prime: the vocabulary is padded on every tp > 1
+LENGTHS = [1, 7, 16, 33]
+NEW_TOKENS = 12
+RUN_LIMIT_S = 240  # one torchrun run (model build on every rank, two generate calls), on 2 shared cores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """One job: `nodes` torchrun calls of `nproc` ranks each on 127.0.0.1, started together; `finish()` waits for
+    them, `kill()` (always called) ends every torchrun and every rank that wrote its pid."""
+
+    def __init__(self, tmp_path, model: str, prompts_file: str, nodes: int, nproc: int, *script_args: str,
+                 node_ranks: list[int] | None = None, rdzv_timeout: int = 60):
+        self.out = str(tmp_path / "out")
+        os.makedirs(self.out, exist_ok=True)
+        self.tp = nodes * nproc
+        port = free_port()
+        self.logs, self.procs = [], []
+        args = ["--model", model, "--tp", str(self.tp), "--out", self.out, "--prompts", prompts_file,
+                "--max-tokens", str(NEW_TOKENS), *script_args]
+        for node in node_ranks if node_ranks is not None else range(nodes):
+            log_path = str(tmp_path / f"node{node}.log")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "--rdzv-conf", f"timeout={rdzv_timeout}", SCRIPT, *args]
+            with open(log_path, "w") as log:
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                   start_new_session=True))
+            self.logs.append(log_path)
+
+    def finish(self, timeout: float = RUN_LIMIT_S) -> list[int]:
+        """Each torchrun's exit code (TimeoutError past `timeout`)."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"torchrun did not end within {timeout:.0f} s:\n{self.output()}") from None
+        return codes
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for path in glob.glob(os.path.join(self.out, "pid*")):
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                pids.append(int(text))
+        return pids
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pid in self.rank_pids():  # ranks run in sessions of their own
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+    def output(self, node: int | None = None) -> str:
+        paths = self.logs if node is None else [self.logs[node]]
+        return "\n".join(open(p, errors="replace").read() for p in paths)
+
+    def results(self) -> list[dict]:
+        out = []
+        for rank in range(self.tp):
+            with open(os.path.join(self.out, f"rank{rank}.json")) as f:
+                out.append(json.load(f))
+        return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A tiny Qwen3 (4 heads, 2 KV heads: TP=4 replicates each KV head on two ranks), its prompts, and the TP=1
+    greedy ids, which equal HF's."""
+    folder = tmp_path_factory.mktemp("launcher-model")
+    model = build_tiny_model(str(folder), "qwen3", vocab_size=VOCAB)
+    prompts = make_prompts(LENGTHS, vocab=VOCAB, seed=7)
+    prompts_file = str(folder / "prompts.json")
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f)
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    try:
+        expected = generate_ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert expected == hf_greedy(model, prompts, NEW_TOKENS)
+    return str(folder), prompts_file, expected
+
+
+def run_to_end(launch: Launch, timeout: float = RUN_LIMIT_S) -> list[int]:
+    try:
+        return launch.finish(timeout)
+    finally:
+        launch.kill()
+        assert not wait_gone(launch.rank_pids(), timeout=15), "a rank outlived its torchrun"
+
+
+# -- end to end -------------------------------------------------------------------------------------------
+@pytest.mark.tp
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,nproc", [(1, 2), (2, 1), (2, 2)], ids=["1node-tp2", "2nodes-tp2", "2nodes-tp4"])
+def test_every_rank_returns_the_tp1_outputs(reference, tmp_path, nodes, nproc):
+    folder, prompts_file, expected = reference
+    launch = Launch(tmp_path, folder, prompts_file, nodes, nproc)
+    codes = run_to_end(launch)
+    assert codes == [0] * nodes, launch.output()
+    results = launch.results()
+    for record in results:
+        assert record["token_ids"] == expected, f"rank {record['rank']}"
+        assert record["finish_reasons"] == ["length"] * len(expected)
+        assert record["second_call"] == expected[0], f"rank {record['rank']}: a second generate call"
+    # rank 0 alone shows progress: the bar is on node 0's output only, once
+    if nodes == 2:
+        assert "Processed prompts" in launch.output(0) and "Processed prompts" not in launch.output(1)
+    assert launch.output().count("Processed prompts: 100%") == 1
+
+
+# -- faults -----------------------------------------------------------------------------------------------
+@pytest.mark.tp
+@pytest.mark.slow
+def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path):
+    """Rank 1 (node 1) is SIGKILLed in its third step: rank 0's collective fails at once (gloo), it raises one
+    clear error, both torchrun calls exit non-zero, no process is left."""
+    folder, prompts_file, _ = reference
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--die-rank", "1", "--die-at-step", "3")
+    start = time.monotonic()
+    codes = run_to_end(launch)
+    assert all(code != 0 for code in codes), launch.output()
+    assert "tensor-parallel rank 0: a step failed" in launch.output(0)
+    assert time.monotonic() - start < RUN_LIMIT_S
+    assert not glob.glob(os.path.join(launch.out, "rank*.json")), "no rank may report a result"
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_one_node_alone_fails_after_the_rendezvous_timeout(reference, tmp_path):
+    """Only node 0 of two is started: torchrun's rendezvous gives up after --rdzv-conf timeout with a message
+    saying how many nodes came; no rank is ever started."""
+    folder, prompts_file, _ = reference
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, node_ranks=[0], rdzv_timeout=5)
+    start = time.monotonic()
+    codes = run_to_end(launch, timeout=60)
+    assert codes[0] != 0
+    assert time.monotonic() - start < 40
+    assert "1/2 clients joined" in launch.output()
+    assert not launch.rank_pids()
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_a_rank_that_never_joins_fails_the_others_naming_it(reference, tmp_path):
+    """Rank 1 starts but never builds an engine: rank 0 waits distributed_timeout_s, then fails naming rank 1;
+    torchrun ends rank 1 too."""
+    folder, prompts_file, _ = reference
+    launch = Launch(tmp_path, folder, prompts_file, 1, 2, "--stall-rank", "1", "--timeout", "8")
+    codes = run_to_end(launch, timeout=120)
+    assert codes == [1] or codes[0] != 0
+    assert "tensor-parallel rank(s) [1] of 2 did not join within 8 s" in launch.output()
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_a_different_max_model_len_is_refused_on_every_rank(reference, tmp_path):
+    """Each node runs one rank, so each rank's error reaches its own log before anything stops it."""
+    folder, prompts_file, _ = reference
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--max-model-len-on", "1:64")
+    codes = run_to_end(launch, timeout=120)
+    assert all(code != 0 for code in codes)
+    message = "ranks disagree on max_model_len: 64 on rank 1, 512 on rank 0"
+    assert message in launch.output(0) and message in launch.output(1), launch.output()
+
+
+# -- the pieces -------------------------------------------------------------------------------------------
+def test_launcher_env_names_what_is_missing_or_wrong():
+    with pytest.raises(ConfigError, match="missing: RANK, MASTER_PORT"):
+        read_launcher_env({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+    base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    with pytest.raises(ConfigError, match="RANK=2 is outside WORLD_SIZE=2"):
+        read_launcher_env({**base, "RANK": "2"})
+    with pytest.raises(ConfigError, match="MASTER_PORT='x' is not an integer"):
+        read_launcher_env({**base, "MASTER_PORT": "x"})
+    env = read_launcher_env({**base, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert env == LauncherEnv(1, 2, 0, 1, "10.0.0.1", 29500, 2)
+    assert not env.single_node and env.key_prefix == "metainfer/2"
+    assert read_launcher_env({**base, "LOCAL_WORLD_SIZE": "2"}).single_node
+
+
+def test_engine_config_checks_the_backend_and_timeout(tmp_path):
+    build_tiny_model(str(tmp_path), "qwen3", vocab_size=VOCAB)
+    spec = ModelSpec.from_file(str(tmp_path / "config.json"))
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, external_launcher; "
+                                         "got 'ray'"):
+        EngineConfig(str(tmp_path), distributed_executor_backend="ray").finalize(spec)
+    with pytest.raises(ValueError, match="distributed_timeout_s must be > 0"):
+        EngineConfig(str(tmp_path), distributed_timeout_s=0).finalize(spec)
+    config = EngineConfig(str(tmp_path), device="cpu", tensor_parallel_size=2,
+                          distributed_executor_backend="external_launcher")
+    config.finalize(spec)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size \(2\) must equal the launcher's WORLD_SIZE \(4\)"):
+        check_launch(config, LauncherEnv(0, 4, 0, 4, "127.0.0.1", 29500))
+
+
+def test_without_torchrun_the_llm_names_the_missing_variables(tmp_path, monkeypatch):
+    build_tiny_model(str(tmp_path), "qwen3", vocab_size=VOCAB)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="missing: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        LLM(str(tmp_path), device="cpu", distributed_executor_backend="external_launcher")
+
+
+def test_config_fingerprint_names_the_first_differing_field(tmp_path):
+    build_tiny_model(str(tmp_path), "qwen3", vocab_size=VOCAB)
+    spec = ModelSpec.from_file(str(tmp_path / "config.json"))
+
+    def fingerprint(**kw):
+        config = EngineConfig(str(tmp_path), device="cpu", **kw)
+        config.model_dir, config.gguf_file = str(tmp_path), None
+        config.finalize(spec)
+        return config_fingerprint(config)
+
+    same = fingerprint()
+    assert first_mismatch([same, fingerprint(), fingerprint()]) is None
+    assert "model.num_layers" in same and "model weights" in same and "model" not in same  # no paths
+    message = first_mismatch([same, fingerprint(), fingerprint(block_size=32)])
+    assert message.startswith("ranks disagree on block_size: 32 on rank 2, 16 on rank 0")
+    other = dict(same, **{"model.hidden_size": "128"})
+    assert first_mismatch([same, other]).startswith("ranks disagree on model.hidden_size: 128 on rank 1, 64")
+
+
+def test_call_fingerprint_tells_prompts_from_params():
+    params = SamplingParams(temperature=0.0, max_tokens=4, stop=["a", "b"])
+    args = [{"prompt_token_ids": [1, 2]}, params, "hello", params]
+    assert call_fingerprint(args) == call_fingerprint([{"prompt_token_ids": [1, 2]}, SamplingParams(
+        temperature=0.0, max_tokens=4, stop=["a", "b"]), "hello", params])
+    assert describe_difference(call_fingerprint(args), call_fingerprint(args)) is None
+    assert describe_difference(call_fingerprint(args[:2]), call_fingerprint(args)) == "1 prompt(s) against rank 0's 2"
+    changed = [args[0], params, "hello!", params]
+    assert describe_difference(call_fingerprint(changed), call_fingerprint(args)) == "prompt 1 differs from rank 0's"
+    hotter = [args[0], SamplingParams(temperature=0.5, max_tokens=4), "hello", params]
+    assert describe_difference(call_fingerprint(hotter), call_fingerprint(args)) == (
+        "the sampling params of prompt 0 differs from rank 0's")
+
+
+def test_store_channel_orders_messages_collects_replies_and_forgets():
+    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    leader, *followers = [StoreChannel("127.0.0.1", master.port, r, 3, "t/msg") for r in range(3)]
+    assert leader.send(("step", 1)) == 1 and leader.send(("call", ["x"])) == 2
+    for f in followers:
+        assert f.recv() == ("step", 1) and f.recv() == ("call", ["x"])
+        f.reply(2, None if f.rank == 1 else "differs")
+    assert leader.replies(2, timeout=5) == {1: None, 2: "differs"}
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1, 2\] did not answer rank 0 within 1 s"):
+        leader.replies(1, timeout=1)
+    leader.forget_through(1)
+    assert not master.check(["t/msg/1"]) and master.check(["t/msg/2"])
+    del master  # the store goes: a waiting follower learns it at once
+    time.sleep(0.2)
+    with pytest.raises(ChannelClosed, match="rank 1 lost the rendezvous store"):
+        followers[0].recv()
