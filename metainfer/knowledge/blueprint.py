@@ -6,6 +6,10 @@ beside it), and the check that keeps it from drifting from the code.
   links     unique node ids, known categories and phases, failure-mode ids that exist, docs and their
             headings that exist;
   ref_code  every "module:qualname" imports, and every op of the kernel sets is named by a node;
+  coverage  every public class / function of the engine's kernel, layer, attention, model, loader,
+            scheduler, sampler, communication and assembly modules is named by a node or exempt with a
+            reason (coverage.scope / coverage.exempt);
+  perturb   every ref_code is a perturbation target on the CPU path or exempt with a reason (gate --perturb);
   tests     every pytest node id names an existing file and test function;
   formulas  every per-rank shape formula, evaluated from each supported family's real config
             (benchmarks/configs/) and variants of them (Qwen2-style qkv bias, tied Llama, q-LoRA MLA) at
@@ -297,6 +301,46 @@ def check_kernel_coverage(blueprint: dict) -> list[str]:
     return errors
 
 
+# ------------------------------------------------------------------------------------------------ coverage
+
+
+def public_definitions(root: str, scope: list[str]) -> list[str]:
+    """"module:name" of every public top-level class and function of the modules under `scope` (packages or
+    modules), read from the source (a module whose optional dependency is missing here is still listed)."""
+    refs = []
+    for entry in scope:
+        base = os.path.join(root, *entry.split("."))
+        files = [base + ".py"] if os.path.isfile(base + ".py") else sorted(
+            os.path.join(folder, name) for folder, _, names in os.walk(base) for name in names if name.endswith(".py"))
+        for path in files:
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            refs += [f"{module}:{node.name}" for node in tree.body
+                     if isinstance(node, ast.ClassDef | ast.FunctionDef) and not node.name.startswith("_")]
+    return refs
+
+
+def check_node_coverage(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
+    """Every public class and function of the engine's kernels, layers, attention backends, models (MoE parts
+    included), loaders, scheduler and block manager, sampler, communication and assembly modules
+    (`coverage.scope`) is named by some node's ref_code (itself or a member) or listed in `coverage.exempt`
+    with the reason: code added without its node is drift. An exemption for code that is gone is drift too."""
+    coverage = blueprint.get("coverage")
+    if not coverage:
+        return ["coverage: the blueprint names no scope (coverage.scope) to check node completeness over"]
+    named = {ref for node in blueprint["nodes"] for ref in node["ref_code"]}
+    exempt = coverage.get("exempt", {})
+    errors, found = [], public_definitions(root, coverage["scope"])
+    for ref in found:
+        if ref in named or any(r.startswith(ref + ".") for r in named):
+            continue
+        if not exempt.get(ref, "").strip():
+            errors.append(f"coverage: {ref} has no blueprint node (add one, or list it in coverage.exempt with why)")
+    errors += [f"coverage: exempt {ref} does not exist (any more)" for ref in exempt if ref not in set(found)]
+    return errors
+
+
 # ------------------------------------------------------------------------------------------------ perturb
 
 
@@ -356,5 +400,6 @@ def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dic
         return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
     errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root) + check_perturb_fields(blueprint)
+    errors += check_node_coverage(blueprint, root)
     formula_errors, compared = check_formulas(blueprint, root)
     return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

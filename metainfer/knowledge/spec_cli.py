@@ -23,12 +23,14 @@ def add_parser(sub) -> None:
                    help="KV cache dtype: auto (the --dtype) or fp8 (1 byte a value)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weight dtype the bytes are counted in (default bfloat16; DeepSeek's routers stay fp32)")
-    p.add_argument("--full-shapes", action="store_true",
-                   help="list every parameter name in per_rank_shapes instead of the {i}/{e} templates")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="sequence length the memory plan counts sequences of (default: the config's "
+                        "max_position_embeddings)")
     p.set_defaults(func=cmd_spec)
 
 
 def cmd_spec(args) -> int:
+    from metainfer.config import ConfigError
     from metainfer.knowledge.spec_report import build_report, load_config, to_json, to_yaml
 
     model = args.model
@@ -36,8 +38,15 @@ def cmd_spec(args) -> int:
         from metainfer.entrypoints.cli import default_model_path
 
         model = default_model_path()
-    report = build_report(load_config(model), tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          gpu_memory_gib=args.gpu_memory_gib, full_shapes=args.full_shapes)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        print(f"metainfer spec: error: --max-model-len must be >= 1; got {args.max_model_len}", file=sys.stderr)
+        return 2
+    try:
+        report = build_report(load_config(model), tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                              gpu_memory_gib=args.gpu_memory_gib, max_model_len=args.max_model_len)
+    except ConfigError as err:
+        print(f"metainfer spec: error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(to_json(report))
     elif args.output:
@@ -53,7 +62,10 @@ def cmd_spec(args) -> int:
 
 
 def summary(report: dict, tp: int) -> str:
-    """A few readable lines of the report (the shapes only counted)."""
+    """A few readable lines of the report; the shapes in the compressed view (repeated layers and experts as
+    {i} / {e} templates; --json or -o for every name)."""
+    from metainfer.knowledge.spec_report import compress_shapes
+
     lines = [f"architecture: {report['architecture']} (family {report['family']}), tp={tp}"]
     feats = report["features"]
     if feats:
@@ -69,10 +81,20 @@ def summary(report: dict, tp: int) -> str:
         lines.append(f"parameters: {report['params_total']:,}")
     if report["per_rank_shapes"] is not None:
         lines.append(f"weights per rank: {report['weight_bytes_per_rank']:,} bytes")
+        lines.append(f"per-rank shapes ({len(report['per_rank_shapes']):,} parameters; compressed view):")
+        for name, value in compress_shapes({k: tuple(v) for k, v in report["per_rank_shapes"].items()}).items():
+            shape = value["shape"] if isinstance(value, dict) else value
+            ranges = "".join(f" {key}={','.join(f'{a}-{b}' if a != b else str(a) for a, b in value[key])}"
+                             for key in ("i", "e") if isinstance(value, dict) and key in value)
+            lines.append(f"  {name} {list(shape)}{ranges}")
     if report["kv_bytes_per_token"] is not None:
         lines.append(f"KV cache per token per rank: {report['kv_bytes_per_token']:,} bytes")
     if report["memory"]:
         m = report["memory"]
-        lines.append(f"memory: {m['kv_tokens']:,} KV tokens, {m['max_sequences_at_max_model_len']} sequences "
-                     "at max_model_len")
+        source = "the config's max_position_embeddings" if m["max_model_len_from"] == "max_position_embeddings" \
+            else "--max-model-len"
+        lines.append(f"memory: {m['gpu_memory_gib']} GiB x {m['gpu_memory_utilization']} = "
+                     f"{m['budget_bytes']:,} bytes; less the weights, {m['kv_bytes_available']:,} bytes of KV "
+                     f"= {m['kv_tokens']:,} KV tokens = {m['max_sequences_at_max_model_len']} sequences of "
+                     f"max_model_len {m['max_model_len']:,} tokens ({source}); not counted: {m['not_counted']}")
     return "\n".join(lines)

@@ -15,10 +15,15 @@ replicated when fewer than tp (each rank one head); the vocabulary is padded to 
 splits q / q_b / kv_b / o by heads and replicates q_a / kv_a and the norms; experts and shared experts
 split by moe_intermediate_size (shared: S groups of N/tp rows each); routers are replicated.
 
-Compressed shapes (the default in JSON/YAML): a key without braces maps to its shape (a list); a key
-with `{i}` (layer) and/or `{e}` (expert) maps to {"shape": [...], "i": [[first, last], ...],
-"e": [[first, last], ...]} (inclusive ranges), i.e. the key for every combination of the indices.
-`expand_shapes` undoes it.
+`per_rank_shapes` in the report (JSON/YAML) maps every parameter name to its per-rank shape. The compressed
+view (`compress_shapes`, what `metainfer spec` prints as text) folds repeated layers / experts: a key without
+braces maps to its shape (a list); a key with `{i}` (layer) and/or `{e}` (expert) maps to
+{"shape": [...], "i": [[first, last], ...], "e": [[first, last], ...]} (inclusive ranges), i.e. the key for
+every combination of the indices. `expand_shapes` undoes it.
+
+`memory` (with a GPU memory budget): the KV tokens that fit next to this rank's weights and how many
+sequences of `max_model_len` tokens that is; max_model_len is the caller's or, by default, the config's
+max_position_embeddings (the engine's default too), and the plan says which.
 """
 
 from __future__ import annotations
@@ -298,22 +303,30 @@ def weight_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], elem: int)
     return total
 
 
-def memory_plan(budget_gib: float, weights: int, kv_per_token: int, max_model_len: int) -> dict:
+def memory_plan(budget_gib: float, weights: int, kv_per_token: int, max_model_len: int,
+                max_model_len_from: str = "max_position_embeddings") -> dict:
     """budget = G x 2^30 x 0.9 (the engine's default gpu_memory_utilization); KV gets the budget less this
-    rank's weights (activations, CUDA graphs and the sampler are not counted: an upper bound)."""
+    rank's weights (activations, CUDA graphs and the sampler are not counted: an upper bound); the sequences
+    that fit are whole sequences of `max_model_len` tokens (`max_model_len_from` says where that came from)."""
     budget = int(budget_gib * 2**30 * GPU_MEMORY_UTILIZATION)
     available = budget - weights
     tokens = max(0, available) // kv_per_token
-    return {"budget_bytes": budget, "kv_bytes_available": available, "kv_tokens": tokens,
-            "max_sequences_at_max_model_len": tokens // max_model_len}
+    return {"gpu_memory_gib": budget_gib, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "budget_bytes": budget,
+            "weight_bytes_per_rank": weights, "kv_bytes_available": available, "kv_bytes_per_token": kv_per_token,
+            "kv_tokens": tokens, "max_model_len": max_model_len, "max_model_len_from": max_model_len_from,
+            "max_sequences_at_max_model_len": tokens // max_model_len,
+            "not_counted": "activations, CUDA graphs and sampler buffers (an upper bound)"}
 
 
 def build_report(config: dict, tp: int = 1, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
-                 gpu_memory_gib: float | None = None, full_shapes: bool = False) -> dict:
+                 gpu_memory_gib: float | None = None, max_model_len: int | None = None) -> dict:
     """The report (module docstring) for an HF-style config dict. Values that need a valid split (or a
-    supported architecture) are None when a violation forbids them."""
+    supported architecture) are None when a violation forbids them. `max_model_len` (default: the config's
+    max_position_embeddings) is the sequence length the memory plan counts sequences of."""
     if dtype not in ELEMENT_BYTES:
         raise ConfigError(f"dtype must be one of {', '.join(ELEMENT_BYTES)}; got {dtype!r}")
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(f"max_model_len must be >= 1; got {max_model_len}")
     archs = config.get("architectures") or [config.get("model_type")]
     report = {"architecture": archs[0], "family": None, "features": None, "params_total": None,
               "per_rank_shapes": None, "weight_bytes_per_rank": None, "kv_bytes_per_token": None, "memory": None,
@@ -330,15 +343,17 @@ def build_report(config: dict, tp: int = 1, dtype: str = "bfloat16", kv_cache_dt
     if nodes & set(_TP_NODES):
         return report
     shapes = param_shapes(spec, tp)
-    report["per_rank_shapes"] = {k: list(v) for k, v in shapes.items()} if full_shapes else compress_shapes(shapes)
+    report["per_rank_shapes"] = {k: list(v) for k, v in shapes.items()}
     report["weight_bytes_per_rank"] = weight_bytes(spec, shapes, ELEMENT_BYTES[dtype])
     if "constraint.kv_cache_dtype" in nodes:
         return report
     elem = 1 if kv_cache_dtype in KV_CACHE_DTYPES else ELEMENT_BYTES[dtype]
     report["kv_bytes_per_token"] = kv_bytes_per_token(spec, tp, elem)
     if gpu_memory_gib is not None:
+        length, source = (max_model_len, "--max-model-len") if max_model_len else \
+            (spec.max_position_embeddings, "max_position_embeddings")
         report["memory"] = memory_plan(gpu_memory_gib, report["weight_bytes_per_rank"], report["kv_bytes_per_token"],
-                                       spec.max_position_embeddings)
+                                       length, source)
     return report
 
 

@@ -171,6 +171,24 @@ def test_violations_name_the_node(folders, name, tp, overrides, node):
         assert report["per_rank_shapes"] is None
 
 
+def test_memory_plan_says_which_sequence_length_it_assumes(folders, capsys):
+    from metainfer.entrypoints.cli import main
+
+    config = load_config(folders["qwen3-8b"])
+    default = build_report(config, gpu_memory_gib=80)["memory"]
+    assert (default["max_model_len"], default["max_model_len_from"]) == (40_960, "max_position_embeddings")
+    short = build_report(config, gpu_memory_gib=80, max_model_len=4096)["memory"]
+    assert (short["max_model_len"], short["max_model_len_from"]) == (4096, "--max-model-len")
+    assert short["kv_tokens"] == default["kv_tokens"] and short["max_sequences_at_max_model_len"] == \
+        short["kv_tokens"] // 4096 > default["max_sequences_at_max_model_len"]
+    assert main(["spec", folders["qwen3-8b"], "--gpu-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "max_model_len 40,960 tokens (the config's max_position_embeddings)" in out
+    assert "model.layers.{i}.self_attn.q_proj.weight [4096, 4096] i=0-35" in out  # the text view is compressed
+    assert main(["spec", folders["qwen3-8b"], "--gpu-memory-gib", "80", "--max-model-len", "0"]) == 2
+    assert "--max-model-len must be >= 1" in capsys.readouterr().err
+
+
 def test_kv_cache_dtype_violation(folders):
     spec = ModelSpec.from_dict(load_config(folders["qwen3-8b"]))
     assert spec_violations(spec, 1, "int4") == [{"node": "constraint.kv_cache_dtype", "message":
@@ -201,8 +219,10 @@ def test_cli_module_prints_json(folders):
     assert list(report) == ["architecture", "family", "features", "params_total", "per_rank_shapes",
                             "weight_bytes_per_rank", "kv_bytes_per_token", "memory", "violations"]
     assert report["family"] == "qwen3_moe" and report["features"]["moe"]["num_moe_layers"] == 48
-    key = "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"
-    assert report["per_rank_shapes"][key] == {"shape": [192, 2048], "i": [[0, 47]], "e": [[0, 127]]}
+    shapes = report["per_rank_shapes"]  # every HF parameter name, not the compressed templates
+    assert len(shapes) == 3 + 48 * (9 + 3 * 128) and not any("{" in name for name in shapes)
+    assert shapes["model.layers.47.mlp.experts.127.gate_proj.weight"] == [192, 2048]
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == [128, 2048]  # 4 KV heads over tp 4: one each
 
 
 def test_gguf_header_report():
