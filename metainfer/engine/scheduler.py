@@ -5,10 +5,10 @@ A step first gives every running sequence one token (its decode row), then fills
 prompt arriving never stalls the running streams: they get a token every step while it is prefilled in
 chunks beside them. When blocks run out for a decode row, the most recently admitted running sequence is
 preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
-a step that preempted (and still has decode rows) admits no waiting prompt. Three step kinds come out (`ScheduledBatch`): pure decode (rows
-longest context first; the decode kernels and CUDA graphs), pure prefill, and mixed (decode rows first, then
-prefill rows); the latter two run the prefill-with-context attention, a decode row being a 1-token query over
-its context.
+a step that preempted (and still has decode rows) admits no waiting prompt. Three step kinds come out
+(`ScheduledBatch`): pure decode (rows longest context first; the decode kernels and CUDA graphs), pure
+prefill, and mixed (decode rows first, then prefill rows); the latter two run the prefill-with-context
+attention, a decode row being a 1-token query over its context.
 """
 
 from __future__ import annotations

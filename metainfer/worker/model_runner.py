@@ -26,6 +26,7 @@ from metainfer.worker.cuda_graphs import DecodeGraphs
 from metainfer.worker.sampler import SampledBatch, Sampler
 from metainfer.worker.step_inputs import StepLayout, StepStaging, pack_step
 from metainfer.worker.tp.protocol import LOCAL, RankLink
+from metainfer.worker.warmup import run_warmup, warmup_plan
 
 log = logging.getLogger("metainfer")
 
@@ -74,6 +75,20 @@ class ModelRunner:
                                    seed=config.seed)
             self._sample = self._sample_rows
         self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda" and not config.enforce_eager)
+        # one step of every shape class, so every Triton variant is compiled before serving (worker/warmup.py);
+        # rank 0 drives it (the workers run what it publishes); the torch references compile nothing
+        self.warmup_steps = warmup_plan(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs,
+                                        self.block_size, self.graphs.batch_sizes, self.graphs.max_batch) \
+            if self.ops.backend == "triton" and rank == 0 else []
+
+    def warm_up(self) -> float:
+        """Run the warm-up steps (none on the torch references); the seconds taken. LLMEngine calls it once the
+        runner (and under TP every worker) is built, before the engine takes requests."""
+        if not self.warmup_steps:
+            return 0.0
+        seconds = run_warmup(self, self.warmup_steps, torch.cuda.synchronize if self.device.type == "cuda" else None)
+        log.info("warm-up: %d steps in %.1f s", len(self.warmup_steps), seconds)
+        return seconds
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
