@@ -49,6 +49,15 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int, method: str = "greed
     return weights, ids.to(torch.int32)
 
 
+
+def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, workspace=None, top_k: int = 1, method: str = "greedy",
+                    n_group: int = 1, topk_group: int = 1, renormalize: bool = False, scaling: float = 1.0,
+                    num_shared: int = 0):
+    """A router whole: logits = x @ weight^T computed in the weight's dtype (fp32 for the routers HF keeps in
+    fp32: x is cast up exactly), then route_topk_ref. `workspace` is the Triton kernel's scratch (unused)."""
+    logits = F.linear(x.to(weight.dtype), weight)
+    return route_topk_ref(logits, top_k, method, n_group, topk_group, renormalize, scaling, num_shared)
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     num_experts, n2, _ = w13.shape

@@ -26,6 +26,7 @@ from torch import nn
 
 from metainfer.distributed.communication import reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.kernels.fused_moe import ROUTER_FUSED_MAX_TOKENS, router_fusable, router_workspace
 from metainfer.layers.linear import ReplicatedLinear
 
 _EXPERT_TENSOR = re.compile(r"\.(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")
@@ -117,7 +118,9 @@ class FusedExperts(nn.Module):
 class TopKRouter(ReplicatedLinear):
     """Router logits (a replicated GEMM; fp32 weight and math where the family keeps them fp32) -> the
     K routing weights (fp32) and expert ids of every token, then the S shared experts' ids with weight 1
-    (kernels/moe_ref.py: route_topk)."""
+    (kernels/moe_ref.py: route_topk). A decode-sized batch (<= ROUTER_FUSED_MAX_TOKENS tokens) of a greedy
+    router takes `router_topk`, GEMM and routing in one launch (the step's shape picks it, so each CUDA
+    graph holds one form); larger ones the GEMM then `route_topk`."""
 
     def __init__(self, spec, ops, dtype):
         self.fp32 = spec.router_fp32
@@ -126,12 +129,20 @@ class TopKRouter(ReplicatedLinear):
                             scaling=spec.routed_scaling_factor, num_shared=spec.num_shared_experts)
         super().__init__(spec.hidden_size, spec.num_experts, bias=False,
                          dtype=torch.float32 if self.fp32 else dtype, ops=ops)
+        self.fused_max_tokens = ROUTER_FUSED_MAX_TOKENS if router_fusable(
+            spec.num_experts, spec.num_experts_per_tok, spec.topk_method) else 0
+        logits, counter = router_workspace(spec.num_experts)  # buffers: they follow the module's device
+        self.register_buffer("fused_logits", logits, persistent=False)
+        self.register_buffer("fused_ticket", counter, persistent=False)
 
     def bind_ops(self, ops) -> None:
         super().bind_ops(ops)
         self.route = functools.partial(ops.route_topk, **self.routing)
+        self.fused_route = functools.partial(ops.router_topk, **self.routing)
 
     def forward(self, x: torch.Tensor):
+        if x.shape[0] <= self.fused_max_tokens:
+            return self.fused_route(x, self.weight, (self.fused_logits, self.fused_ticket))
         logits = self.matmul(x.float() if self.fp32 else x, self.weight, None)
         return self.route(logits)
 
