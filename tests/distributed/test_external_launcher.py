@@ -161,11 +161,99 @@ def test_every_rank_returns_the_tp1_outputs(reference, tmp_path, nodes, nproc):
     for record in results:
         assert record["token_ids"] == expected, f"rank {record['rank']}"
         assert record["finish_reasons"] == ["length"] * len(expected)
-        assert record["second_call"] == expected[0], f"rank {record['rank']}: a second generate call"
+        assert record["second_call"] == expected[0], f"rank {record['rank']}: a later generate call"
+        # refused calls raise the same ValueError on every rank, and the group goes on
+        assert record["refused"]["bad_prompt"].startswith("prompt_token_ids contain ids outside [0, 509)")
+        assert record["refused"]["different_args"] == (
+            f"generate() got different arguments on rank {launch.tp - 1} (3 prompt(s) against rank 0's 4); under "
+            "the external launcher every rank must pass the same prompts and sampling params")
     # rank 0 alone shows progress: the bar is on node 0's output only, once
     if nodes == 2:
         assert "Processed prompts" in launch.output(0) and "Processed prompts" not in launch.output(1)
     assert launch.output().count("Processed prompts: 100%") == 1
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_processes_started_without_torchrun_agree_too(reference, tmp_path):
+    """The same variables set by hand (as srun or a job script would): rank 0 hosts the store itself, so its
+    close waits until the follower has read the close."""
+    folder, prompts_file, expected = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    port, procs = free_port(), []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, "--model", folder, "--tp", "2", "--out", str(out),
+                                           "--prompts", prompts_file, "--max-tokens", str(NEW_TOKENS)],
+                                          cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=RUN_LIMIT_S)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for rank in range(2):
+        with open(out / f"rank{rank}.json") as f:
+            assert json.load(f)["token_ids"] == expected
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_serve_runs_the_api_server_on_rank0_only(reference, tmp_path):
+    """`torchrun --no-python metainfer serve ... --distributed-executor-backend external_launcher`: rank 0 answers
+    HTTP with the TP=1 text, rank 1 follows; SIGTERM ends every process."""
+    import httpx
+
+    folder, _, _ = reference
+    prompt = make_prompts([9], vocab=VOCAB, seed=11)[0]
+    llm = LLM(folder, device="cpu", dtype="float32")
+    try:
+        want = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    finally:
+        llm.close()
+    http_port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "--no-python", os.path.join(os.path.dirname(sys.executable), "metainfer"),
+           "serve", "--model", folder, "--device", "cpu", "--dtype", "float32", "--tp", "2", "--port", str(http_port),
+           "--distributed-executor-backend", "external_launcher", "--served-model-name", "tiny"]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + RUN_LIMIT_S
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            ranks = [int(x) for x in f.read().split()]
+        assert len(ranks) == 2
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["text"] == want.outputs[0].text
+        assert reply["usage"]["completion_tokens"] == NEW_TOKENS
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert not wait_gone(ranks, timeout=15), "a rank outlived torchrun"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in ranks:
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
 
 
 # -- faults -----------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The SPMD script the external-launcher tests start under torchrun (one process a rank).
 
 Every rank builds `LLM(..., distributed_executor_backend="external_launcher")`, generates the prompts of
-`--prompts` (a JSON list of token-id lists) greedily and writes what its `generate` returned to
-OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank a different max_model_len;
+`--prompts` (a JSON list of token-id lists) greedily, then makes three more calls (an out-of-vocabulary prompt,
+which rank 0 refuses; prompts that differ on the last rank; the first prompt again) and writes what its calls
+returned or raised to OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank a different max_model_len;
 `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds an engine.
 Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run.
 """
@@ -71,12 +72,22 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
-        again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # a second call
+        refused = {}
+        try:  # rank 0 refuses the prompt; every rank raises the same ValueError
+            llm.generate([{"prompt_token_ids": [10**6]}], params, use_tqdm=False)
+        except ValueError as err:
+            refused["bad_prompt"] = str(err)
+        mine = prompts[:-1] if rank == args.tp - 1 else prompts  # the last rank passes one prompt fewer
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in mine], params, use_tqdm=False)
+        except ValueError as err:
+            refused["different_args"] = str(err)
+        again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # still usable
     finally:
         llm.close()
     record = {"rank": rank, "token_ids": [o.outputs[0].token_ids for o in outs],
               "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-              "second_call": again[0].outputs[0].token_ids}
+              "refused": refused, "second_call": again[0].outputs[0].token_ids}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     return 0

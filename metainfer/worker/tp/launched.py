@@ -98,8 +98,13 @@ def describe_difference(mine: list[str], rank0: list[str]) -> str | None:
     return None
 
 
-def _rank0_error(kind: str, message: str) -> Exception:
-    if kind in ("ValueError", "ConfigError"):
+def _error_message(exc: BaseException) -> tuple:
+    return ("error", type(exc).__name__, str(exc), isinstance(exc, ValueError))
+
+
+def _rank0_error(kind: str, message: str, bad_input: bool) -> Exception:
+    """Rank 0's error as the followers raise it: bad input stays a ValueError with the same message."""
+    if bad_input:
         return ValueError(message)
     return RuntimeError(f"rank 0 failed: {kind}: {message}")
 
@@ -159,12 +164,13 @@ class LaunchedRank:
             rank, what = min(different.items())
             message = (f"generate() got different arguments on rank {rank} ({what}); under the external launcher "
                        "every rank must pass the same prompts and sampling params")
-            self.channel.send(("error", "ValueError", message))
-            raise ValueError(message)
+            error = ValueError(message)
+            self.channel.send(_error_message(error))
+            raise error
         try:
             result = run()
         except BaseException as exc:
-            self.channel.try_send(("error", type(exc).__name__, str(exc)))
+            self.channel.try_send(_error_message(exc))
             raise
         self.channel.send(("result", result))
         return result
@@ -193,7 +199,7 @@ class LaunchedRank:
             elif kind == "result" and in_call:
                 return message[1]
             elif kind == "error" and in_call:
-                raise _rank0_error(message[1], message[2])
+                raise _rank0_error(*message[1:])
             elif kind == "close":
                 self.channel.reply(self.channel.received, None)
                 self._followed_close = True
