@@ -279,3 +279,12 @@ def test_evicting_a_duplicate_keeps_the_original_findable():
     bm.free_sequence(c)
     bm.allocate(d)  # ...until c is gone; a's block is still the hit
     assert d.block_table[0] == a.block_table[0] and d.num_computed_tokens == 4
+
+
+def test_chain_hash_is_the_hash_of_the_previous_hash_and_the_block_tokens():
+    """The prefix-cache key as the blueprint's sched.prefix_hash states it: Python's hash of (previous block's
+    hash or None, this block's token ids), computed here without chain_hash."""
+    first = hash((None, (1, 2, 3, 4)))
+    assert chain_hash(None, (1, 2, 3, 4)) == first
+    assert chain_hash(first, (5, 6, 7, 8)) == hash((first, (5, 6, 7, 8)))
+    assert chain_hash(first, (5, 6, 7, 8)) != chain_hash(None, (5, 6, 7, 8))
