@@ -7,9 +7,10 @@ all heads. A program per (sequence, head) would read the cache H times.
 
 Contracts (the torch references: mla_ref.py; docs/CONTRACTS.md, "MLA"):
 - `mla_decode_attention_triton(q_lat[B,H,L], q_pe[B,H,R], cache, block_tables, context_lens, scale)`:
-  split-KV decode (stage 1: (sequence, split, head block) programs with an online softmax over the
-  split's tokens; stage 2: merge of the live splits). The split count comes from host-known values only
-  (batch, heads, the block table's width), so the two launches can be captured in a CUDA graph with a
+  split-KV decode in one launch: (sequence, split, head block) programs with an online softmax over the
+  split's tokens; the last live split of a (sequence, head block) to finish merges the partials (an int32
+  arrival counter, as the dense decode does). The split count comes from host-known values only
+  (batch, heads, the block table's width), so the launch can be captured in a CUDA graph with a
   workspace sized once by `mla_decode_workspace_numel`.
 - `mla_prefill_attention_triton(q_lat[T,H,L], q_pe[T,H,R], cache, cu_seqlens_q, context_lens,
   block_tables, max_seqlen_q, scale)`: causal, the q_len new tokens of sequence b are the last of its
@@ -25,13 +26,13 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .attention_decode import LOG2E, _dot_precision
+from .attention_decode import LOG2E, _default_decode_counters, _dot_precision
 from .kv_cache import FP8_KV_DTYPE
 
-# Decode split rule (H200: 132 SMs). Stage 1 aims at ~2 programs per SM; a split covers at least
+# Decode split rule (H200: 132 SMs). The decode grid aims at ~2 programs per SM; a split covers at least
 # _MLA_MIN_SPLIT_TOKENS tokens (its fp32 partial [H, L] costs as much traffic as ~30 cached tokens of
 # bf16 latent, so much shorter splits would spend more on partials than on the cache) and at most
-# _MLA_MAX_SPLITS splits (the merge's BLOCK_S).
+# _MLA_MAX_SPLITS splits (the in-kernel merge's BLOCK_S).
 _MLA_TARGET_PROGRAMS = 264
 _MLA_MIN_SPLIT_TOKENS = 64
 _MLA_MAX_SPLITS = 64
@@ -91,7 +92,7 @@ def _mla_tile(
 
 
 # ----------------------------------------------------------------------------------------------
-# decode: stage 1 (sequence, split, head block), stage 2 merge
+# decode: (sequence, split, head block) programs; the last live split merges
 # ----------------------------------------------------------------------------------------------
 
 
@@ -108,15 +109,18 @@ def _split_range(ctx, split, num_splits, min_chunk, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["bt_stride_b"])
 def _mla_decode_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, num_splits, min_chunk, num_heads,
+    counters_ptr, scale_log2e, num_splits, min_chunk, num_heads,
     ql_stride_b, ql_stride_h, ql_stride_l, qp_stride_b, qp_stride_h, qp_stride_r,
     c_stride_b, c_stride_s, bt_stride_b, out_stride_b, out_stride_h,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Stage 1. One program = (sequence, split, block of BLOCK_H heads) over the split's tokens.
-    A context that fits one split (or ONE_PASS) is written to out by split 0 (zeros for an empty
-    context); otherwise each live split writes its normalised partial [heads, L] and log2-sum-exp."""
+    """One program = (sequence, split, block of BLOCK_H heads) over the split's tokens. A context that
+    fits one split (or ONE_PASS) is written to out by split 0 (zeros for an empty context); otherwise
+    each live split writes its normalised partial [heads, L] and log2-sum-exp, takes an arrival ticket
+    on its (sequence, head block) counter, and the last live split merges them all and resets the
+    counter: one launch, no merge kernel (the memory-ordering argument is attention_decode.py's)."""
     pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -149,38 +153,29 @@ def _mla_decode_kernel(
         tl.store(out_ptr + seq * out_stride_b + h[:, None] * out_stride_h + offs_l[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
-        row = (seq * num_heads + h) * num_splits + split  # workspace row, per head
-        tl.store(part_out_ptr + row[:, None] * KV_LORA + offs_l[None, :], out, mask=h_mask[:, None])
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=h_mask)
-
-
-@triton.jit
-def _mla_merge_kernel(
-    context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, num_splits, min_chunk, num_heads,
-    out_stride_b, out_stride_h,
-    KV_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Stage 2. One program = (sequence, head): out = sum_s 2^(lse_s - max) part_s / sum_s 2^(lse_s - max)
-    over the live splits; sequences that fit one split were written by stage 1."""
-    pdl_enter(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    ctx = tl.load(context_lens_ptr + seq)
-    _, _, live = _split_range(ctx, 0, num_splits, min_chunk, BLOCK_N)
-    if live <= 1:
-        return
-    base = (seq * num_heads + head) * num_splits
-    s = tl.arange(0, BLOCK_S)
-    lse_max = tl.max(tl.load(part_lse_ptr + base + s, mask=s < live, other=float("-inf")), axis=0)
-    offs_l = tl.arange(0, KV_LORA)
-    acc = tl.zeros([KV_LORA], tl.float32)
-    total = 0.0
-    for i in range(0, live):
-        w_i = tl.exp2(tl.load(part_lse_ptr + base + i) - lse_max)
-        total += w_i
-        acc += w_i * tl.load(part_out_ptr + (base + i) * KV_LORA + offs_l)
-    tl.store(out_ptr + seq * out_stride_b + head * out_stride_h + offs_l,
-             (acc / total).to(out_ptr.dtype.element_ty))
+        base = (seq * num_heads + h) * num_splits  # workspace row of split 0, per head
+        tl.store(part_out_ptr + (base + split)[:, None] * KV_LORA + offs_l[None, :], out, mask=h_mask[:, None])
+        tl.store(part_lse_ptr + base + split, m_i + tl.log2(l_i), mask=h_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the counting thread's release
+        counter = counters_ptr + seq * tl.num_programs(2) + h_block
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == live - 1:  # the last live split of this (sequence, head block)
+            tl.debug_barrier()  # the acquire above precedes every thread's partial loads
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            s = tl.arange(0, BLOCK_S)
+            lse = tl.load(part_lse_ptr + base[:, None] + s[None, :], mask=h_mask[:, None] & (s < live)[None, :],
+                          other=float("-inf"), cache_modifier=".cg")
+            lse_max = tl.where(h_mask, tl.max(lse, axis=1), 0.0)  # finite on real heads (live >= 2)
+            total = tl.sum(tl.exp2(lse - lse_max[:, None]), axis=1)
+            merged = tl.zeros([BLOCK_H, KV_LORA], tl.float32)
+            for i in range(0, live):
+                w_i = tl.exp2(tl.load(part_lse_ptr + base + i, mask=h_mask, other=float("-inf"),
+                                      cache_modifier=".cg") - lse_max)
+                merged += w_i[:, None] * tl.load(part_out_ptr + (base + i)[:, None] * KV_LORA + offs_l[None, :],
+                                                 mask=h_mask[:, None], other=0.0, cache_modifier=".cg")
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptr + seq * out_stride_b + h[:, None] * out_stride_h + offs_l[None, :],
+                     merged.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 def mla_decode_num_splits(batch: int, num_heads: int, max_context_tokens: int,
@@ -236,10 +231,13 @@ def mla_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split_tokens: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Split-KV MLA decode -> o [B, H, L]. num_splits defaults to mla_decode_num_splits(B, H, table width
-    in tokens); a split launch needs `workspace` (fp32, >= B*H*splits*(L+1): mla_decode_workspace_numel
-    sizes one for the engine; allocated here when None). No GPU value is read on the host.
+    """Split-KV MLA decode -> o [B, H, L], one launch. num_splits defaults to mla_decode_num_splits(B, H,
+    table width in tokens); a split launch needs `workspace` (fp32, >= B*H*splits*(L+1):
+    mla_decode_workspace_numel sizes one for the engine; allocated here when None) and arrival `counters`
+    (int32, >= B * head blocks, zero-initialised and left zeroed; by default the per-device buffer the
+    dense decode shares: attention_decode.alloc_decode_counters). No GPU value is read on the host.
     block_n / num_warps / num_stages / min_split_tokens (the fewest tokens a split covers, rounded up to
     block_n) are tuning knobs (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 2 / 64)."""
     require_triton()
@@ -259,9 +257,16 @@ def mla_decode_attention_triton(
     if batch == 0:
         return out
     one_pass = num_splits == 1
+    block_h = _decode_block_h(num_heads)
+    head_blocks = cdiv(num_heads, block_h)
     if one_pass:
-        part_out = part_lse = out  # unused
+        part_out = part_lse = counters = out  # unused
     else:
+        if counters is None:
+            counters = _default_decode_counters(q_lat.device, batch * head_blocks)
+        elif counters.dtype != torch.int32 or counters.numel() < batch * head_blocks:
+            raise ValueError(f"counters need {batch * head_blocks} int32 elements, got {counters.numel()} "
+                             f"{counters.dtype}")
         numel = _decode_workspace_numel(batch, num_heads, kv_lora, num_splits)
         if workspace is None:
             workspace = torch.empty(numel, dtype=torch.float32, device=q_lat.device)
@@ -269,25 +274,20 @@ def mla_decode_attention_triton(
             raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
         rows = batch * num_heads * num_splits
         part_out, part_lse = workspace[: rows * kv_lora], workspace[rows * kv_lora: rows * (kv_lora + 1)]
-    block_h = _decode_block_h(num_heads)
     min_split = _MLA_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
     scale_log2e = float(scale) * LOG2E
-    _mla_decode_kernel[(batch, num_splits, cdiv(num_heads, block_h))](
-        q_lat, q_pe, cache, block_tables, context_lens, out, part_out, part_lse,
+    _mla_decode_kernel[(batch, num_splits, head_blocks)](
+        q_lat, q_pe, cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale_log2e, num_splits, min_chunk, num_heads,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n, ONE_PASS=one_pass,
+        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_S=next_pow2(num_splits), ONE_PASS=one_pass,
         DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or _decode_num_warps(block_h, cache.dtype),
         num_stages=num_stages or 2,
         **pdl_args(pdl),
     )
-    if not one_pass:
-        _mla_merge_kernel[(batch, num_heads)](
-            context_lens, out, part_out, part_lse, num_splits, min_chunk, num_heads, out.stride(0), out.stride(1),
-            KV_LORA=kv_lora, BLOCK_N=block_n, BLOCK_S=next_pow2(num_splits), num_warps=4, **pdl_args(pdl),
-        )
     return out
 
 

@@ -334,7 +334,7 @@ def aot_compile_mla() -> int:
         print(reason, file=sys.stderr)
         return 2
     backend = make_backend(target)
-    kernels = [mla._mla_decode_kernel, mla._mla_merge_kernel, mla._mla_prefill_kernel,
+    kernels = [mla._mla_decode_kernel, mla._mla_prefill_kernel,
                mla_prep._mla_latent_prep_kernel]
     captured = []
     for kernel in kernels:
