@@ -204,7 +204,8 @@ def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filte
     """Test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too). Counts come
     from pytest's JUnit XML; the whole output is kept in $OUT/gpu_tests_output.txt."""
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               METAINFER_SHARED_GPU_TIMEOUT="60")
+               METAINFER_SHARED_GPU_TIMEOUT="60",
+               METAINFER_TEST_TOKENIZER_DIR=os.path.join(ROOT, ".gpu_assets", "tokenizer"))
     junit = os.path.join(tempfile.gettempdir(), "metainfer-gpu-tests.xml")
     if os.path.exists(junit):
         os.remove(junit)
