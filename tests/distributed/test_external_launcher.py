@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from metainfer import LLM, SamplingParams
@@ -254,6 +255,32 @@ def test_serve_runs_the_api_server_on_rank0_only(reference, tmp_path):
         for pid in ranks:
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+@pytest.mark.tp
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_ranks_on_two_gpus_equal_spawn_mode(reference, tmp_path):
+    """NCCL, one GPU a rank (cuda:LOCAL_RANK), fp32: every launched rank returns exactly what the spawn mode's TP=2
+    on the same two GPUs returns (same kernels, same all-reduce), and the first token of each prompt equals TP=1's."""
+    folder, prompts_file, _ = reference
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = {}
+    for tp in (1, 2):
+        llm = LLM(folder, device="cuda", dtype="float32", tensor_parallel_size=tp)
+        try:
+            want[tp] = generate_ids(llm, prompts, params)
+        finally:
+            llm.close()
+    launch = Launch(tmp_path, folder, prompts_file, 1, 2, "--device", "cuda")
+    codes = run_to_end(launch)
+    assert codes == [0], launch.output()
+    for record in launch.results():
+        assert record["token_ids"] == want[2], f"rank {record['rank']}"
+        assert [ids[0] for ids in record["token_ids"]] == [ids[0] for ids in want[1]]
 
 
 # -- faults -----------------------------------------------------------------------------------------------

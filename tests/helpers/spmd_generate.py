@@ -3,8 +3,9 @@
 Every rank builds `LLM(..., distributed_executor_backend="external_launcher")`, generates the prompts of
 `--prompts` (a JSON list of token-id lists) greedily, then makes three more calls (an out-of-vocabulary prompt,
 which rank 0 refuses; prompts that differ on the last rank; the first prompt again) and writes what its calls
-returned or raised to OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank a different max_model_len;
-`--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds an engine.
+returned or raised to OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank another
+max_model_len; `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds
+an engine.
 Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run.
 """
 
@@ -28,6 +29,8 @@ def parse(argv=None):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-model-len-on", default=None, help="RANK:N")
     p.add_argument("--timeout", type=float, default=60.0, help="distributed_timeout_s")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--die-rank", type=int, default=None)
     p.add_argument("--die-at-step", type=int, default=3)
     p.add_argument("--stall-rank", type=int, default=None)
@@ -67,8 +70,9 @@ def main(argv=None) -> int:
         die_in_step(args.die_at_step)
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = LLM(args.model, device="cpu", dtype="float32", tensor_parallel_size=args.tp, max_model_len=max_model_len,
-              distributed_executor_backend="external_launcher", distributed_timeout_s=args.timeout)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
+              max_model_len=max_model_len, distributed_executor_backend="external_launcher",
+              distributed_timeout_s=args.timeout)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)

@@ -27,7 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import asdict, is_dataclass, replace
+
+import torch
 
 from metainfer.config import EngineConfig
 from metainfer.distributed.external_launcher import LauncherEnv, join_launched_group, read_launcher_env
@@ -122,6 +125,12 @@ class LaunchedRank:
         if not self.is_leader:  # rank 0 alone reports progress; the others keep their errors
             logging.getLogger("metainfer").setLevel(logging.ERROR)
         self.device, _ = join_launched_group(config, env)
+        self._saved_threads = None
+        if self.device.type == "cpu" and env.local_world_size > 1:  # the node's ranks share its cores (torchrun
+            share = max(1, (os.cpu_count() or 1) // env.local_world_size)  # already sets OMP_NUM_THREADS=1)
+            if torch.get_num_threads() > share:
+                self._saved_threads = torch.get_num_threads()
+                torch.set_num_threads(share)
         self.channel = StoreChannel(env.master_addr, env.master_port, env.rank, env.world_size,
                                     f"{env.key_prefix}/msg")
         self.runner: ModelRunner | None = None
@@ -233,6 +242,8 @@ class LaunchedRank:
             log.warning("external launcher: rank %d closed without the others (%s)", self.rank, exc)
         finally:
             destroy_tp_group()
+            if self._saved_threads is not None:
+                torch.set_num_threads(self._saved_threads)
 
     def _drain_to_close(self) -> None:
         """A follower that closes first (its script ended) reads on to rank 0's ("close",) and answers it."""
