@@ -257,6 +257,32 @@ def test_serve_runs_the_api_server_on_rank0_only(reference, tmp_path):
                 os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.tp
+@pytest.mark.slow
+def test_bench_latency_measures_on_rank0_only(reference, tmp_path):
+    """`metainfer bench latency` under torchrun: rank 0 measures, prints and writes the JSON; rank 1 follows."""
+    folder, _, _ = reference
+    out_json = tmp_path / "latency.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "--no-python", os.path.join(os.path.dirname(sys.executable), "metainfer"),
+           "bench", "latency", "--model", folder, "--device", "cpu", "--dtype", "float32", "--tp", "2",
+           "--distributed-executor-backend", "external_launcher", "--batch-size", "2", "--input-len", "16",
+           "--output-len", "8", "--iters", "2", "--warmup", "1", "--output-json", str(out_json)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=RUN_LIMIT_S)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output
+    assert output.count("batch 2 in 16 out 8: TTFT") == 1, output
+    with open(out_json) as f:
+        record = json.load(f)
+    assert record["tp"] == 2 and record["ttft_ms"] > 0 and record["tpot_ms"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.tp
 @pytest.mark.slow
