@@ -1,0 +1,169 @@
+"""Issue 24 over HTTP: poisoned values answer 400 naming the field while concurrent well-formed requests
+finish with exactly their outputs alone; a step that fails on one request's data fails only that request;
+only application/json bodies; the API docs behind the key (or off); the served model id is a name, not a path."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import httpx
+import pytest
+
+from metainfer.entrypoints.openai.api_server import build_app
+from tests.helpers.server import ServerThread, assert_error, auth, greedy, metrics, post, wait_idle
+from tests.helpers.tiny_models import make_prompts
+
+MARK = 999  # a prompt holding this token fails its steps (fault hook): a request whose data breaks a step
+
+POISONED = [  # (path, raw body, the field the 400 names): the issue's list and their neighbours
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"min_tokens":2,"stop_token_ids":[1000000000]}',
+     "stop_token_ids"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"min_tokens":2,"stop_token_ids":[-1000000000]}',
+     "stop_token_ids"),
+    ("/v1/completions", f'{{"prompt":"x","max_tokens":4,"stop_token_ids":[{2**63}]}}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"top_k":9223372036854775808}', "top_k"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"temperature":NaN}', "temperature"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"top_p":Infinity}', "top_p"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"temperature":1e999}', "temperature"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"repetition_penalty":NaN}', "repetition_penalty"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"presence_penalty":-Infinity}', "presence_penalty"),
+    ("/v1/completions", f'{{"prompt":"x","max_tokens":4,"seed":{2**64}}}', "seed"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":1,"n":20000}', "n"),
+    ("/v1/completions", f'{{"prompt":"x","max_tokens":{10**30}}}', "max_tokens"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"logprobs":1000000}', "logprobs"),
+    ("/v1/completions", f'{{"prompt":[{2**63}],"max_tokens":4}}', "prompt"),
+    ("/v1/completions", f'{{"prompt":"x","max_tokens":4,"min_tokens":{2**64}}}', "min_tokens"),
+    ("/v1/chat/completions", f'{{"messages":[{{"role":"user","content":"x"}}],"seed":{2**64}}}', "seed"),
+    ("/v1/chat/completions", f'{{"messages":[{{"role":"user","content":"x"}}],"max_completion_tokens":{2**64}}}',
+     "max_completion_tokens"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":1000000}',
+     "top_logprobs"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"temperature":NaN}', "temperature"),
+]
+
+
+def _raw_post(server, path: str, body: str, content_type: str = "application/json") -> httpx.Response:
+    return httpx.post(server.url + path, content=body.encode(), timeout=30,
+                      headers={"Content-Type": content_type, **auth()})
+
+
+def _good_requests(ref, n: int = 4, max_tokens: int = 24):
+    """Four greedy requests and what each gives alone (the reference LLM on the same folder)."""
+    prompts = make_prompts([3 + 5 * i for i in range(n)], vocab=512, seed=21)
+    alone = [ref.generate({"prompt_token_ids": p}, greedy(max_tokens, ignore_eos=True), use_tqdm=False)[0]
+             for p in prompts]
+    return prompts, [o.outputs[0].text for o in alone]
+
+
+def _post_good(server, prompts, max_tokens, results, stream: bool):
+    def one(i, p):
+        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+        r = post(server, "/v1/completions", body)
+        if stream:
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", r.text
+            results[i] = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        else:
+            assert r.status_code == 200, r.text
+            results[i] = r.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.slow  # ~5-20 s on 2 shared cores
+@pytest.mark.parametrize("stream", [False, True])
+def test_poisoned_bodies_get_400_while_four_requests_finish_exactly(server, ref, stream):
+    prompts, expected = _good_requests(ref)
+    results: dict[int, str] = {}
+    threads = _post_good(server, prompts, 24, results, stream)
+    for path, body, field in POISONED:
+        err = assert_error(_raw_post(server, path, body), 400, field)
+        assert field in err["message"] or field in ("prompt", "max_completion_tokens", "top_logprobs"), err
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(4)] == expected
+    wait_idle(server)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_step_failure_fails_only_its_own_request(server, ref):
+    """The fault hook makes every step holding a MARK prompt raise: that request alone ends (500, or an SSE
+    error event then [DONE]); four neighbours finish with exactly their outputs alone."""
+    engine, m0 = server.state.engine, metrics(server)
+    prompts, expected = _good_requests(ref)
+
+    def hook(seqs):
+        if any(MARK in s.token_ids[: s.num_prompt_tokens] for s in seqs):
+            raise IndexError("index 1000000000 is out of bounds (injected)")
+
+    engine.fault_hook = hook
+    try:
+        results: dict[int, str] = {}
+        threads = _post_good(server, prompts, 24, results, stream=True)
+        bad = post(server, "/v1/completions", {"prompt": [5, MARK, 6], "max_tokens": 8})
+        err = assert_error(bad, 500, code="engine_error")
+        assert "injected" in err["message"]
+        r = post(server, "/v1/completions", {"prompt": [MARK], "max_tokens": 8, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_error"
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.fault_hook = None
+    assert [results[i] for i in range(4)] == expected
+    m = wait_idle(server)
+    assert m["metainfer:request_failed_total"] - m0["metainfer:request_failed_total"] == 2
+    assert m["metainfer:engine_errors_total"] == m0["metainfer:engine_errors_total"]  # no step failed everyone
+
+
+def test_only_json_bodies(server):
+    body = '{"prompt": "x", "max_tokens": 2}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        assert_error(_raw_post(server, "/v1/completions", body, content_type), 415, code="unsupported_media_type")
+    assert_error(_raw_post(server, "/v1/chat/completions", '{"messages": []}', "text/plain"), 415)
+    assert _raw_post(server, "/v1/completions", body, "application/json; charset=utf-8").status_code == 200
+    assert _raw_post(server, "/v1/completions", body, "Application/JSON").status_code == 200
+    # the key is checked first: a keyless text/plain post is 401, not 415
+    r = httpx.post(server.url + "/v1/completions", content=body.encode(), headers={"Content-Type": "text/plain"})
+    assert_error(r, 401)
+    wait_idle(server)
+
+
+def test_api_docs_are_behind_the_key(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_error(httpx.get(server.url + path, timeout=10), 401)
+        assert httpx.get(server.url + path, headers=auth(), timeout=10).status_code == 200, path
+    schema = httpx.get(server.url + "/openapi.json", headers=auth(), timeout=10).json()
+    assert "/v1/completions" in schema["paths"] and "/docs" not in schema["paths"]
+    # vLLM leaves /health and /metrics open; so do we (README: API key scope)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_docs_off_and_the_default_model_id_is_the_folder_name(ref, model_dir):
+    """No served name given: the id, the model card and the metrics label are the folder's name."""
+    app = build_app(ref, docs=False)
+    name = os.path.basename(model_dir)
+    with ServerThread(app) as srv:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert_error(httpx.get(srv.url + path, timeout=10), 404)
+        card = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]
+        assert card["id"] == card["root"] == name and os.sep not in json.dumps(card)
+        r = post(srv, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 2}, headers={})
+        assert r.status_code == 200 and r.json()["model"] == name
+        text = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert f'model_name="{name}"' in text and model_dir not in text
+
+
+def test_served_name_of_a_gguf_file_drops_the_extension():
+    from metainfer.entrypoints.openai.api_server import default_served_name
+
+    assert default_served_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert default_served_name("/models/Qwen3-8B/") == "Qwen3-8B"
+    assert default_served_name("Qwen3-8B") == "Qwen3-8B"
