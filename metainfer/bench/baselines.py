@@ -89,12 +89,12 @@ def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: i
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("baseline", help="HF transformers eager / static+compile at the same shapes")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--modes", default="eager,compile")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per batch (default 1)")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations (default 3)")
+    p.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile (static cache)")
+    p.add_argument("--output-json", default=None, help="write the record (GPU name, library versions) here")
     p.set_defaults(bench_func=main)
 
 

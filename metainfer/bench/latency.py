@@ -90,13 +90,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("latency", help="TTFT / TPOT / bandwidth for one batch shape")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per batch (default 1)")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations (medians are reported; vLLM's "
                    "benchmark_latency defaults to 30)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first (vLLM's default: 10)")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="write the record (GPU name, library versions) here")
     p.set_defaults(bench_func=main)
 
 

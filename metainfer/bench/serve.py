@@ -248,12 +248,14 @@ def format_table(record: dict, percentiles: list[float]) -> str:
 # -- command line ---------------------------------------------------------------------------
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="the endpoint to load (default /v1/completions)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"))
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
+                   help="Bearer key of a server started with --api-key (default: $METAINFER_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (chat endpoint: words)")
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths)")
     p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 500], metavar=("LOW", "HIGH"),
@@ -261,11 +263,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="skip the one untimed request before the run")
     p.add_argument("--save-detailed", action="store_true", help="add per-request lists to the JSON")
     p.add_argument("--output-json", "--result-file", dest="output_json", default=None, help="write the record here")
     p.add_argument("--json", dest="print_json", action="store_true", help="print the JSON record instead of the table")

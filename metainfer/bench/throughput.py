@@ -103,12 +103,12 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("throughput", help="offline throughput (nano-vllm protocol by default)")
     add_engine_args(p)
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-input-len", type=int, default=100)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=100)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--num-seqs", type=int, default=256, help="requests (default 256)")
+    p.add_argument("--min-input-len", type=int, default=100, help="shortest random prompt (default 100)")
+    p.add_argument("--max-input-len", type=int, default=1024, help="longest random prompt (default 1024)")
+    p.add_argument("--min-output-len", type=int, default=100, help="fewest tokens generated (default 100)")
+    p.add_argument("--max-output-len", type=int, default=1024, help="most tokens generated (default 1024)")
+    p.add_argument("--output-json", default=None, help="write the record (GPU name, library versions) here")
     p.set_defaults(bench_func=main)
 
 

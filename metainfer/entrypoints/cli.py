@@ -159,7 +159,7 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metainfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -177,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from metainfer.config import ConfigError  # after parsing: --help stays free of the torch import
 
     try:

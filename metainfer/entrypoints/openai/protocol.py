@@ -165,7 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
     def body_field(self, param: str | None) -> str | None:
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return "top_logprobs" if param == "logprobs" else param
+        return {"logprobs": "top_logprobs", "prompt": "messages"}.get(param, param)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
+from metainfer.entrypoints.openai.errors import OpenAIError
 from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
 from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
 from metainfer.sampling_params import SamplingParams
@@ -29,7 +30,11 @@ class OpenAIServingChat(OpenAIServing):
             return {"prompt_token_ids": ids}
 
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.engine_loop.submit([(base, prompt, params)])
+        try:
+            group = await self.engine_loop.submit([(base, prompt, params)])
+        except OpenAIError as err:  # the engine names its own fields: the prompt is the messages here
+            err.param = req.body_field(err.param)
+            raise
         return await self.respond(
             request, req, group, base=base, model=model, obj="chat.completion", chunk_obj="chat.completion.chunk",
             chunks=lambda head, finals: self._chunks(group, req, params, head, finals, top_k),

@@ -1,0 +1,89 @@
+"""The `metainfer` CLI (issue 23, item 6): every bad value is one line naming the option, before the model
+loads where it can; a folder without tokenizer files names itself and --tokenizer; `serve` without the
+server packages names the extra; every option has help text."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from metainfer.entrypoints import cli, serve_cli
+from tests.helpers.tiny_models import copy_model_files
+
+MISSING = "/nonexistent/model-folder"  # were the model loaded first, the error would name this path
+
+
+def _one_line_error(capsys, argv) -> str:
+    """Run the CLI; it must stop with an error whose whole output is one line; return that line."""
+    try:
+        rc = cli.main(argv)
+        message = ""
+    except SystemExit as exit_:
+        rc, message = exit_.code, exit_.code if isinstance(exit_.code, str) else ""
+        rc = 1 if isinstance(rc, str) else rc
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.err + captured.out + message).splitlines() if line.strip()]
+    assert rc not in (0, None) and len(lines) == 1, (rc, lines)
+    assert lines[0].startswith("metainfer: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--max-tokens", "-1"], "--max-tokens"), (["--temperature", "-2"], "--temperature"),
+    (["--top-p", "0"], "--top-p"), (["--top-p", "nan"], "--top-p"), (["--temperature", "inf"], "--temperature"),
+    (["--top-k", str(2**63)], "--top-k"), (["--min-p", "1.5"], "--min-p"),
+    (["--sample-seed", str(2**64)], "--sample-seed"),
+])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_sampling_values_are_one_line_before_the_model_loads(capsys, command, argv, option):
+    line = _one_line_error(capsys, [command, "--model", MISSING, *argv])
+    assert option in line and MISSING not in line, line
+
+
+def test_bad_engine_option_is_one_line(capsys, model_dir):
+    line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", "--block-size", "0"])
+    assert "block_size" in line
+    line = _one_line_error(capsys, ["generate", "x", "--model", MISSING])
+    assert MISSING in line
+
+
+def test_empty_prompt_is_one_line(capsys):
+    assert "prompt" in _one_line_error(capsys, ["generate", "", "--model", MISSING])
+
+
+def test_prompt_over_the_context_is_one_line(capsys, model_dir):
+    line = _one_line_error(capsys, ["generate", "hello " * 40, "--model", model_dir, "--device", "cpu",
+                                    "--dtype", "float32", "--max-model-len", "16"])
+    assert "max_model_len (16)" in line
+
+
+def test_missing_tokenizer_names_the_folder_and_the_option(capsys, model_dir, tmp_path):
+    copy_model_files(model_dir, str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (tmp_path / name).unlink(missing_ok=True)
+    line = _one_line_error(capsys, ["generate", "x", "--model", str(tmp_path), "--device", "cpu"])
+    assert str(tmp_path) in line and "--tokenizer" in line
+    assert cli.main(["generate", "x", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+                     "--tokenizer", model_dir, "--max-tokens", "2", "--json"]) == 0
+
+
+def test_serve_without_the_server_packages_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setattr(serve_cli, "missing_server_packages", lambda: ["fastapi", "uvicorn"])
+    line = _one_line_error(capsys, ["serve", "--model", MISSING])
+    assert "pip install 'metainfer[serve]'" in line and "uvicorn" in line and MISSING not in line
+
+
+def _options(parser: argparse.ArgumentParser, path: str = "metainfer"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_has_help():
+    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in _options(cli.build_parser())
+               if not a.help or a.help == argparse.SUPPRESS]
+    assert missing == []
