@@ -67,7 +67,8 @@ def run(args) -> int:
     if args.perturb:
         from metainfer.knowledge import mutants, perturb
 
-        modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only)
+        hints = perturb.previous_catchers(os.path.join(REPO_ROOT, "docs", "results", "knowledge_perturb.json"))
+        modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only, hints=hints)
         report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
                                      commit="HEAD" if args.committed else None)
         for mode, result in zip(modes, report["modes"]):

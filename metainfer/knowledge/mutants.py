@@ -196,16 +196,26 @@ def _apply(copy: Path, mutation: dict) -> tuple[Path, str, str | None]:
 
 
 def run_mode(copy: Path, mode: dict, timeout_s: float) -> dict:
-    """Apply one mode's mutation to the copy, run its tests, restore the file."""
+    """Apply one mode's mutation to the copy, run its tests, restore the file. A mode with `stages` (lists of
+    tests, each a subset of `tests`, the last usually all of them) runs them in order and stops at the first
+    that fails: a test of the selection that fails on its own is a failure of the selection, found sooner."""
     path, original, problem = _apply(copy, mode["mutation"])
+    stages, seconds, stage = mode.get("stages") or [mode["tests"]], 0.0, 0
     try:
         if problem:
             return {"id": mode["id"], "status": "broken", "seconds": 0.0, "detail": problem}
-        code, output, seconds = _pytest(copy, mode["tests"], timeout_s)
+        for index, tests in enumerate(stages):
+            stage = index
+            code, output, took = _pytest(copy, tests, timeout_s)
+            seconds += took
+            if code != 0:
+                break
     finally:
         path.write_text(original, encoding="utf-8")
     status = classify(code, output)
     result = {"id": mode["id"], "status": status, "seconds": round(seconds, 2)}
+    if len(stages) > 1:
+        result["stage"] = stage
     if status == "caught":  # which test caught it (the evidence names it)
         failed = [line.split(" ", 1)[1].split(" - ", 1)[0] for line in output.splitlines()
                   if line.startswith(("FAILED ", "ERROR "))]

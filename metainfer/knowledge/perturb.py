@@ -11,8 +11,9 @@ and counts + 1, decisions flipped, lists one element short, ...).
 Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py), applied to
 a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
 property is replaced at the end of its class's module. The tests are the union of every phase's quick
-selection, the files of the node's own tests first; `-x` stops at the first failure, so a caught
-perturbation costs seconds.
+selection: first the test that caught it in the last evidence run, the node's own quick tests and one broad
+model-vs-transformers test (stage 1), then, only if those pass, every quick test (stage 2); `-x` stops at the
+first failure. Every test run is one of the quick selections', so a failure is the quick gates' failure.
 """
 
 from __future__ import annotations
@@ -42,6 +43,34 @@ def _ordered(tests: list[str], first_files: set[str]) -> list[str]:
     return sorted(tests, key=lambda t: t.split("::", 1)[0] not in first_files)
 
 
+def in_selection(test_id: str, selection: list[str]) -> bool:
+    """Whether a pytest node id is one of the tests a selection runs (an entry, a test of a file or folder
+    entry, a parametrization of a function entry)."""
+    file = test_id.split("::", 1)[0]
+    for entry in selection:
+        if test_id == entry or test_id.startswith(entry + "[") or test_id.startswith(entry + "::"):
+            return True
+        if "::" not in entry and (file == entry or file.startswith(entry.rstrip("/") + "/")):
+            return True
+    return False
+
+
+# a quick-selection test that runs a whole model against transformers: most layer, kernel and loader
+# perturbations fail it first (stage 1 of every perturbation; it is part of P3's quick selection)
+BROAD = ("tests/models/test_loading.py::test_sharded_checkpoint",)
+
+
+def previous_catchers(path: str | None) -> dict[str, list[str]]:
+    """{perturbation id: the test that caught it} from an earlier evidence file (hints for the run order)."""
+    if not path or not os.path.exists(path):
+        return {}
+    import json
+
+    with open(path) as f:
+        report = json.load(f)
+    return {m["id"]: m["caught_by"] for m in report.get("modes", []) if m.get("caught_by")}
+
+
 def cpu_path_targets(blueprint: dict | None = None) -> list[tuple[dict, str]]:
     blueprint = blueprint or load_blueprint()
     return [(n, t) for n in blueprint["nodes"] for t in (n.get("perturb") or {}).get("targets", [])]
@@ -55,8 +84,10 @@ def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
 
 
 def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
-                       only: list[str] | None = None) -> list[dict]:
-    """One harness mode per CPU-path target (`only`: ids or node ids to keep)."""
+                       only: list[str] | None = None, hints: dict[str, list[str]] | None = None) -> list[dict]:
+    """One harness mode per CPU-path target (`only`: ids or node ids to keep). Each runs in two stages, both
+    within the quick selections: first the test that caught it before (`hints`), the node's own quick tests
+    and BROAD; then, if those pass, every quick test."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
@@ -68,7 +99,11 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
         if only and mode_id not in only and not {n["id"] for n in owners} & set(only):
             continue
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
-        modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": _ordered(tests, own),
+        ordered = _ordered(tests, own)
+        first = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
+        first += [t for t in ordered if t.split("::", 1)[0] in own] + list(BROAD)
+        modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": ordered,
+                      "stages": [list(dict.fromkeys(first)), ordered],
                       "symptom": "the quick gates must fail", "cause": f"{target}'s output perturbed",
                       "nodes": [n["id"] for n in owners], "mutation": _mutation(target, root)})
     return modes
