@@ -105,7 +105,9 @@ class _Checkpoint:
         weight = self.take(prefix + ".weight")
         b = self.take(prefix + ".bias", required=bias)
         if prefix + ".scales" not in self.tensors:
-            return Linear(weight if weight is not None else mx.zeros((1, 1)), b, in_out=in_out)
+            if weight is None:  # reported with the other missing tensors once the model is built
+                weight = mx.zeros(self.shapes.get(prefix + ".weight", (1, 1)), dtype=self.dtype)
+            return Linear(weight, b, in_out=in_out)
         scales, biases = self.take(prefix + ".scales"), self.take(prefix + ".biases")
         return Linear(weight, b, scales, biases, self.quant_format(prefix))
 
