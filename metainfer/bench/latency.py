@@ -68,7 +68,9 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
     total = statistics.median(totals)
     tpot = statistics.median(tpots)
     tpot_e2e = (total - ttft) / (output_len - 1)
-    weight_bytes = decode_weight_bytes(engine.runner.model)
+    runner = engine.runner  # the MLX runner counts its own arrays (metainfer/mlx/model_runner.py)
+    weight_bytes = runner.decode_weight_bytes() if hasattr(runner, "decode_weight_bytes") else \
+        decode_weight_bytes(runner.model)
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else None
     achieved = weight_bytes / tpot
     record = {

@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None,
                    help="folder with the tokenizer files, when the model folder has none (default: the model's)")
-    p.add_argument("--device", default=None, help="auto, cpu or cuda (default: cpu for the embedded model)")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda or mlx (the MLX backend; auto never picks it) "
+                   "(default: cpu for the embedded model)")
     p.add_argument("--dtype", default="auto", help="auto (the model's), bfloat16, float16 or float32")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,

@@ -1,0 +1,82 @@
+"""device="mlx" as an option: a clear error without MLX, "auto" never picks it, the options it cannot honour
+are refused by name, and `--device mlx` works from the command line (generate, bench latency)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from metainfer import LLM
+from metainfer.config import ConfigError
+from tests.helpers.tiny_models import build_tiny_model
+
+HAS_MLX = __import__("importlib").util.find_spec("mlx") is not None
+needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="MLX is not installed (pip install 'mlx[cpu]')")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mlx-config"))
+    build_tiny_model(path, "qwen3")
+    return path
+
+
+def test_without_mlx_the_error_names_the_install_command(folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlx", None)  # `import mlx.core` now raises ImportError
+    monkeypatch.setitem(sys.modules, "mlx.core", None)
+    with pytest.raises(ValueError, match=r"pip install mlx .*pip install 'mlx\[cpu\]'"):
+        LLM(folder, device="mlx")
+
+
+def test_auto_stays_on_torch(folder):
+    from metainfer.worker.model_runner import ModelRunner
+
+    llm = LLM(folder, device="auto", num_kv_blocks=8)
+    assert type(llm.llm_engine.runner) is ModelRunner
+
+
+@needs_mlx
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(async_scheduling=True), "async_scheduling"),
+])
+def test_options_mlx_cannot_honour_are_named(folder, kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        LLM(folder, device="mlx", **kwargs)
+
+
+@needs_mlx
+def test_a_non_dense_family_is_refused(tmp_path):
+    build_tiny_model(str(tmp_path), "qwen3_moe")
+    with pytest.raises(ConfigError, match="dense family"):
+        LLM(str(tmp_path), device="mlx")
+
+
+@needs_mlx
+def test_mlx_runner_and_dtype_auto_is_the_checkpoint_dtype(folder):
+    from metainfer.mlx.model_runner import MLXModelRunner
+
+    llm = LLM(folder, device="mlx", num_kv_blocks=8)
+    engine = llm.llm_engine
+    assert type(engine.runner) is MLXModelRunner
+    assert engine.config.async_scheduling is False
+    assert str(engine.runner.dtype) == "mlx.core.float32"  # save_pretrained wrote float32
+
+
+@needs_mlx
+def test_cli_generate_and_bench_latency_with_device_mlx(folder, tmp_path, capsys):
+    from metainfer.entrypoints.cli import main
+
+    assert main(["generate", "--model", folder, "--device", "mlx", "--max-tokens", "4", "--json",
+                 "--num-kv-blocks", "16", "a1b2c3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out[0]["token_ids"]) >= 1
+    record = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", folder, "--device", "mlx", "--num-kv-blocks", "16",
+                 "--input-len", "8", "--output-len", "4", "--iters", "1", "--warmup", "0",
+                 "--output-json", str(record)]) in (0, None)
+    data = json.loads(record.read_text())
+    assert data["weight_bytes"] > 0 and data["decode_tok_s"] > 0
