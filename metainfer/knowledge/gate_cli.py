@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
                    help="with --perturb: only these perturbation ids (perturb.<qualname>) or node ids")
     p.add_argument("--committed", action="store_true",
                    help="--mutants / --perturb on a copy of the last commit, not the work tree (a shared tree)")
+    p.add_argument("--deselect", action="append", default=[], metavar="TEST",
+                   help="--mutants / --perturb: leave this test out (one failing on the tree for another reason; "
+                        "the evidence records it)")
     p.add_argument("--update-manifest", action="store_true",
                    help="rewrite gate_manifest.json from the current test files (a deliberate, reviewed change)")
     p.set_defaults(func=run)
@@ -58,7 +61,8 @@ def run(args) -> int:
     if args.mutants:
         from metainfer.knowledge import mutants
 
-        report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None)
+        report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None,
+                                     deselect=tuple(args.deselect))
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
@@ -70,7 +74,7 @@ def run(args) -> int:
         hints = perturb.previous_catchers(os.path.join(REPO_ROOT, "docs", "results", "knowledge_perturb.json"))
         modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only, hints=hints)
         report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                     commit="HEAD" if args.committed else None)
+                                     commit="HEAD" if args.committed else None, deselect=tuple(args.deselect))
         for mode, result in zip(modes, report["modes"]):
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
