@@ -240,7 +240,7 @@ class LLMEngine:
             log.error("request %s failed a step and was finished with an error: %s: %s", request_id,
                       type(exc).__name__, exc)
             self._fail_request(request_id, f"{type(exc).__name__}: {exc}")
-        rest = replace(batch, seqs=[s for s in batch.seqs if s.request_id not in culprits])
+        rest = _sub_batch(batch, [s for s in batch.seqs if s.request_id not in culprits])
         self._restore_sampling_state(saved)
         return rest, (self._run(rest) if rest.seqs else None)
 
@@ -258,7 +258,7 @@ class LLMEngine:
         for part in (seqs[:half], seqs[half:]):
             self._restore_sampling_state(saved)
             try:
-                self._run(replace(batch, seqs=part))
+                self._run(_sub_batch(batch, part))
                 error = None
             except Exception as err:
                 error = err
@@ -392,6 +392,13 @@ class LLMEngine:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+
+
+def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
+    """Some rows of `batch` (their order kept, so decode rows stay first) as a batch of their own."""
+    decode_rows = {id(s) for s in batch.seqs[: batch.num_decode_rows]}
+    num_decode = sum(id(s) in decode_rows for s in seqs)
+    return replace(batch, seqs=seqs, is_prefill=num_decode < len(seqs), num_decode_rows=num_decode)
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:

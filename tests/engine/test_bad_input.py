@@ -304,3 +304,45 @@ def test_llm_without_a_model_loads_the_embedded_default():
         assert len(out[0].outputs[0].token_ids) >= 1
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("culprit", ["prefill_row", "decode_row"])
+def test_forced_failure_in_a_mixed_step_finishes_only_its_request(reference, culprit):
+    """Mixed steps (decode rows + prompt chunks): the bisection's sub-batches keep decode rows first and
+    count them, whether the failing row is a prompt arriving beside running streams or a running stream
+    beside an arriving prompt; the others finish with exactly HF's outputs."""
+    hf, prompts, expected, llm = reference
+    engine = llm.llm_engine
+    mixed = {"seen": 0}
+
+    def hook(seqs):
+        bad = [s for s in seqs if s.request_id == "bad"]
+        if any(s.num_computed_tokens > 0 for s in seqs) and any(s.num_computed_tokens == 0 for s in seqs):
+            mixed["seen"] += 1  # running rows beside a new prompt: a mixed step
+        if culprit == "prefill_row" and bad:
+            raise RuntimeError("bad prompt row")
+        if culprit == "decode_row" and any(s.num_output_tokens >= 2 for s in bad):
+            raise RuntimeError("bad decode row")
+
+    engine.fault_hook = hook
+    try:
+        first, late = prompts[:2], prompts[2:]
+        for i, p in enumerate(first):
+            engine.add_request(f"good-{i}", {"prompt_token_ids": p}, OK_6, stream=False)
+        if culprit == "decode_row":
+            engine.add_request("bad", {"prompt_token_ids": [7, 8, 9]}, OK_6, stream=False)
+        done = {}
+        for _ in range(2):  # the first requests are decoding now
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        for i, p in enumerate(late, start=len(first)):
+            engine.add_request(f"good-{i}", {"prompt_token_ids": p}, OK_6, stream=False)
+        if culprit == "prefill_row":
+            engine.add_request("bad", {"prompt_token_ids": [7, 8, 9]}, OK_6, stream=False)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        engine.fault_hook = None
+    assert mixed["seen"] >= 1
+    assert done["bad"].outputs[0].finish_reason == "error" and "bad" in done["bad"].error
+    assert_matches_hf(hf, prompts, [done[f"good-{i}"].outputs[0].token_ids for i in range(4)], expected)
+    assert_drained(llm)
