@@ -42,7 +42,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
 # What torchrun (or srun / mpirun wrappers that mimic it) sets for each process it starts; read for
 # distributed_executor_backend="external_launcher" (distributed/external_launcher.py), never an engine switch.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")
+                      "TORCHELASTIC_RESTART_COUNT")
 
 
 def launcher_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

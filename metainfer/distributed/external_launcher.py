@@ -52,7 +52,6 @@ class LauncherEnv:
     master_addr: str
     master_port: int
     restart: int = 0  # torchrun's restart count: keys of an earlier attempt are not this one's
-    agent_store: bool = False  # torchrun's agent hosts the store (else rank 0 does, and it must outlive the reads)
 
     @property
     def single_node(self) -> bool:
@@ -89,8 +88,7 @@ def read_launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv:
     if not 0 < port < 65536:
         raise ConfigError(f"MASTER_PORT={port} is not a TCP port")
     return LauncherEnv(rank, world, integer("LOCAL_RANK", rank), integer("LOCAL_WORLD_SIZE", 0),
-                       values["MASTER_ADDR"], port, integer("TORCHELASTIC_RESTART_COUNT", 0),
-                       values.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                       values["MASTER_ADDR"], port, integer("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def launched_device(config: EngineConfig, env: LauncherEnv) -> torch.device:

@@ -1,15 +1,13 @@
-"""Rank 0's messages to the other ranks of a launched group, carried by the rendezvous TCPStore.
+"""Rank 0's messages to the other ranks of a launched group, and their answers (the store is where answers go).
 
-Why the store and not a collective: a follower may wait for rank 0's next message for as long as rank 0 has
-nothing to do (a server without traffic), which a collective's timeout would turn into a failure. A store
-read waits as long as it must, and fails at once when the store goes away; the store lives in node 0's
-torchrun agent (or, without an agent, in rank 0), so it goes when rank 0's side of the job ends.
+Messages go by broadcast over a gloo group of their own, made by the constructor: rank 0's process writes them
+straight to the followers' sockets (no third process on the way, unlike the rendezvous store, whose server runs
+in torchrun's agent), on the CPU for NCCL groups too. The group's timeout is long (`IDLE_WAIT`) because a
+follower waits for rank 0's next message for as long as rank 0 has nothing to do (a server without traffic); a
+peer that dies still fails the wait at once, since gloo sees its connection close.
 
-Each message is one key, `{prefix}/{index}`, written once by rank 0 (`send`) and read by every follower in
-index order (`recv`). A follower answers a message with a reply key `{prefix}/reply/{index}/{rank}`; rank 0
-collects the answers with a deadline (`replies`). Rank 0 deletes a message once every follower has read it,
-without asking: it calls `forget_through(i)` after completing a collective that each follower can only have
-entered after reading message i (the forward of the step that message i carried).
+Answers (a follower's reply to message i) go through the rendezvous store, `{prefix}/reply/{i}/{rank}`, where rank
+0 collects them with a deadline (`replies`): a rank that does not answer is named instead of waited for.
 """
 
 from __future__ import annotations
@@ -19,36 +17,37 @@ import pickle
 
 import torch.distributed as dist
 
-# A follower's read gives up and retries after this long (a retry costs one line of c10d's log): the wait for
-# rank 0's next message has no deadline of its own; it ends with the message, or when the store is gone.
-IDLE_WAIT_S = 3600.0
+# The control group's collective timeout: a follower's wait for rank 0's next message has no deadline of its own.
+IDLE_WAIT = datetime.timedelta(days=365)
 
 
 class ChannelClosed(RuntimeError):
-    """The store went away: rank 0's side of the job has ended."""
+    """Rank 0 (or the store) is gone: the job's other side has ended."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class StoreChannel:
-    def __init__(self, host: str, port: int, rank: int, world_size: int, prefix: str):
+    """Every rank makes one, right after joining the group (the constructor creates the gloo control group, a
+    collective call); `store` is the rendezvous store, for the answers."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str):
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        self.store = store
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=IDLE_WAIT_S))
-        self.sent = self.received = self.forgotten = 0
-
-    def _key(self, index: int) -> str:
-        return f"{self.prefix}/{index}"
-
-    def _closed(self, exc: BaseException) -> ChannelClosed:
-        return ChannelClosed(f"rank {self.rank} lost the rendezvous store, so rank 0's side of the job has ended "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        self.sent = self.received = 0
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def send(self, message) -> int:
-        """Publish `message` to every follower; returns its index."""
+        """Publish `message` to every follower; returns its index (1, 2, ...)."""
         self.sent += 1
         try:
-            self.store.set(self._key(self.sent), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        except dist.DistError as exc:
-            raise self._closed(exc) from exc
+            dist.broadcast_object_list([message], src=0, group=self.group)
+        except RuntimeError as exc:
+            raise ChannelClosed(f"rank 0 could not reach the other ranks ({_first_line(exc)})") from exc
         return self.sent
 
     def try_send(self, message) -> None:
@@ -56,12 +55,6 @@ class StoreChannel:
             self.send(message)
         except ChannelClosed:
             pass
-
-    def forget_through(self, index: int) -> None:
-        """Delete messages up to `index`: the caller knows every follower has read them."""
-        for i in range(self.forgotten + 1, index + 1):
-            self.store.delete_key(self._key(i))
-        self.forgotten = max(self.forgotten, index)
 
     def replies(self, index: int, timeout: float) -> dict[int, object]:
         """Every follower's reply to message `index`, or TimeoutError naming the ranks that did not answer."""
@@ -72,7 +65,7 @@ class StoreChannel:
         try:
             self.store.wait(keys, datetime.timedelta(seconds=timeout))
         except dist.DistNetworkError as exc:
-            raise self._closed(exc) from exc
+            raise ChannelClosed(f"rank 0 lost the rendezvous store ({_first_line(exc)})") from exc
         except dist.DistStoreError:
             missing = [r for r, k in zip(ranks, keys) if not self.store.check([k])]
             raise TimeoutError(f"tensor-parallel rank(s) {missing} did not answer rank 0 within {timeout:.0f} s "
@@ -84,20 +77,19 @@ class StoreChannel:
 
     # -- ranks 1..N-1 ---------------------------------------------------------------------------
     def recv(self):
-        """Rank 0's next message (waits as long as it takes; ChannelClosed when the store is gone)."""
+        """Rank 0's next message (waits as long as it takes; ChannelClosed when rank 0 is gone)."""
         self.received += 1
-        key = self._key(self.received)
-        while True:
-            try:
-                return pickle.loads(self.store.get(key))
-            except dist.DistNetworkError as exc:
-                raise self._closed(exc) from exc
-            except dist.DistStoreError:
-                continue  # IDLE_WAIT_S without a message: keep waiting
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise ChannelClosed(f"rank {self.rank} lost rank 0 ({_first_line(exc)}): the job's other side "
+                                "has ended") from exc
+        return box[0]
 
     def reply(self, index: int, value) -> None:
         try:
             self.store.set(f"{self.prefix}/reply/{index}/{self.rank}",
                            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         except dist.DistError as exc:
-            raise self._closed(exc) from exc
+            raise ChannelClosed(f"rank {self.rank} lost the rendezvous store ({_first_line(exc)})") from exc

@@ -33,7 +33,7 @@ from metainfer.distributed.external_launcher import (
     first_mismatch,
     read_launcher_env,
 )
-from metainfer.distributed.store_channel import ChannelClosed, StoreChannel
+from metainfer.distributed.store_channel import StoreChannel
 from metainfer.worker.tp.launched import call_fingerprint, describe_difference
 from tests.helpers.engine_checks import generate_ids
 from tests.helpers.processes import alive, wait_gone
@@ -312,15 +312,19 @@ def test_nccl_ranks_on_two_gpus_equal_spawn_mode(reference, tmp_path):
 # -- faults -----------------------------------------------------------------------------------------------
 @pytest.mark.tp
 @pytest.mark.slow
-def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path):
-    """Rank 1 (node 1) is SIGKILLed in its third step: rank 0's collective fails at once (gloo), it raises one
-    clear error, both torchrun calls exit non-zero, no process is left."""
+@pytest.mark.parametrize("dying,survivor,message", [
+    (1, 0, "tensor-parallel rank 0: a step failed"),  # rank 0 is in the step's all-reduce: gloo fails at once
+    (0, 1, "rank 1 lost rank 0"),  # rank 1 waits for the step rank 0 never sends: its channel fails at once
+], ids=["follower-dies", "rank0-dies"])
+def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path, dying, survivor, message):
+    """One rank (one node each) is SIGKILLed in its third step: the other raises one clear error, both torchrun
+    calls exit non-zero, no process is left."""
     folder, prompts_file, _ = reference
-    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--die-rank", "1", "--die-at-step", "3")
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--die-rank", str(dying), "--die-at-step", "3")
     start = time.monotonic()
     codes = run_to_end(launch)
     assert all(code != 0 for code in codes), launch.output()
-    assert "tensor-parallel rank 0: a step failed" in launch.output(0)
+    assert message in launch.output(survivor), launch.output(survivor)
     assert time.monotonic() - start < RUN_LIMIT_S
     assert not glob.glob(os.path.join(launch.out, "rank*.json")), "no rank may report a result"
 
@@ -435,20 +439,37 @@ def test_call_fingerprint_tells_prompts_from_params():
         "the sampling params of prompt 0 differs from rank 0's")
 
 
+def _channel_on_rank(rank: int, world: int, port: int) -> dict:
+    """One rank of test_store_channel_...: rank 0 sends, the others receive and answer."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    channel = StoreChannel(store, rank, world, "t/msg")
+    if rank != 0:
+        got = [channel.recv(), channel.recv()]
+        channel.reply(2, None if rank == 1 else "differs")
+        return {"got": got, "big": len(channel.recv()[1]), "received": channel.received}
+    out = {"indices": [channel.send(("step", 1)), channel.send(("call", ["x"]))],
+           "replies": channel.replies(2, timeout=20)}
+    out["answers_kept"] = store.check(["t/msg/reply/2/1"]) or store.check(["t/msg/reply/2/2"])
+    try:
+        channel.replies(1, timeout=1)
+    except TimeoutError as err:
+        out["timeout"] = str(err)
+    channel.send(("result", list(range(200_000))))  # an outputs-sized message
+    return out
+
+
+@pytest.mark.tp
+@pytest.mark.slow
 def test_store_channel_orders_messages_collects_replies_and_forgets():
-    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))
-    leader, *followers = [StoreChannel("127.0.0.1", master.port, r, 3, "t/msg") for r in range(3)]
-    assert leader.send(("step", 1)) == 1 and leader.send(("call", ["x"])) == 2
+    """Three ranks over gloo: messages arrive in order on every follower (a large one too), rank 0 collects the
+    answers to message 2 and deletes them from the store, and names the ranks that did not answer message 1."""
+    from metainfer.distributed.launch import run_on_ranks
+
+    master = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    leader, *followers = run_on_ranks(_channel_on_rank, 3, master.port, timeout=120)
+    assert leader["indices"] == [1, 2] and leader["replies"] == {1: None, 2: "differs"}
+    assert not leader["answers_kept"]
+    assert leader["timeout"].startswith("tensor-parallel rank(s) [1, 2] did not answer rank 0 within 1 s")
     for f in followers:
-        assert f.recv() == ("step", 1) and f.recv() == ("call", ["x"])
-        f.reply(2, None if f.rank == 1 else "differs")
-    assert leader.replies(2, timeout=5) == {1: None, 2: "differs"}
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1, 2\] did not answer rank 0 within 1 s"):
-        leader.replies(1, timeout=1)
-    leader.forget_through(1)
-    assert not master.check(["t/msg/1"]) and master.check(["t/msg/2"])
-    del master  # the store goes: a waiting follower learns it at once
-    time.sleep(0.2)
-    with pytest.raises(ChannelClosed, match="rank 1 lost the rendezvous store"):
-        followers[0].recv()
+        assert f == {"got": [("step", 1), ("call", ["x"])], "big": 200_000, "received": 3}

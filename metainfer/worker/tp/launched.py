@@ -2,10 +2,11 @@
 torchrun starts every rank, each a process running the same script (SPMD), on one node or several.
 
 Who decides: rank 0 runs the whole engine (scheduler, sampler, detokenizer) as in spawn mode; its link
-(`LeaderLink`) sends each step's StepDelta (protocol.py) over the store channel (distributed/store_channel.py)
-instead of a pipe. Ranks 1..N-1 build the same ModelRunner and replay rank 0's steps through a StepMirror, so
-every rank runs the same schedule and the same forwards; they never schedule or sample. The sampled ids are
-rank 0's alone (broadcast, in effect, by the next step's delta), so no determinism across ranks is assumed.
+(`LeaderLink`) sends each step's StepDelta (protocol.py) over the channel of distributed/store_channel.py (a gloo
+broadcast; answers through the store) instead of a pipe. Ranks 1..N-1 build the same ModelRunner and replay rank
+0's steps through a StepMirror, so every rank runs the same schedule and the same forwards; they never schedule
+or sample. The sampled ids are rank 0's alone (broadcast, in effect, by the next step's delta), so no
+determinism across ranks is assumed.
 
 Calls. `LLM.generate` (and `chat`) on every rank is one call: rank 0 announces it with a fingerprint of its
 arguments and every follower answers whether its own arguments are the same; on a difference every rank raises
@@ -14,12 +15,12 @@ outputs (or its error, re-raised: a ValueError stays a ValueError), so every ran
 RequestOutputs. Commands (`metainfer serve`, `bench`, `generate`) run on rank 0 only; the followers `follow()`,
 replaying steps and answering calls without comparing, until rank 0 closes.
 
-Close: rank 0 sends ("close",). Where rank 0 hosts the store (no torchrun agent), it then waits (bounded) until
-each follower has read it, so that it does not take the store away from a follower still reading.
+Close: rank 0 sends ("close",); a follower whose script closes first reads on to it.
 
 Faults. A rank that dies makes the others' next collective fail (gloo at once; NCCL after the process group's
-timeout, `distributed_timeout_s`), and a follower waiting for rank 0 fails as soon as the store goes; each
-raises one RuntimeError saying which rank noticed what. torchrun then stops the rest of its node.
+timeout, `distributed_timeout_s`), and a follower waiting for rank 0's next message fails as soon as rank 0's
+connection closes; each raises one RuntimeError saying which rank noticed what. torchrun then stops the rest of
+its node.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ from metainfer.worker.tp.rank import build_rank_runner
 
 log = logging.getLogger("metainfer")
 
-CLOSE_WAIT_S = 30.0  # rank 0's close waits at most this long for the followers to read ("close",)
-BROKEN_CLOSE_WAIT_S = 5.0  # ... or this long after a failed step (a follower may be gone)
 
 
 class LeaderLink(RankLink):
@@ -57,7 +56,6 @@ class LeaderLink(RankLink):
         self.channel = channel
         self.encoder = StepEncoder()
         self.broken: str | None = None
-        self._last_step = 0
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -65,10 +63,7 @@ class LeaderLink(RankLink):
 
     def publish(self, batch: ScheduledBatch) -> None:
         self.check_usable()
-        index = self.channel.send(("step", self.encoder.encode(batch)))
-        # rank 0 finished the previous step's forward, which every follower joined after reading its message
-        self.channel.forget_through(self._last_step)
-        self._last_step = index
+        self.channel.send(("step", self.encoder.encode(batch)))
 
     def step_failed(self, exc: BaseException) -> None:
         if isinstance(exc, GroupUnusable):
@@ -124,15 +119,14 @@ class LaunchedRank:
         self.is_leader = env.rank == 0
         if not self.is_leader:  # rank 0 alone reports progress; the others keep their errors
             logging.getLogger("metainfer").setLevel(logging.ERROR)
-        self.device, _ = join_launched_group(config, env)
+        self.device, store = join_launched_group(config, env)
         self._saved_threads = None
         if self.device.type == "cpu" and env.local_world_size > 1:  # the node's ranks share its cores (torchrun
             share = max(1, (os.cpu_count() or 1) // env.local_world_size)  # already sets OMP_NUM_THREADS=1)
             if torch.get_num_threads() > share:
                 self._saved_threads = torch.get_num_threads()
                 torch.set_num_threads(share)
-        self.channel = StoreChannel(env.master_addr, env.master_port, env.rank, env.world_size,
-                                    f"{env.key_prefix}/msg")
+        self.channel = StoreChannel(store, env.rank, env.world_size, f"{env.key_prefix}/msg")
         self.runner: ModelRunner | None = None
         self.link: RankLink | None = None
         self.mirror = StepMirror()
@@ -210,7 +204,6 @@ class LaunchedRank:
             elif kind == "error" and in_call:
                 raise _rank0_error(*message[1:])
             elif kind == "close":
-                self.channel.reply(self.channel.received, None)
                 self._followed_close = True
                 if in_call:
                     raise RuntimeError("rank 0 closed its engine during a generate call")
@@ -231,11 +224,7 @@ class LaunchedRank:
         self._closed = True
         try:
             if self.is_leader:
-                index = self.channel.send(("close",))
-                if self.env.agent_store:  # torchrun's agent keeps the store for the followers
-                    return
-                wait = BROKEN_CLOSE_WAIT_S if self.link is not None and self.link.broken else CLOSE_WAIT_S
-                self.channel.replies(index, min(wait, self.config.distributed_timeout_s))
+                self.channel.send(("close",))
             elif not self._followed_close:
                 self._drain_to_close()
         except Exception as exc:  # a rank already gone: nothing left to hand over
@@ -250,7 +239,6 @@ class LaunchedRank:
         while True:
             message = self.channel.recv()
             if message[0] == "close":
-                self.channel.reply(self.channel.received, None)
                 return
             if message[0] == "call":
                 self.channel.reply(self.channel.received, "its engine is closed")
