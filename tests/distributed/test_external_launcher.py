@@ -331,6 +331,20 @@ def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path, dying, 
 
 @pytest.mark.tp
 @pytest.mark.slow
+def test_a_rank_that_vanishes_while_rank0_idles_ends_rank0(reference, tmp_path):
+    """Rank 1 (node 1) exits after a generate while rank 0 idles (no collective would notice, as in a server
+    without traffic): the heartbeat ends rank 0 within distributed_timeout_s (8 s here), naming rank 1."""
+    folder, prompts_file, _ = reference
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--vanish-rank", "1", "--idle-s", "300", "--timeout", "8")
+    start = time.monotonic()
+    codes = run_to_end(launch, timeout=150)
+    assert all(code != 0 for code in codes), launch.output()
+    assert "tensor-parallel rank 1 stopped: no heartbeat for" in launch.output(0), launch.output(0)
+    assert time.monotonic() - start < 150
+
+
+@pytest.mark.tp
+@pytest.mark.slow
 def test_one_node_alone_fails_after_the_rendezvous_timeout(reference, tmp_path):
     """Only node 0 of two is started: torchrun's rendezvous gives up after --rdzv-conf timeout with a message
     saying how many nodes came; no rank is ever started."""

@@ -5,7 +5,7 @@ Every rank builds `LLM(..., distributed_executor_backend="external_launcher")`, 
 which rank 0 refuses; prompts that differ on the last rank; the first prompt again) and writes what its calls
 returned or raised to OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank another
 max_model_len; `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds
-an engine.
+an engine; `--vanish-rank R --idle-s S` ends rank R after the first generate while the others idle.
 Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run.
 """
 
@@ -34,6 +34,9 @@ def parse(argv=None):
     p.add_argument("--die-rank", type=int, default=None)
     p.add_argument("--die-at-step", type=int, default=3)
     p.add_argument("--stall-rank", type=int, default=None)
+    p.add_argument("--vanish-rank", type=int, default=None, help="exits (os._exit) after the first generate, "
+                   "while the other ranks stay idle for --idle-s")
+    p.add_argument("--idle-s", type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -76,6 +79,10 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        if args.vanish_rank is not None:
+            if rank == args.vanish_rank:
+                os._exit(3)  # gone without closing, and no collective is running to notice
+            time.sleep(args.idle_s)
         refused = {}
         try:  # rank 0 refuses the prompt; every rank raises the same ValueError
             llm.generate([{"prompt_token_ids": [10**6]}], params, use_tqdm=False)

@@ -20,7 +20,8 @@ Close: rank 0 sends ("close",); a follower whose script closes first reads on to
 Faults. A rank that dies makes the others' next collective fail (gloo at once; NCCL after the process group's
 timeout, `distributed_timeout_s`), and a follower waiting for rank 0's next message fails as soon as rank 0's
 connection closes; each raises one RuntimeError saying which rank noticed what. torchrun then stops the rest of
-its node.
+its node. Where nothing waits on the dead rank (rank 0 idle) or NCCL would wait out its timeout, the heartbeat
+(distributed/heartbeat.py) ends the process within HEARTBEAT_S.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from metainfer.config import EngineConfig
 from metainfer.distributed.external_launcher import LauncherEnv, join_launched_group, read_launcher_env
+from metainfer.distributed.heartbeat import Heartbeat
 from metainfer.distributed.parallel_state import destroy_tp_group, tp_state
 from metainfer.distributed.store_channel import StoreChannel
 from metainfer.engine.scheduler import ScheduledBatch
@@ -45,6 +47,8 @@ from metainfer.worker.tp.protocol import BuildSync, RankLink, StepEncoder, StepM
 from metainfer.worker.tp.rank import build_rank_runner
 
 log = logging.getLogger("metainfer")
+
+HEARTBEAT_S = 30.0  # a rank silent this long (or distributed_timeout_s, if shorter) is dead
 
 
 
@@ -127,6 +131,10 @@ class LaunchedRank:
                 self._saved_threads = torch.get_num_threads()
                 torch.set_num_threads(share)
         self.channel = StoreChannel(store, env.rank, env.world_size, f"{env.key_prefix}/msg")
+        # a dead rank ends this one within dead_after_s even when no collective would notice (distributed/heartbeat.py)
+        self.heartbeat = Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size,
+                                   f"{env.key_prefix}/heartbeat",
+                                   dead_after_s=min(HEARTBEAT_S, config.distributed_timeout_s)).start()
         self.runner: ModelRunner | None = None
         self.link: RankLink | None = None
         self.mirror = StepMirror()
@@ -222,6 +230,7 @@ class LaunchedRank:
         if self._closed:
             return
         self._closed = True
+        self.heartbeat.stop()
         try:
             if self.is_leader:
                 self.channel.send(("close",))
