@@ -13,6 +13,7 @@ the offending field in `.param` (the server's 400 body uses it).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -27,11 +28,13 @@ class InvalidRequestError(ValueError):
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _int(p, name: str, low: int, high: int = INT64_MAX, none_ok: bool = False, what: str = "") -> None:
