@@ -51,7 +51,6 @@ log = logging.getLogger("metainfer")
 HEARTBEAT_S = 30.0  # a rank silent this long (or distributed_timeout_s, if shorter) is dead
 
 
-
 class LeaderLink(RankLink):
     """Rank 0's link: each step's delta goes to the followers before rank 0 runs the same batch."""
 
