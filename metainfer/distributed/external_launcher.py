@@ -5,15 +5,15 @@ its agent on node 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT (without an agen
 (`join_launched_group`) takes five steps, each bounded by `EngineConfig.distributed_timeout_s`:
 
 1. read the variables (config/env.py: launcher_env) and check them: WORLD_SIZE must equal tensor_parallel_size;
-   on CUDA this rank's device is cuda:LOCAL_RANK, which must exist;
+   on CUDA this rank's device is cuda:LOCAL_RANK, which must exist (cuda:0 where the process sees one GPU);
 2. rendezvous through torch.distributed's env:// handler (the agent's store, or rank 0's);
 3. a join barrier: each rank announces itself in the store; a rank still missing at the deadline makes every
    rank that came fail with an error naming the missing ones;
 4. the configuration agreement: each rank publishes its fingerprint (the engine options after `finalize`, the
    model spec, the weight files' names and sizes; not paths, which may differ between nodes) and every rank
    compares each one with rank 0's, so all of them refuse a mismatch with the same message naming the field;
-5. the process group (parallel_state.init_tp_group): gloo on the CPU, NCCL on cuda:LOCAL_RANK; the custom
-   all-reduce only when every rank is on this node (it needs peer-to-peer GPU memory).
+5. the process group (parallel_state.init_tp_group): gloo on the CPU, NCCL on this rank's GPU; the custom
+   all-reduce only when every rank is on this node and sees every GPU (it maps its peers' GPU memory).
 """
 
 from __future__ import annotations
@@ -92,11 +92,15 @@ def read_launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv:
 
 
 def launched_device(config: EngineConfig, env: LauncherEnv) -> torch.device:
-    """cuda:LOCAL_RANK (made the current device) on CUDA, else the configured device."""
+    """cuda:LOCAL_RANK (made the current device) on CUDA, or cuda:0 where the launcher shows each process one GPU
+    (CUDA_VISIBLE_DEVICES per task, as Slurm's --gpus-per-task=1 does); else the configured device."""
     device = config.torch_device
     if device.type != "cuda":
         return device
     count = torch.cuda.device_count()
+    if count == 1:
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     if env.local_rank >= count:
         raise ConfigError(f"LOCAL_RANK={env.local_rank} needs GPU {env.local_rank}, but this node shows {count}; "
                           "start at most one process per GPU (torchrun --nproc-per-node <= GPUs)")
@@ -182,8 +186,10 @@ def join_launched_group(config: EngineConfig, env: LauncherEnv) -> tuple[torch.d
     _join_barrier(store, env, config.distributed_timeout_s)
     _agree_on_config(store, env, config)
     group_store = dist.PrefixStore(f"{env.key_prefix}/pg", store)
+    # the custom all-reduce maps its peers' GPU memory: only with every rank on this node, each GPU in sight
+    peers_visible = device.type != "cuda" or torch.cuda.device_count() >= env.world_size
     init_tp_group(env.rank, env.world_size, group_store, device, timeout=timeout,
-                  custom_all_reduce=config.enable_custom_all_reduce and env.single_node)
+                  custom_all_reduce=config.enable_custom_all_reduce and env.single_node and peers_visible)
     log.info("external launcher: rank %d of %d joined (%s, %s)", env.rank, env.world_size, device,
              "one node" if env.single_node else f"{env.local_world_size or '?'} rank(s) on this node")
     return device, store

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from metainfer.distributed.external_launcher import (
     check_launch,
     config_fingerprint,
     first_mismatch,
+    launched_device,
     read_launcher_env,
 )
 from metainfer.distributed.store_channel import StoreChannel
@@ -410,6 +412,24 @@ def test_engine_config_checks_the_backend_and_timeout(tmp_path):
     config.finalize(spec)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size \(2\) must equal the launcher's WORLD_SIZE \(4\)"):
         check_launch(config, LauncherEnv(0, 4, 0, 4, "127.0.0.1", 29500))
+
+
+def test_a_cuda_rank_takes_gpu_local_rank(monkeypatch):
+    """cuda:LOCAL_RANK made current; cuda:0 where the launcher shows each process one GPU; a LOCAL_RANK past the
+    node's GPUs is refused naming it. (torch.cuda is faked: the choice is host-side.)"""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    config = types.SimpleNamespace(torch_device=torch.device("cuda"))
+    env = LauncherEnv(rank=5, world_size=8, local_rank=1, local_world_size=4, master_addr="h", master_port=1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert launched_device(config, env) == torch.device("cuda", 1) and chosen == [1]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launched_device(config, env) == torch.device("cuda", 0) and chosen == [1, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="LOCAL_RANK=3 needs GPU 3, but this node shows 2"):
+        launched_device(config, LauncherEnv(3, 8, 3, 4, "h", 1))
+    cpu = types.SimpleNamespace(torch_device=torch.device("cpu"))
+    assert launched_device(cpu, env) == torch.device("cpu")
 
 
 def test_without_torchrun_the_llm_names_the_missing_variables(tmp_path, monkeypatch):
