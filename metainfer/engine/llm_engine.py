@@ -150,7 +150,9 @@ class LLMEngine:
             self._id_space = max(self.spec.vocab_size, len(self.tokenizer))
         return RequestLimits(vocab_size=self._id_space,
                              max_model_len=c.max_model_len, max_n=min(c.max_n, c.max_num_seqs),
-                             max_logprobs=min(c.max_logprobs, self.spec.vocab_size))
+                             max_logprobs=min(c.max_logprobs, self.spec.vocab_size),
+                             kv_tokens=self.block_manager.num_blocks * c.block_size,
+                             shared_prompt=c.enable_prefix_caching)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -92,6 +92,8 @@ class RequestLimits:
     max_model_len: int
     max_n: int
     max_logprobs: int
+    kv_tokens: int | None = None  # the KV pool's size in tokens: what one request's samples may hold at once
+    shared_prompt: bool = True  # prefix caching: the samples of a request share its prompt's KV blocks
 
 
 def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits: RequestLimits) -> None:
@@ -119,6 +121,15 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
     if bad:
         raise InvalidRequestError("prompt", f"prompt_token_ids contain ids outside [0, {model_vocab_size}): "
                                             f"{bad[:5]}")
+    if limits.kv_tokens is not None and p.n > 1:
+        # the request's token budget: its samples must fit in the KV pool together, else they preempt each
+        # other over and over and hold the whole pool while every other request waits
+        new = max_new_tokens(p, len(prompt_token_ids), limits.max_model_len)
+        need = (len(prompt_token_ids) + p.n * new) if limits.shared_prompt else p.n * (len(prompt_token_ids) + new)
+        if need > limits.kv_tokens:
+            raise InvalidRequestError("n", f"n={p.n} samples of up to {len(prompt_token_ids) + new} tokens need "
+                                           f"{need} tokens of KV cache, more than the engine's {limits.kv_tokens}; "
+                                           "lower n or max_tokens")
 
 
 def max_new_tokens(p, prompt_len: int, max_model_len: int) -> int:

@@ -346,3 +346,22 @@ def test_forced_failure_in_a_mixed_step_finishes_only_its_request(reference, cul
     assert done["bad"].outputs[0].finish_reason == "error" and "bad" in done["bad"].error
     assert_matches_hf(hf, prompts, [done[f"good-{i}"].outputs[0].token_ids for i in range(4)], expected)
     assert_drained(llm)
+
+
+def test_a_request_whose_samples_cannot_fit_the_kv_pool_is_refused(setup):
+    """The per-request token budget: n samples that cannot be held in the KV pool together would preempt each
+    other over and over while every other request waits; such a request is refused naming n."""
+    folder, _ = setup
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=16)  # 128 tokens
+    try:
+        prompt = {"prompt_token_ids": list(range(1, 9))}
+        with pytest.raises(ValueError, match=r"n=4 samples of up to 64 tokens need 232 tokens of KV cache, more "
+                                             r"than the engine's 128") as err:
+            llm.generate(prompt, SamplingParams(n=4, max_tokens=None), use_tqdm=False)
+        assert _param_of(err.value) == "n"
+        out = llm.generate(prompt, SamplingParams(n=4, max_tokens=20, temperature=0, ignore_eos=True),
+                           use_tqdm=False)  # 8 + 4 x 20 = 88 tokens fit
+        assert [len(c.token_ids) for c in out[0].outputs] == [20] * 4
+        assert_drained(llm)
+    finally:
+        llm.close()
