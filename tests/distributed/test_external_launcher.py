@@ -368,7 +368,7 @@ def test_a_rank_that_never_joins_fails_the_others_naming_it(reference, tmp_path)
     folder, prompts_file, _ = reference
     launch = Launch(tmp_path, folder, prompts_file, 1, 2, "--stall-rank", "1", "--timeout", "8")
     codes = run_to_end(launch, timeout=120)
-    assert codes == [1] or codes[0] != 0
+    assert codes[0] != 0, launch.output()
     assert "tensor-parallel rank(s) [1] of 2 did not join within 8 s" in launch.output()
 
 
