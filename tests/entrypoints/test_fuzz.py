@@ -113,8 +113,21 @@ CHAT_BODY = st.fixed_dictionaries({"messages": MESSAGES}, optional={
     **{k: v for k, v in FIELD_VALUES.items() if k not in ("logprobs", "max_tokens")},
     "max_completion_tokens": FIELD_VALUES["max_tokens"], "logprobs": st.one_of(st.booleans(), NASTY),
     "top_logprobs": st.one_of(st.integers(0, 3), BIG_INTS, NASTY), "stream": st.one_of(st.booleans(), NASTY)})
+# plausible values only: most of these succeed, so the accepted paths (penalties, seeds, stops, logprobs, n,
+# streaming) run beside the neighbours too
+PLAUSIBLE = {"n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+             "top_k": st.integers(-1, 50), "min_p": st.floats(0, 0.5), "seed": st.integers(0, 2**63 - 1),
+             "max_tokens": st.integers(1, 4), "min_tokens": st.integers(0, 1),
+             "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+             "stop_token_ids": st.lists(st.integers(0, 600), max_size=3), "ignore_eos": st.booleans(),
+             "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+             "repetition_penalty": st.floats(0.5, 2), "stream": st.booleans(), "logprobs": st.integers(0, 3)}
+PLAUSIBLE_BODY = st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=12),
+                                                            st.lists(st.integers(0, 500), min_size=1, max_size=6))},
+                                       optional=PLAUSIBLE)
 BODIES = st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION_BODY),
-                   st.tuples(st.just("/v1/chat/completions"), CHAT_BODY))
+                   st.tuples(st.just("/v1/chat/completions"), CHAT_BODY),
+                   st.tuples(st.just("/v1/completions"), PLAUSIBLE_BODY))
 
 
 @pytest.fixture(scope="module")
