@@ -28,6 +28,13 @@ class PagedKVPool:
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.k, self.v)
 
+    @classmethod
+    def of(cls, k: list[mx.array], v: list[mx.array]) -> PagedKVPool:
+        """A pool over existing arrays (the compiled decode step's inputs)."""
+        pool = cls.__new__(cls)
+        pool.k, pool.v = k, v
+        return pool
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
@@ -39,15 +46,20 @@ class PagedKVPool:
 class DecodeAttention:
     """B sequences, one query token each (rows of the flat batch in order)."""
 
-    def __init__(self, slots: np.ndarray, tables: np.ndarray, context_lens: np.ndarray, block_size: int, dtype):
+    def __init__(self, slots: mx.array, gather: mx.array, mask: mx.array):
+        self.slots, self.gather, self.mask = slots, gather, mask
+
+    @classmethod
+    def build(cls, slots: np.ndarray, tables: np.ndarray, context_lens: np.ndarray, block_size: int,
+              dtype) -> DecodeAttention:
+        """tables int [B, W] padded with -1 (a padded slot reads slot 0 and is masked)."""
         B, W = tables.shape
         length = W * block_size
         gather = (np.maximum(tables, 0)[:, :, None] * block_size + np.arange(block_size)).reshape(B, length)
         hidden = np.arange(length)[None, :] >= context_lens[:, None]
-        self.slots = mx.array(slots)
-        self.gather = mx.array(gather.astype(np.int32))
         minus_inf, zero = mx.array(-np.inf, dtype=dtype), mx.array(0, dtype=dtype)
-        self.mask = mx.where(mx.array(hidden), minus_inf, zero)[:, None, None, :]
+        mask = mx.where(mx.array(hidden), minus_inf, zero)[:, None, None, :]
+        return cls(mx.array(slots), mx.array(gather.astype(np.int32)), mask)
 
     def attend(self, q: mx.array, k_pool: mx.array, v_pool: mx.array, scale: float) -> mx.array:
         """q [B, heads, 1, d] -> [B, heads * d]."""

@@ -90,3 +90,24 @@ def test_logprobs_match_the_torch_cpu_path(both):
             assert gs.keys() == rs.keys()
             for k in gs:
                 assert gs[k] == pytest.approx(rs[k], abs=1e-4)
+
+
+def test_compiled_and_eager_decode_agree_and_engines_do_not_share_steps(tmp_path):
+    """The compiled decode step (default) and enforce_eager give HF's tokens; two live engines over different
+    models in one process keep their own compiled steps (same shapes, different weights)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    model_a, prompts, expected_a = hf_reference(str(a), "qwen3", [5, 21], 20)
+    model_b, _, _ = hf_reference(str(b), "qwen3", [], 1, seed=1)
+    from tests.helpers.tiny_models import hf_greedy
+
+    expected_b = hf_greedy(model_b, prompts, 20)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    compiled_a = LLM(str(a), device="mlx", dtype="float32", num_kv_blocks=32)
+    compiled_b = LLM(str(b), device="mlx", dtype="float32", num_kv_blocks=32)
+    eager_a = LLM(str(a), device="mlx", dtype="float32", num_kv_blocks=32, enforce_eager=True)
+    for _ in range(2):
+        assert_matches_hf(model_a, prompts, generate_ids(compiled_a, prompts, params), expected_a)
+        assert_matches_hf(model_b, prompts, generate_ids(compiled_b, prompts, params), expected_b)
+    assert generate_ids(eager_a, prompts, params) == generate_ids(compiled_a, prompts, params)
