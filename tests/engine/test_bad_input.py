@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from metainfer import LLM, SamplingParams
 from tests.helpers.engine_checks import assert_drained
+from tests.helpers.kernel_devices import ON_GPU
 from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, copy_model_files, hf_reference
 
 
@@ -362,6 +364,41 @@ def test_a_request_whose_samples_cannot_fit_the_kv_pool_is_refused(setup):
         out = llm.generate(prompt, SamplingParams(n=4, max_tokens=20, temperature=0, ignore_eos=True),
                            use_tqdm=False)  # 8 + 4 x 20 = 88 tokens fit
         assert [len(c.token_ids) for c in out[0].outputs] == [20] * 4
+        assert_drained(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
+def test_forced_failure_on_cuda_with_async_scheduling(tmp_path):
+    """On CUDA (async scheduling, CUDA graphs, the fused sampler): a request failing mid-decode is bisected
+    out while a step is in flight; seeded and greedy neighbours give the tokens they give alone."""
+    build_tiny_model(str(tmp_path), "qwen3")
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=128)
+    try:
+        assert llm.llm_engine.config.async_scheduling
+        prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        params = [SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=10, ignore_eos=True), OK_6,
+                  SamplingParams(temperature=0.8, seed=9, max_tokens=10, ignore_eos=True)]
+        alone = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+                 for p, sp in zip(prompts, params)]
+        engine = llm.llm_engine
+
+        def hook(seqs):
+            if any(s.request_id == "bad" and s.num_output_tokens >= 3 for s in seqs):
+                raise RuntimeError("bad data at decode")
+
+        engine.fault_hook = hook
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, stream=False)
+        engine.add_request("bad", {"prompt_token_ids": [10, 11]}, OK_6, stream=False)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.fault_hook = None
+        assert done["bad"].outputs[0].finish_reason == "error"
+        assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == alone
         assert_drained(llm)
     finally:
         llm.close()
