@@ -11,9 +11,10 @@ and counts + 1, decisions flipped, lists one element short, ...).
 Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py), applied to
 a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
 property is replaced at the end of its class's module. The tests are the union of every phase's quick
-selection: first the test that caught it in the last evidence run, the node's own quick tests and one broad
-model-vs-transformers test (stage 1), then, only if those pass, every quick test (stage 2); `-x` stops at the
-first failure. Every test run is one of the quick selections', so a failure is the quick gates' failure.
+selection: first the test that caught it in the last evidence run, the node's own quick tests, its phase's
+quick selection and one broad model-vs-transformers test (stage 1), then, only if those pass, the rest of the
+quick tests (stage 2); `-x` stops at the first failure. Every test run is one of the quick selections', so a
+failure is the quick gates' failure, and a perturbation that survives both stages survived them all.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
 
 def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
                        only: list[str] | None = None, hints: dict[str, list[str]] | None = None) -> list[dict]:
-    """One harness mode per CPU-path target (`only`: ids or node ids to keep). Each runs in two stages, both
-    within the quick selections: first the test that caught it before (`hints`), the node's own quick tests
-    and BROAD; then, if those pass, every quick test."""
+    """One harness mode per CPU-path target (`only`: ids or node ids to keep). Each runs in two stages that
+    together are the quick selections: first the test that caught it before (`hints`), the node's own quick
+    tests, its phase's quick selection and BROAD; then, if those pass, the rest of the quick tests."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
@@ -100,10 +101,12 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
             continue
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
         ordered = _ordered(tests, own)
+        phase_quick = [t for n in owners for p in blueprint["phases"] if p["id"] == n["phase"] for t in p["quick"]]
         first = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
-        first += [t for t in ordered if t.split("::", 1)[0] in own] + list(BROAD)
+        first += [t for t in ordered if t.split("::", 1)[0] in own] + phase_quick + list(BROAD)
+        first = list(dict.fromkeys(first))
         modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": ordered,
-                      "stages": [list(dict.fromkeys(first)), ordered],
+                      "stages": [first, [t for t in ordered if t not in first]],
                       "symptom": "the quick gates must fail", "cause": f"{target}'s output perturbed",
                       "nodes": [n["id"] for n in owners], "mutation": _mutation(target, root)})
     return modes

@@ -3,7 +3,7 @@ wraps a blueprint function with `perturbed` inside a throw-away copy of the tree
 engine).
 
   floating tensor           scaled by 1.01 (a 1% relative change), in place where it can be (fp8: x 1.13,
-                            the smallest change its 3-bit mantissa shows)
+                            the smallest change its 3-bit mantissa shows); an MLX array likewise, out of place
   integer tensor (ids, slots, positions)   + 1;  bool tensor: negated
   int (counts, sizes, hashes)  + 1;  bool (decisions): flipped;  float: x 1.01;  str: its last character dropped
   list of tensors or of lists   each element perturbed; any other non-empty list (a decision, a
@@ -35,6 +35,8 @@ def perturb_value(x, depth: int = 0):
         return x
     if isinstance(x, torch.Tensor):
         return _perturb_tensor(x)
+    if type(x).__module__.startswith("mlx") and type(x).__name__ == "array":
+        return _perturb_mlx(x)
     if isinstance(x, torch.nn.Module):
         for param in x.parameters():
             _perturb_tensor(param)
@@ -77,6 +79,19 @@ def _perturb_tensor(x: torch.Tensor) -> torch.Tensor:
                 return x.mul_(1.01)
             except RuntimeError:  # fp8: no in-place arithmetic, and 1% is below its 3-bit mantissa's step
                 return x.copy_((x.float() * 1.13).to(x.dtype))
+    return x
+
+
+def _perturb_mlx(x):
+    """An MLX array (the MLX backend's values), out of place: floating x 1.01, integer + 1, bool negated."""
+    import mlx.core as mx
+
+    if x.dtype == mx.bool_:
+        return mx.logical_not(x)
+    if mx.issubdtype(x.dtype, mx.floating):
+        return (x * 1.01).astype(x.dtype)
+    if mx.issubdtype(x.dtype, mx.integer):
+        return x + 1
     return x
 
 

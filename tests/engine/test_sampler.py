@@ -60,3 +60,58 @@ def test_penalties_move_probability():
     assert got[4] == pytest.approx(0.5)  # prompt token: repetition penalty only
     assert got[1] == pytest.approx(1.9)
     assert sampler(logits, [seq]).to_host().result().token_ids == [1]
+
+
+# -- the logits processors against their formulas, value for value ------------------------------------------
+
+
+def _seq_with_output(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
+    seq = Sequence("r", 0, prompt, params)
+    seq.token_ids += output
+    return seq
+
+
+def test_penalties_equal_the_formula():
+    """vLLM's / OpenAI's definitions: repetition over prompt and output tokens (positive logits divided,
+    negative multiplied), frequency times each output token's count, presence once per output token."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 12
+    logits = torch.randn(2, vocab, generator=g) * 2
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(presence_penalty=-0.4, frequency_penalty=0.75)]
+    seqs = [_seq_with_output([1, 2, 3], [3, 5, 5, 7], params[0]), _seq_with_output([4, 9], [9, 9, 0], params[1])]
+    got = Sampler(vocab_size=vocab, eos_token_ids=())._apply_penalties(logits.clone(), seqs)
+    want = logits.clone().double()
+    for row, (seq, p) in enumerate(zip(seqs, params)):
+        output = seq.token_ids[seq.num_prompt_tokens:]
+        for token in range(vocab):
+            value = want[row, token]
+            if p.repetition_penalty != 1.0 and token in seq.token_ids:
+                value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            count = output.count(token)
+            want[row, token] = value - p.frequency_penalty * count - p.presence_penalty * (count > 0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_min_tokens_masks_exactly_the_stop_ids_and_eos():
+    vocab = 10
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    seqs = [_seq_with_output([1], [4], SamplingParams(min_tokens=3, stop_token_ids=[2, 6])),
+            _seq_with_output([1], [4, 4, 4], SamplingParams(min_tokens=3, stop_token_ids=[2]))]  # reached: no mask
+    got = Sampler(vocab_size=vocab, eos_token_ids=(9,))._mask_stop_tokens(logits.clone(), seqs)
+    want = logits.clone()
+    want[0, [2, 6, 9]] = float("-inf")
+    assert torch.equal(got, want)
+
+
+def test_top_k_top_p_keep_exactly_the_nucleus_and_its_logits():
+    """top-k first, then the smallest prefix of the sorted probabilities whose mass reaches top_p; the kept
+    logits unchanged, every other one -inf."""
+    logits = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15], [0.05, 0.4, 0.1, 0.3, 0.15]]))
+    params = [SamplingParams(temperature=1.0, top_p=0.75), SamplingParams(temperature=1.0, top_k=2)]
+    got = Sampler(vocab_size=5, eos_token_ids=())._top_k_top_p(logits.clone(), params)
+    keep = [[1, 3, 4], [1, 3]]  # 0.4 + 0.3 < 0.75 so 0.15 is kept too; the two largest
+    for row, kept in enumerate(keep):
+        want = torch.full((5,), float("-inf"))
+        want[kept] = logits[row, kept]
+        assert torch.equal(got[row], want), (row, got[row])

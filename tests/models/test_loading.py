@@ -85,3 +85,82 @@ def test_smollm2_gguf_matches_transformers():
     assert [o.prompt_token_ids for o in outs] == ids
     assert token_ids(outs) == expected
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_dummy_weights_follow_their_rule(qwen3_dir):
+    """load_format="dummy": norm weights exactly 1, every other parameter the seed's uniform(-scale, scale)
+    draws in parameter order, regenerated here from the rule (not from fill_dummy_weights)."""
+    from metainfer.config import ModelSpec
+    from metainfer.kernels import REF_OPS
+    from metainfer.loader.dummy import fill_dummy_weights
+    from metainfer.models.registry import model_class
+
+    folder, _ = qwen3_dir
+    spec = ModelSpec.from_file(os.path.join(folder, "config.json"))
+    model = model_class(spec)(spec, REF_OPS, dtype=torch.float32)
+    fill_dummy_weights(model, seed=3, scale=0.05)
+    gen = torch.Generator().manual_seed(3)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            assert bool((param == 1.0).all()), name
+        else:
+            want = torch.empty(param.shape, dtype=param.dtype).uniform_(-0.05, 0.05, generator=gen)
+            assert torch.equal(param.detach(), want), name
+
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """convert_hf_to_gguf.py's permute of a llama Q/K projection (the rotary halves of each head interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_tiny_gguf_metadata_and_tensors_round_trip(tmp_path):
+    """A GGUF written here with gguf-py (llama, F32, one layer): gguf_config gives back the metadata written,
+    iterate_gguf the HF-named tensors written (Q/K un-permuted to the HF rows). Milliseconds, unlike the
+    real SmolLM2 file."""
+    import gguf
+    import numpy as np
+
+    from metainfer.loader.gguf import gguf_config, iterate_gguf
+
+    rng = np.random.default_rng(0)
+    hidden, heads, kv_heads, head_dim, vocab, inter = 8, 2, 1, 4, 11, 16
+    hf = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)),
+          "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((heads * head_dim, hidden)),
+          "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((kv_heads * head_dim, hidden)),
+          "model.layers.0.input_layernorm.weight": rng.standard_normal(hidden),
+          "model.norm.weight": rng.standard_normal(hidden)}
+    hf = {k: v.astype(np.float32) for k, v in hf.items()}
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(5000.0)
+    writer.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    writer.add_tensor("blk.0.attn_q.weight", _llama_cpp_permute(hf["model.layers.0.self_attn.q_proj.weight"], heads))
+    writer.add_tensor("blk.0.attn_k.weight",
+                      _llama_cpp_permute(hf["model.layers.0.self_attn.k_proj.weight"], kv_heads))
+    writer.add_tensor("blk.0.attn_norm.weight", hf["model.layers.0.input_layernorm.weight"])
+    writer.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    cfg = gguf_config(path)
+    assert {k: cfg[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                "rope_theta", "max_position_embeddings", "tie_word_embeddings")} == {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rope_theta": 5000.0, "max_position_embeddings": 64, "tie_word_embeddings": True}
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+    got = dict(iterate_gguf(path))
+    assert set(got) == set(hf)
+    for name, want in hf.items():
+        assert torch.equal(got[name], torch.from_numpy(want)), name
