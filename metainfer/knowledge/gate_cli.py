@@ -73,8 +73,16 @@ def run(args) -> int:
 
         hints = perturb.previous_catchers(os.path.join(REPO_ROOT, "docs", "results", "knowledge_perturb.json"))
         modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only, hints=hints)
+        progress = open(os.path.join(args.evidence, "perturb_progress.jsonl"), "a") if args.evidence else None
+
+        def record(result: dict) -> None:
+            if progress is not None:
+                progress.write(json.dumps(result) + "\n")
+                progress.flush()
+
         report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                     commit="HEAD" if args.committed else None, deselect=tuple(args.deselect))
+                                     commit="HEAD" if args.committed else None, deselect=tuple(args.deselect),
+                                     on_result=record)
         for mode, result in zip(modes, report["modes"]):
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)

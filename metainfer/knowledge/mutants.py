@@ -228,7 +228,7 @@ def run_mode(copy: Path, mode: dict, timeout_s: float, deselect: tuple[str, ...]
 
 
 def run_mutants(modes: list[dict], repo_root, jobs: int = 1, timeout_s: float = 300,
-                log=None, commit: str | None = None, deselect: tuple[str, ...] = ()) -> dict:
+                log=None, commit: str | None = None, deselect: tuple[str, ...] = (), on_result=None) -> dict:
     """Baseline (every mode's tests on the unmutated copy) then each mode on its own mutated file, `jobs`
     copies in parallel. A failing baseline stops the run: no mode's result would mean anything. `deselect`:
     tests left out of every run (one already failing on a shared tree for an unrelated reason; recorded)."""
@@ -264,6 +264,8 @@ def run_mutants(modes: list[dict], repo_root, jobs: int = 1, timeout_s: float = 
                     result = {"id": mode["id"], "status": "broken", "seconds": 0.0, "detail": repr(exc)}
                 results[mode["id"]] = result
                 log(f"{result['status']:>8} {result['seconds']:6.1f} s  {mode['id']}")
+                if on_result is not None:  # e.g. a progress file, so a long run stopped midway keeps its results
+                    on_result(result)
 
         threads = [threading.Thread(target=worker, args=(copy,)) for copy in copies]
         for thread in threads:
