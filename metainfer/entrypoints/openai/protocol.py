@@ -17,7 +17,7 @@ from metainfer.entrypoints.openai.errors import bad_request, from_engine_error, 
 from metainfer.outputs import RequestOutput
 from metainfer.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of EngineConfig.max_logprobs; the endpoints pass the engine's own
 # chat_template_kwargs may not override how the template is called
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
@@ -112,15 +112,15 @@ class CompletionRequest(_SamplingFields):
             return [prompt]
         return list(prompt)
 
-    def check_supported(self) -> None:
+    def check_supported(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if not self.prompts():
             raise bad_request("prompt must not be empty", "prompt")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", "logprobs")
         if self.echo and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
 
@@ -149,13 +149,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
-    def check_supported(self) -> None:
+    def check_supported(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.tools:
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {max_logprobs}]", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))

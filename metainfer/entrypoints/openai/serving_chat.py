@@ -19,7 +19,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = self.check_model(req.model)
-        req.check_supported()
+        req.check_supported(self.llm.llm_engine.config.max_logprobs)
         top_k = req.top_logprobs or 0
         params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
         conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
