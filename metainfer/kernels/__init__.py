@@ -27,13 +27,14 @@ from .attention_decode import (
 from .attention_prefill import paged_prefill_attention_triton
 from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
-from .fused_moe import fused_moe_triton, parse_moe_table, route_topk_triton, router_topk_triton
+from .fused_moe import fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
 from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
 from .mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref
 from .moe_ref import fused_moe_ref, route_topk_ref, router_topk_ref
+from .moe_routing import route_topk_triton, router_topk_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
 from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
@@ -60,7 +61,7 @@ class KernelOps:
     step_inputs: Callable
     # MoE (kernels/moe_ref.py, fused_moe.py): softmax top-k routing; the fused experts
     route_topk: Callable = route_topk_ref
-    # a decode-sized router whole (GEMM + routing, <= ROUTER_FUSED_MAX_TOKENS tokens; fused_moe.py)
+    # a decode-sized router whole (GEMM + routing, <= ROUTER_FUSED_MAX_TOKENS tokens; moe_routing.py)
     router_topk: Callable = router_topk_ref
     fused_moe: Callable = fused_moe_ref
     # MLA (kernels/mla_prep.py, mla_ref.py, mla_attention.py): latent norm + rope + store; latent attention

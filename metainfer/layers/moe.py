@@ -26,7 +26,7 @@ from torch import nn
 
 from metainfer.distributed.communication import reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
-from metainfer.kernels.fused_moe import ROUTER_FUSED_MAX_TOKENS, router_fusable, router_workspace
+from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS, router_fusable, router_workspace
 from metainfer.layers.linear import ReplicatedLinear
 
 _EXPERT_TENSOR = re.compile(r"\.(?:experts\.(\d+)|shared_experts)\.(gate|up|down)_proj\.weight$")

@@ -31,9 +31,9 @@ from metainfer.kernels.fused_moe import (
     moe_table_key,
     parse_moe_table,
     pick_bucket,
-    route_topk_triton,
 )
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
+from metainfer.kernels.moe_routing import route_topk_triton
 from metainfer.kernels.tuned_configs import CONFIG_DIR, SECTIONS
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 
@@ -329,6 +329,7 @@ def _aot_main() -> int:
     from triton.compiler.compiler import make_backend
 
     from metainfer.kernels import fused_moe as fm
+    from metainfer.kernels import moe_routing
     from tools.aot_check import _MAX_SHARED_BYTES, _compile_launch, _probe_compile, _resource_usage
 
     target = GPUTarget("cuda", 90, 32)
@@ -338,7 +339,7 @@ def _aot_main() -> int:
         return 2
     backend = make_backend(target)
     kernels = [fm._moe_align_count_kernel, fm._moe_align_scatter_kernel, fm._moe_gate_up_kernel,
-               fm._moe_down_kernel, fm._moe_sum_kernel, fm._route_topk_kernel]
+               fm._moe_down_kernel, fm._moe_sum_kernel, moe_routing._route_topk_kernel]
     captured = []
     for kernel in kernels:
         def record(*a, grid, warmup, _kernel=kernel, **kw):
@@ -358,7 +359,7 @@ def _aot_main() -> int:
             ids, weights = torch.zeros(num_tokens, top_k, dtype=torch.int32), torch.zeros(num_tokens, top_k)
             fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, pdl=pdl)
         for num_experts, top_k, pdl in ((64, 6, True), (128, 8, False), (256, 8, False), (60, 1, False)):
-            fm.route_topk_triton(torch.zeros(3, num_experts), top_k, renormalize=True, scaling=2.0, pdl=pdl)
+            moe_routing.route_topk_triton(torch.zeros(3, num_experts), top_k, renormalize=True, scaling=2.0, pdl=pdl)
     finally:
         for kernel in kernels:
             del kernel.run

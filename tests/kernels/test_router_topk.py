@@ -1,4 +1,4 @@
-"""The fused router (kernels/fused_moe.py: router_topk_triton, GEMM + routing in one launch for decode-sized
+"""The fused router (kernels/moe_routing.py: router_topk_triton, GEMM + routing in one launch for decode-sized
 batches) against router_topk_ref (F.linear in the weight's dtype, then route_topk_ref).
 
 Interpreted on the CPU at small shapes; compiled on the GPU (METAINFER_TEST_GPU=1) at the real router
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer.kernels.fused_moe import ROUTER_FUSED_MAX_TOKENS, router_topk_triton, router_workspace
 from metainfer.kernels.moe_ref import router_topk_ref
+from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS, router_topk_triton, router_workspace
 from tests.helpers.kernel_devices import DEVICE, ON_GPU
 
 pytest.importorskip("triton")
@@ -121,7 +121,7 @@ def _aot_main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
-    from metainfer.kernels import fused_moe as fm
+    from metainfer.kernels import moe_routing as fm
     from tools.aot_check import _MAX_SHARED_BYTES, _compile_launch, _probe_compile, _resource_usage
 
     target = GPUTarget("cuda", 90, 32)
