@@ -114,3 +114,33 @@ def test_the_checked_configs_are_the_shared_real_ones():
             with open(os.path.join(REPO_ROOT, "benchmarks", "configs", f"{name}.json")) as ours, \
                     open(os.path.join(shared, name, "config.json")) as theirs:
                 assert json.load(ours) == json.load(theirs), name
+
+
+def test_code_without_a_node_is_drift(blueprint):
+    """Node completeness: drop the node of the row-parallel layer and the class is reported; an exemption for
+    code that is gone is drift too; public_refs must be stated."""
+    from metainfer.knowledge.blueprint import check_node_coverage, check_schema
+
+    doc = copy.deepcopy(blueprint)
+    doc["nodes"] = [n for n in doc["nodes"] if n["id"] != "layer.row_parallel"]
+    assert "coverage: metainfer.layers.linear:RowParallelLinear has no blueprint node (add one, or list it in " \
+        "coverage.exempt with why)" in check_node_coverage(doc)
+    doc = copy.deepcopy(blueprint)
+    doc["coverage"]["exempt"]["metainfer.layers.linear:GoneLinear"] = "was here once, long ago"
+    assert "coverage: exempt metainfer.layers.linear:GoneLinear does not exist (any more)" in check_node_coverage(doc)
+    doc = copy.deepcopy(blueprint)
+    _node(doc, "layer.row_parallel")["public_refs"] = []
+    assert any("nodes/" in e and "public_refs" in e for e in check_schema(doc))
+
+
+def test_a_ref_neither_perturbed_nor_exempt_is_drift(blueprint):
+    from metainfer.knowledge.blueprint import check_perturb_fields
+
+    doc = copy.deepcopy(blueprint)
+    node = _node(doc, "kernel.rms_norm")
+    del node["perturb"]["exempt"]["metainfer.kernels.rms_norm:rms_norm_triton"]
+    node["perturb"]["targets"].append("metainfer.kernels.rms_norm:no_such_function")
+    errors = check_perturb_fields(doc)
+    assert any("'metainfer.kernels.rms_norm:rms_norm_triton' is neither a perturbation target nor exempt" in e
+               for e in errors)
+    assert any("no_such_function" in e for e in errors)

@@ -1,0 +1,63 @@
+"""The perturbations of `metainfer gate --perturb` (metainfer/knowledge/perturb*.py): each kind of output is
+changed as documented, a method is replaced in its class only, and the modes stay within the quick
+selections."""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.knowledge.blueprint import load_blueprint
+from metainfer.knowledge.perturb import in_selection, perturbation_modes, quick_tests
+from metainfer.knowledge.perturb_runtime import perturb_attribute, perturb_value, perturbed
+
+
+def test_each_kind_of_output_is_perturbed():
+    assert torch.equal(perturb_value(torch.tensor([1.0, -2.0])), torch.tensor([1.01, -2.02]))
+    assert torch.equal(perturb_value(torch.tensor([3, 4], dtype=torch.int32)), torch.tensor([4, 5], dtype=torch.int32))
+    assert torch.equal(perturb_value(torch.tensor([True, False])), torch.tensor([False, True]))
+    assert perturb_value(7) == 8 and perturb_value(True) is False and perturb_value(2.0) == 2.02
+    assert perturb_value([5, 6, 7]) == [5, 6] and perturb_value("stop") == "sto"
+    name, tensor = perturb_value(("w", torch.ones(2)))
+    assert name == "w" and torch.equal(tensor, torch.full((2,), 1.01))  # a record: its tensors only
+    assert perturb_value({"a": 1, "b": (2, 3)}) == {"a": 2, "b": (3, 4)}
+    pairs = list(perturb_value(pair for pair in [("x", 1), ("y", torch.ones(1))]))  # a generator: every item
+    assert pairs[0] == ("", 2) and torch.equal(pairs[1][1], torch.full((1,), 1.01))
+
+
+def test_a_function_returning_nothing_has_its_arguments_perturbed():
+    def store(dst: torch.Tensor, slots: list) -> None:
+        dst.fill_(2.0)
+
+    dst, slots = torch.zeros(2), [1, 2]
+    perturbed(store)(dst, slots)
+    assert torch.equal(dst, torch.full((2,), 2.02)) and slots == [1]
+
+
+def test_a_method_is_replaced_in_its_class_only():
+    class Base:
+        def value(self):
+            return 10
+
+        @property
+        def size(self):
+            return 3
+
+    class Child(Base):
+        pass
+
+    perturb_attribute(Child, "value")
+    perturb_attribute(Child, "size")
+    assert (Child().value(), Child().size, Base().value(), Base().size) == (11, 4, 10, 3)
+
+
+def test_every_mode_runs_only_quick_tests_and_all_of_them():
+    blueprint = load_blueprint()
+    quick = quick_tests(blueprint)
+    modes = perturbation_modes(blueprint, hints={"perturb.rms_norm_ref": ["tests/engine/test_sampler.py::x"]})
+    assert len(modes) >= 100
+    for mode in modes:
+        first, rest = mode["stages"]
+        assert all(in_selection(t, quick) for t in first + rest), mode["id"]
+        assert set(quick) <= set(first) | set(rest), mode["id"]  # both stages together: every quick test
+    rms = next(m for m in modes if m["id"] == "perturb.rms_norm_ref")
+    assert "tests/engine/test_sampler.py::x" not in rms["stages"][0]  # a hint outside the quick tests is dropped
