@@ -3,10 +3,13 @@ forward computed in MLX; LLMEngine builds it for `device="mlx"` and drives it li
 
 A step: the scheduled batch's ints packed with numpy (ids, positions, slots; per sequence its block
 table), one lazy MLX graph for the whole forward (every layer's K/V stored into the paged pool in the
-same graph, paged_kv.py), one `mx.eval` of the sampling rows' logits and the pools, then the engine's
-own torch Sampler on those logits (fp32, moved through numpy without a copy): every SamplingParams
-field behaves exactly as on the torch path. Sampling is not the bottleneck: the numpy hand-over and a
-greedy sample of 8 x 49,152 logits took well under 1% of a SmolLM2 decode step (docs/PERFORMANCE.md).
+same graph, paged_kv.py), one `mx.eval` of the sampling rows' logits and the pools, then sampling. A batch
+whose every row is greedy without penalties or logprobs (min_tokens allowed: its stop ids are masked with a
+scatter) takes its argmax in MLX, as the torch path's fused sampler takes such batches; any other batch goes
+to the engine's own torch Sampler on the logits (fp32, moved through numpy without a copy), so every
+SamplingParams field behaves exactly as on the torch path. Measured here on busy cores: torch's greedy
+sample of 8 x 49,152 logits took 2-25 ms (one or two OpenMP threads), a top-k/top-p one 150-360 ms,
+against a SmolLM2 decode step of 100-200 ms; the MLX argmax is in the step's graph.
 No async scheduling: the next step's inputs need this step's tokens on the host.
 
 Decode steps run one `mx.compile`d function (the whole forward: embedding to logits, the pools in and out, so
@@ -34,6 +37,11 @@ from metainfer.worker.sampler import SampledBatch, Sampler
 log = logging.getLogger("metainfer")
 
 
+def _greedy_without_extras(seq) -> bool:
+    p = seq.params
+    return p.greedy and not p.has_penalties and p.logprobs is None
+
+
 class MLXModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple = ()):
         self.config, self.spec = config, config.spec
@@ -46,7 +54,8 @@ class MLXModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv = PagedKVPool(spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                               self.dtype)
-        self.sampler = Sampler(spec.vocab_size, tuple(eos_token_ids), "cpu", seed=config.seed)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, "cpu", seed=config.seed)
         self._decode_forward = self._eager_decode if config.enforce_eager else mx.compile(self._decode_graph)
         self.graph_batch_sizes: list[int] = []  # no CUDA graphs (the bench reports this field)
 
@@ -56,8 +65,26 @@ class MLXModelRunner:
         sampling = batch.sampling_seqs
         if not sampling:
             return None
+        if all(_greedy_without_extras(s) for s in sampling):
+            return self._greedy(logits, sampling)
         with torch.inference_mode():
             return self.sampler(torch.from_numpy(np.array(logits, copy=False)), sampling)
+
+    def _greedy(self, logits: mx.array, seqs) -> SampledBatch:
+        """Argmax in MLX over the model's vocabulary; rows short of min_tokens get their stop ids (and EOS
+        unless ignore_eos) masked first, exactly as Sampler._mask_stop_tokens does."""
+        logits = logits[:, : self.spec.vocab_size]
+        rows, cols = [], []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
+                ids = [i for i in ids if 0 <= i < self.spec.vocab_size]
+                rows += [row] * len(ids)
+                cols += ids
+        if rows:
+            logits[mx.array(rows), mx.array(cols)] = -mx.inf
+        ids = np.array(mx.argmax(logits, axis=-1)).astype(np.int64)
+        return SampledBatch(torch.from_numpy(ids), [None] * len(seqs))
 
     def compute_logits(self, batch: ScheduledBatch) -> mx.array:
         """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""

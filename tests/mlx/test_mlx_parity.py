@@ -111,3 +111,17 @@ def test_compiled_and_eager_decode_agree_and_engines_do_not_share_steps(tmp_path
         assert_matches_hf(model_a, prompts, generate_ids(compiled_a, prompts, params), expected_a)
         assert_matches_hf(model_b, prompts, generate_ids(compiled_b, prompts, params), expected_b)
     assert generate_ids(eager_a, prompts, params) == generate_ids(compiled_a, prompts, params)
+
+
+def test_greedy_with_min_tokens_masks_stop_ids_like_the_torch_sampler(both):
+    """The MLX-side greedy path masks a row's stop ids until min_tokens: the stop id chosen here is a token the
+    unconstrained run produces early, so the mask changes the output; MLX equals torch and runs past it."""
+    mlx_llm, torch_llm = both
+    prompts = [{"prompt_token_ids": p} for p in make_prompts([9, 26], seed=8)]
+    free = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, SAMPLING["greedy"], use_tqdm=False)]
+    stop = free[0][2]
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10, stop_token_ids=[stop])
+    got = mlx_llm.generate(prompts, params, use_tqdm=False)
+    ref = torch_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert len(got[0].outputs[0].token_ids) >= 10 and got[0].outputs[0].token_ids[2] != stop
