@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 
@@ -196,21 +197,21 @@ def main() -> None:
     import metainfer
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    runs = []
+    record = {"tool": "tools/bench_mlx.py", "device": str(mx.default_device()), "cpus": os.cpu_count(),
+              "processor": platform.processor() or platform.machine(), "mlx": mx.__version__,
+              "mlx_lm": mlx_lm.__version__, "torch": torch.__version__, "metainfer": metainfer.__version__,
+              "command": "python tools/bench_mlx.py " + " ".join(sys.argv[1:]), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtype:
             for name in args.models:
                 folder = os.path.join(tmp, f"{name}-{dtype}")
                 (smollm2_folder if name == "smollm2" else tiny_qwen3_folder)(folder, dtypes[dtype])
-                runs.append(bench_model(name, folder, dtype, args.new_tokens, args.batch, not args.no_torch))
-    record = {"tool": "tools/bench_mlx.py", "device": str(mx.default_device()), "cpus": os.cpu_count(),
-              "processor": platform.processor() or platform.machine(), "mlx": mx.__version__,
-              "mlx_lm": mlx_lm.__version__, "torch": torch.__version__, "metainfer": metainfer.__version__,
-              "runs": runs}
-    if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=1)
+                record["runs"].append(bench_model(name, folder, dtype, args.new_tokens, args.batch,
+                                                  not args.no_torch))
+                if args.output_json:  # after every model: a long run's finished parts survive
+                    os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+                    with open(args.output_json, "w") as f:
+                        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
