@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
                    help="with --perturb: only these perturbation ids (perturb.<qualname>) or node ids")
     p.add_argument("--committed", action="store_true",
                    help="--mutants / --perturb on a copy of the last commit, not the work tree (a shared tree)")
+    p.add_argument("--jobs", type=int, default=1, help="--perturb: sandbox copies run in parallel (default 1)")
     p.add_argument("--deselect", action="append", default=[], metavar="TEST",
                    help="--mutants / --perturb: leave this test out (one failing on the tree for another reason; "
                         "the evidence records it)")
@@ -81,8 +82,9 @@ def run(args) -> int:
                 progress.flush()
 
         report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
-                                     commit="HEAD" if args.committed else None, deselect=tuple(args.deselect),
-                                     on_result=record)
+                                     commit="HEAD" if args.committed else None,
+                                     deselect=tuple(args.deselect) + perturb.NOT_CONTRACTS,
+                                     on_result=record, jobs=args.jobs, timeout_s=900, baseline_first=False)
         for mode, result in zip(modes, report["modes"]):
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
