@@ -63,12 +63,14 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        invalid = (f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+                   if len(params) != len(prompts) else None)
         launcher = self.llm_engine.launcher
-        if launcher is not None:  # under torchrun every rank makes this call: rank 0 runs it, the others replay it
-            args = [x for pair in zip(prompts, params) for x in pair]
-            return launcher.call(args, lambda: self._add_and_run(prompts, params, use_tqdm))
+        if launcher is not None:  # under torchrun every rank makes this call: rank 0 runs it, the others replay it;
+            args = [x for pair in zip(prompts, params) for x in pair]  # an invalid call raises on every rank
+            return launcher.call(args, lambda: self._add_and_run(prompts, params, use_tqdm), invalid)
+        if invalid is not None:
+            raise ValueError(invalid)
         return self._add_and_run(prompts, params, use_tqdm)
 
     def _add_and_run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

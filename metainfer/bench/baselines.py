@@ -105,6 +105,9 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     if args.output_len < 2:  # checked before the model loads: TPOT needs two tokens
         raise ConfigError(f"--output-len must be >= 2 (TPOT is timed over the tokens after the first), got "
                           f"{args.output_len}")
+    if kw.get("distributed_executor_backend", "mp") != "mp":
+        raise ConfigError("--distributed-executor-backend: the HF baseline runs in one process on one device and "
+                          "cannot be launched by torchrun; leave the option out")
     if kw["kv_cache_dtype"] != "auto":
         raise ConfigError(f"kv_cache_dtype={kw['kv_cache_dtype']!r}: the HF baseline keeps HF's own KV cache in the "
                          "model dtype; pass auto")

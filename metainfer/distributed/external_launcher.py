@@ -10,8 +10,9 @@ its agent on node 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT (without an agen
 3. a join barrier: each rank announces itself in the store; a rank still missing at the deadline makes every
    rank that came fail with an error naming the missing ones;
 4. the configuration agreement: each rank publishes its fingerprint (the engine options after `finalize`, the
-   model spec, the weight files' names and sizes; not paths, which may differ between nodes) and every rank
-   compares each one with rank 0's, so all of them refuse a mismatch with the same message naming the field;
+   model spec, each weight file's name, size and `weights_digest`; not paths, which may differ between nodes) and
+   every rank compares each one with rank 0's, so all of them refuse a mismatch with the same message naming the
+   field;
 5. the process group (parallel_state.init_tp_group): gloo on the CPU, NCCL on this rank's GPU; the custom
    all-reduce only when every rank is on this node and sees every GPU (it maps its peers' GPU memory).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -118,13 +120,41 @@ def check_launch(config: EngineConfig, env: LauncherEnv) -> None:
 
 
 # -- the configuration fingerprint -------------------------------------------------------------------
-def weight_files(config: EngineConfig) -> list[tuple[str, int]]:
-    """(file name, bytes) of the weights this rank would read: a mismatched checkpoint shows here."""
+DIGEST_SAMPLES = 64  # evenly spaced 4 KiB reads per weight file (a few ms; a full hash would read every byte)
+SAMPLE_BYTES = 4096
+HEADER_LIMIT = 1 << 20  # GGUF (or a malformed file): this many leading bytes stand for the header
+
+
+def weights_digest(path: str) -> str:
+    """sha256 (16 hex digits) of a weight file's header (safetensors: its whole JSON header: names, dtypes,
+    shapes, offsets; GGUF: the first MiB) and DIGEST_SAMPLES reads of SAMPLE_BYTES spread over the file.
+
+    Cheap on purpose (a rank reads ~256 KiB a file, not the checkpoint): another architecture or shape, another
+    layout, or another checkpoint whose bytes differ at the sampled places is caught; two checkpoints that differ
+    only between the samples (a few changed values) are not."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_len = HEADER_LIMIT
+        if path.endswith(".safetensors") and len(head) == 8:
+            header_len = min(int.from_bytes(head, "little"), size)
+        h.update(head + f.read(header_len))
+        for i in range(DIGEST_SAMPLES):
+            f.seek(max(0, (size - SAMPLE_BYTES) * i // max(1, DIGEST_SAMPLES - 1)))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def weight_files(config: EngineConfig) -> list[tuple[str, int, str]]:
+    """(file name, bytes, weights_digest) of the weights this rank would read: a mismatched checkpoint shows
+    here."""
     if config.gguf_file is not None:
-        return [(os.path.basename(config.gguf_file), os.path.getsize(config.gguf_file))]
+        path = config.gguf_file
+        return [(os.path.basename(path), os.path.getsize(path), weights_digest(path))]
     folder = config.model_dir
-    return sorted((name, os.path.getsize(os.path.join(folder, name))) for name in os.listdir(folder)
-                  if name.endswith(".safetensors"))
+    return sorted((name, os.path.getsize(os.path.join(folder, name)), weights_digest(os.path.join(folder, name)))
+                  for name in os.listdir(folder) if name.endswith(".safetensors"))
 
 
 def config_fingerprint(config: EngineConfig) -> dict[str, str]:

@@ -1,16 +1,21 @@
 """Liveness of the other ranks of a launched group, for the waits that nothing else bounds.
 
 Each rank runs a daemon thread (`Heartbeat`) that bumps its own counter in the rendezvous store every
-`dead_after_s / 10` and reads the others'. A rank whose counter has not moved for `dead_after_s`, and which did not
-say it closed, is gone: the thread logs one error naming it and ends this process as torchrun would (SIGTERM to
-itself: a server drains and closes, a script ends; `os._exit(1)` if the process is still there after another
-`dead_after_s`), since a tensor-parallel group with a dead rank cannot go on.
+`interval_s` (a tenth of `dead_after_s`, between 0.2 and 1 s) and reads the others'. A rank whose counter has not
+moved for `dead_after_s`, and which did not say it closed, is gone: the thread logs one error naming it and ends
+this process as torchrun would (SIGTERM to itself: a server drains and closes, a script ends; `os._exit(1)` if the
+process is still there after another `dead_after_s`), since a tensor-parallel group with a dead rank cannot go on.
 
 It covers what the collectives do not: rank 0 idle (a server without traffic) when a follower dies, and a NCCL
 collective stuck on a dead peer until the process group's timeout. (A gloo collective fails at once, and a
 follower waiting for rank 0's next message fails when rank 0's connection closes.) The thread has its own store
-connection, so a main thread blocked in a collective does not block it. If the store itself goes (node 0's side
-of the job has ended), the thread stops without acting: the rank's next collective or message says so.
+connection, so a main thread blocked in a collective does not block it. The store itself is watched too: a store
+that refuses the connection (node 0 ended) ends this rank the same way, and so does one that stops answering
+(node 0 frozen or cut off: no connection closes, and a TCPStore `add` waits on regardless of its timeout), which a
+second thread (`_watch`) notices when no beat has gone through for `dead_after_s`. So no wait of a launched rank
+outlasts about `dead_after_s` + `interval_s` after the fault.
+
+`lost_ranks` answers "who went?" for a rank whose collective just failed, so its error can name the rank.
 """
 
 from __future__ import annotations
@@ -27,21 +32,29 @@ import torch.distributed as dist
 
 log = logging.getLogger("metainfer")
 
+STORE_LOST = ("tensor-parallel rank {rank} lost the rendezvous store (node 0 ended, frozen or unreachable) and ends "
+              "(the group cannot go on without it)")
+
 
 class Heartbeat:
     def __init__(self, host: str, port: int, rank: int, world_size: int, prefix: str, dead_after_s: float):
         self.rank, self.world_size, self.prefix = rank, world_size, prefix
+        self.host, self.port = host, port
         self.dead_after_s = dead_after_s
-        self.interval_s = max(0.2, dead_after_s / 10)
+        self.interval_s = min(1.0, max(0.2, dead_after_s / 10))
         self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=dead_after_s))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metainfer-heartbeat", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="metainfer-heartbeat-watch", daemon=True)
+        self._last_beat = time.monotonic()
+        self._ending, self._ended = threading.Lock(), False
         self._closed_marked = False
 
     def start(self) -> Heartbeat:
         self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
         atexit.register(self.stop)  # a script that ends without close() has not died
         self._thread.start()
+        self._watcher.start()
         return self
 
     def stop(self) -> None:
@@ -61,21 +74,48 @@ class Heartbeat:
         try:
             while not self._stop.wait(self.interval_s):
                 self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
-                now = time.monotonic()
+                now = self._last_beat = time.monotonic()
                 for r in others:
                     count = self.store.add(f"{self.prefix}/beat/{r}", 0)
                     if count != seen[r][0]:
                         seen[r] = (count, now)
                     elif now - seen[r][1] > self.dead_after_s and not self.store.check([f"{self.prefix}/closed/{r}"]):
                         if not self._stop.is_set():
-                            self._end(r, now - seen[r][1])
+                            self._end(f"tensor-parallel rank {r} stopped: no heartbeat for {now - seen[r][1]:.0f} s; "
+                                      f"rank {self.rank} ends too (the group cannot go on without it)")
                         return
-        except dist.DistError:  # the store is gone: node 0's side has ended; the rank's next collective says so
-            return
+        except dist.DistError:  # node 0's store refused or did not answer within dead_after_s
+            if not self._stop.is_set():
+                self._end(STORE_LOST.format(rank=self.rank))
 
-    def _end(self, dead: int, silent_s: float) -> None:
-        message = (f"tensor-parallel rank {dead} stopped: no heartbeat for {silent_s:.0f} s; rank {self.rank} "
-                   "ends too (the group cannot go on without it)")
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if time.monotonic() - self._last_beat > self.dead_after_s:
+                self._end(STORE_LOST.format(rank=self.rank))
+                return
+
+    def lost_ranks(self) -> list[int] | None:
+        """The other ranks that are gone: their counter stays still over two beats and they did not close
+        (waits up to ~2 `interval_s`). None where the store itself cannot be read (node 0's side has ended)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            store = dist.TCPStore(self.host, self.port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=self.dead_after_s))
+            first = {r: store.add(f"{self.prefix}/beat/{r}", 0) for r in others}
+            still = set(others)
+            deadline = time.monotonic() + 2 * self.interval_s + 0.3
+            while still and time.monotonic() < deadline:
+                time.sleep(self.interval_s / 2)
+                still = {r for r in still if store.add(f"{self.prefix}/beat/{r}", 0) == first[r]}
+            return sorted(r for r in still if not store.check([f"{self.prefix}/closed/{r}"]))
+        except dist.DistError:
+            return None
+
+    def _end(self, message: str) -> None:
+        with self._ending:  # the beat and the watch thread may both see the fault: one error, one SIGTERM
+            if self._ended:
+                return
+            self._ended = True
         log.error(message)
         os.kill(os.getpid(), signal.SIGTERM)
         if not self._stop.wait(self.dead_after_s):  # a handler that did not end the process in time

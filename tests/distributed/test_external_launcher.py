@@ -4,8 +4,10 @@ The end-to-end tests start `python -m torch.distributed.run` in subprocesses run
 one node with two ranks, and two "nodes" (two torchrun calls, --nnodes 2, on the loopback address) with TP=2 and
 TP=4. Every rank's generate must return exactly the TP=1 greedy ids (themselves checked against HF). The fault
 tests kill a rank mid-generate, start one node only, hold a rank back from joining, and give one rank another
-max_model_len. Every process (torchrun and each rank, by the pid the script writes first) must be gone when a
-test ends; a finally kills whatever is left. The unit tests cover the pieces without processes.
+max_model_len, or another model. Every process (torchrun and each rank, by the pid the script writes first) must
+be gone (within LEFTOVER_S) once torchrun has ended, checked before anything is killed; a finally then kills
+whatever is left. The fault tests check the survivor's first error line exactly and time how long the others take
+to end after the fault (the script stamps the moment). The unit tests cover the pieces without processes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +50,12 @@ VOCAB = 509  # prime: the vocabulary is padded on every tp > 1
 LENGTHS = [1, 7, 16, 33]
 NEW_TOKENS = 12
 RUN_LIMIT_S = 240  # one torchrun run (model build on every rank, two generate calls), on 2 shared cores
+LEFTOVER_S = 15  # a rank may outlive its torchrun by this much (torchrun SIGTERMs, then SIGKILLs its workers)
+# torchrun's own teardown once a rank has ended (it stops the node's other ranks, then the other nodes' agents see
+# the rendezvous close): the margin the fault tests add to the documented bound, on 2 shared cores
+TEARDOWN_S = 30
+# a traceback's exception line (torchrun prefixes [rankN]:) or a logged error (the script's format: "ERROR name: ")
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:)?\s*(?:[\w.]+\.)?(\w+Error): (.*)$|^(?:\[rank\d+\]:)?ERROR metainfer: (.*)$")
 
 
 def free_port() -> int:
@@ -79,15 +88,23 @@ class Launch:
             self.logs.append(log_path)
 
     def finish(self, timeout: float = RUN_LIMIT_S) -> list[int]:
-        """Each torchrun's exit code (TimeoutError past `timeout`)."""
+        """Each torchrun's exit code (TimeoutError past `timeout`); `ended_at[i]`: time.time() when torchrun i was
+        seen to have ended (polled every 0.1 s)."""
         deadline = time.monotonic() + timeout
-        codes = []
-        for proc in self.procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"torchrun did not end within {timeout:.0f} s:\n{self.output()}") from None
-        return codes
+        self.ended_at = [None] * len(self.procs)
+        while any(t is None for t in self.ended_at):
+            for i, proc in enumerate(self.procs):
+                if self.ended_at[i] is None and proc.poll() is not None:
+                    self.ended_at[i] = time.time()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchrun did not end within {timeout:.0f} s:\n{self.output()}")
+            time.sleep(0.1)
+        return [proc.returncode for proc in self.procs]
+
+    def stamp(self, name: str) -> float:
+        """A time.time() the script wrote (start{rank}: before building the engine; fault{rank}: as it died)."""
+        with open(os.path.join(self.out, name)) as f:
+            return float(f.read())
 
     def rank_pids(self) -> list[int]:
         pids = []
@@ -144,11 +161,25 @@ def reference(tmp_path_factory):
 
 
 def run_to_end(launch: Launch, timeout: float = RUN_LIMIT_S) -> list[int]:
+    """Wait for every torchrun, then check (before killing anything) that no rank outlives them by LEFTOVER_S;
+    the kill in the finally is cleanup only."""
     try:
-        return launch.finish(timeout)
+        codes = launch.finish(timeout)
+        left = wait_gone(launch.rank_pids(), timeout=LEFTOVER_S)
+        assert not left, f"rank process(es) {left} outlived their torchrun by {LEFTOVER_S} s"
+        return codes
     finally:
         launch.kill()
-        assert not wait_gone(launch.rank_pids(), timeout=15), "a rank outlived its torchrun"
+
+
+def first_error_line(text: str) -> str:
+    """The first line of a log that reports an error (a traceback's exception line or a logged ERROR), without
+    torchrun's [rankN]: prefix and the exception's module path."""
+    for line in text.splitlines():
+        m = ERROR_LINE.match(line)
+        if m:
+            return f"{m.group(1)}: {m.group(2)}" if m.group(1) else m.group(3)
+    return ""
 
 
 # -- end to end -------------------------------------------------------------------------------------------
@@ -170,6 +201,9 @@ def test_every_rank_returns_the_tp1_outputs(reference, tmp_path, nodes, nproc):
         assert record["refused"]["different_args"] == (
             f"generate() got different arguments on rank {launch.tp - 1} (3 prompt(s) against rank 0's 4); under "
             "the external launcher every rank must pass the same prompts and sampling params")
+        # a call invalid on the last rank alone (its local check) is agreed first: every rank raises it
+        assert record["refused"]["bad_params"] == (
+            f"sampling_params has 2 entries for 1 prompts (on rank {launch.tp - 1}; every rank raises this)")
     # rank 0 alone shows progress: the bar is on node 0's output only, once
     if nodes == 2:
         assert "Processed prompts" in launch.output(0) and "Processed prompts" not in launch.output(1)
@@ -259,6 +293,75 @@ def test_serve_runs_the_api_server_on_rank0_only(reference, tmp_path):
                 os.killpg(pid, signal.SIGKILL)
 
 
+def metainfer_cmd(*args: str, torchrun: bool) -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "metainfer")
+    if not torchrun:
+        return [exe, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "--no-python", exe, *args, "--tp", "2",
+            "--distributed-executor-backend", "external_launcher"]
+
+
+def run_command(cmd: list[str], stdin: str = "") -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of one command, killed (its whole session) past RUN_LIMIT_S."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=RUN_LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+@pytest.mark.parametrize("command,stdin", [
+    (["generate", "--json", "The capital of France is", "Hello"], ""),
+    (["chat"], "Hello there\nAnd again\n\n"),
+], ids=["generate", "chat"])
+def test_generate_and_chat_commands_print_once_what_tp1_prints(reference, command, stdin):
+    """`torchrun --nproc-per-node 2 --no-python metainfer generate|chat ... --distributed-executor-backend
+    external_launcher`: rank 0 prints exactly what the same command prints with one process (TP=1), once; rank 1
+    prints nothing of its own."""
+    folder, _, _ = reference
+    args = [command[0], "--model", folder, "--device", "cpu", "--dtype", "float32", "--max-tokens", "8",
+            *command[1:]]
+    code, want, _ = run_command(metainfer_cmd(*args, torchrun=False), stdin)
+    assert code == 0 and want.strip()
+    code, got, err = run_command(metainfer_cmd(*args, torchrun=True), stdin)
+    assert code == 0, err
+    assert got == want, err
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_bench_throughput_measures_on_rank0_only(reference, tmp_path):
+    """`metainfer bench throughput` under torchrun: rank 0 runs the requests, prints and writes the record once."""
+    folder, _, _ = reference
+    out_json = tmp_path / "throughput.json"
+    code, out, err = run_command(metainfer_cmd(
+        "bench", "throughput", "--model", folder, "--device", "cpu", "--dtype", "float32", "--num-seqs", "4",
+        "--min-input-len", "8", "--max-input-len", "16", "--min-output-len", "4", "--max-output-len", "8",
+        "--output-json", str(out_json), torchrun=True))
+    assert code == 0, err
+    with open(out_json) as f:
+        record = json.load(f)
+    assert record["tp"] == 2 and record["bench"] == "throughput", record
+    assert (out + err).count("requests/s") <= 1
+
+
+def test_bench_baseline_refuses_the_launcher_in_one_line():
+    """The HF baseline is one process: the launcher option is refused before any model is read."""
+    code, out, err = run_command(metainfer_cmd("bench", "baseline", "--model", "no-such-model",
+                                               "--distributed-executor-backend", "external_launcher",
+                                               torchrun=False))
+    assert code == 2 and err.strip() == (
+        "metainfer: error: --distributed-executor-backend: the HF baseline runs in one process on one device and "
+        "cannot be launched by torchrun; leave the option out"), err
+
+
 @pytest.mark.tp
 @pytest.mark.slow
 def test_bench_latency_measures_on_rank0_only(reference, tmp_path):
@@ -314,20 +417,26 @@ def test_nccl_ranks_on_two_gpus_equal_spawn_mode(reference, tmp_path):
 # -- faults -----------------------------------------------------------------------------------------------
 @pytest.mark.tp
 @pytest.mark.slow
-@pytest.mark.parametrize("dying,survivor,message", [
-    (1, 0, "tensor-parallel rank 0: a step failed"),  # rank 0 is in the step's all-reduce: gloo fails at once
-    (0, 1, "rank 1 lost rank 0"),  # rank 1 waits for the step rank 0 never sends: its channel fails at once
+@pytest.mark.parametrize("dying,survivor", [
+    (1, 0),  # rank 0 is in the step's all-reduce: gloo fails at once
+    (0, 1),  # rank 1 waits for the step rank 0 never sends: its channel fails at once
 ], ids=["follower-dies", "rank0-dies"])
-def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path, dying, survivor, message):
-    """One rank (one node each) is SIGKILLed in its third step: the other raises one clear error, both torchrun
-    calls exit non-zero, no process is left."""
+def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path, dying, survivor):
+    """One rank (one node each) is SIGKILLed in its third step: the other's first error line names it (asked of
+    the heartbeat), both torchrun calls exit non-zero within the bound (the survivor's ~2 heartbeat beats to name
+    the rank, plus torchrun's teardown), no process is left."""
     folder, prompts_file, _ = reference
-    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--die-rank", str(dying), "--die-at-step", "3")
-    start = time.monotonic()
+    timeout = 8
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--die-rank", str(dying), "--die-at-step", "3",
+                    "--timeout", str(timeout))
     codes = run_to_end(launch)
     assert all(code != 0 for code in codes), launch.output()
-    assert message in launch.output(survivor), launch.output(survivor)
-    assert time.monotonic() - start < RUN_LIMIT_S
+    assert first_error_line(launch.output(survivor)) == (
+        f"RankLostError: tensor-parallel rank {dying} stopped; rank {survivor} ends too (the group cannot go on "
+        "without it)"), launch.output(survivor)
+    assert launch.output(survivor).count("RankLostError") == 1, launch.output(survivor)  # one error, no chain
+    died = launch.stamp(f"fault{dying}")
+    assert max(launch.ended_at) - died < timeout + TEARDOWN_S, launch.output()
     assert not glob.glob(os.path.join(launch.out, "rank*.json")), "no rank may report a result"
 
 
@@ -335,14 +444,16 @@ def test_a_rank_killed_mid_generate_ends_every_rank(reference, tmp_path, dying, 
 @pytest.mark.slow
 def test_a_rank_that_vanishes_while_rank0_idles_ends_rank0(reference, tmp_path):
     """Rank 1 (node 1) exits after a generate while rank 0 idles (no collective would notice, as in a server
-    without traffic): the heartbeat ends rank 0 within distributed_timeout_s (8 s here), naming rank 1."""
+    without traffic): the heartbeat ends rank 0 within distributed_timeout_s (8 s here) and a beat, naming rank 1."""
     folder, prompts_file, _ = reference
-    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--vanish-rank", "1", "--idle-s", "300", "--timeout", "8")
-    start = time.monotonic()
+    timeout = 8
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--vanish-rank", "1", "--idle-s", "300", "--timeout",
+                    str(timeout))
     codes = run_to_end(launch, timeout=150)
     assert all(code != 0 for code in codes), launch.output()
-    assert "tensor-parallel rank 1 stopped: no heartbeat for" in launch.output(0), launch.output(0)
-    assert time.monotonic() - start < 150
+    assert re.fullmatch(r"tensor-parallel rank 1 stopped: no heartbeat for \d+ s; rank 0 ends too \(the group "
+                        r"cannot go on without it\)", first_error_line(launch.output(0))), launch.output(0)
+    assert launch.ended_at[0] - launch.stamp("fault1") < timeout + 1 + TEARDOWN_S, launch.output()
 
 
 @pytest.mark.tp
@@ -369,7 +480,10 @@ def test_a_rank_that_never_joins_fails_the_others_naming_it(reference, tmp_path)
     launch = Launch(tmp_path, folder, prompts_file, 1, 2, "--stall-rank", "1", "--timeout", "8")
     codes = run_to_end(launch, timeout=120)
     assert codes[0] != 0, launch.output()
-    assert "tensor-parallel rank(s) [1] of 2 did not join within 8 s" in launch.output()
+    assert first_error_line(launch.output()).startswith(
+        "TimeoutError: tensor-parallel rank(s) [1] of 2 did not join within 8 s"), launch.output()
+    # rank 0 starts building at start0; it waits out the join timeout (8 s), then torchrun ends both ranks
+    assert launch.ended_at[0] - launch.stamp("start0") < 8 + TEARDOWN_S, launch.output()
 
 
 @pytest.mark.tp
@@ -382,6 +496,26 @@ def test_a_different_max_model_len_is_refused_on_every_rank(reference, tmp_path)
     assert all(code != 0 for code in codes)
     message = "ranks disagree on max_model_len: 64 on rank 1, 512 on rank 0"
     assert message in launch.output(0) and message in launch.output(1), launch.output()
+
+
+@pytest.mark.tp
+@pytest.mark.slow
+def test_a_different_checkpoint_on_one_rank_is_refused_on_every_rank(reference, tmp_path):
+    """Rank 1 is given another checkpoint of the same architecture (same config, same file names and sizes,
+    other random weights): the weights digest differs, and every rank refuses with the same message."""
+    folder, prompts_file, _ = reference
+    other = tmp_path / "other-model"
+    build_tiny_model(str(other), "qwen3", seed=1, vocab_size=VOCAB)
+    assert os.path.getsize(other / "model.safetensors") == os.path.getsize(os.path.join(folder, "model.safetensors"))
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--model-on", f"1:{other}")
+    codes = run_to_end(launch, timeout=120)
+    assert all(code != 0 for code in codes)
+    for node in range(2):
+        line = first_error_line(launch.output(node))
+        weights = r"\[\('model\.safetensors', \d+, '\w{16}'\)\]"
+        want = (rf"ConfigError: ranks disagree on model weights: {weights} on rank 1, {weights} on rank 0; every rank "
+                r"must be started with the same model and engine options")
+        assert re.fullmatch(want, line), launch.output(node)
 
 
 # -- the pieces -------------------------------------------------------------------------------------------
@@ -457,6 +591,79 @@ def test_config_fingerprint_names_the_first_differing_field(tmp_path):
     assert message.startswith("ranks disagree on block_size: 32 on rank 2, 16 on rank 0")
     other = dict(same, **{"model.hidden_size": "128"})
     assert first_mismatch([same, other]).startswith("ranks disagree on model.hidden_size: 128 on rank 1, 64")
+
+
+def test_weights_digest_tells_checkpoints_apart(tmp_path):
+    """Same architecture, other random weights: same names and sizes, another digest; a copy has the same one."""
+    import shutil
+
+    from metainfer.distributed.external_launcher import weights_digest
+
+    build_tiny_model(str(tmp_path / "a"), "qwen3", seed=0, vocab_size=VOCAB)
+    build_tiny_model(str(tmp_path / "b"), "qwen3", seed=1, vocab_size=VOCAB)
+    a, b = str(tmp_path / "a" / "model.safetensors"), str(tmp_path / "b" / "model.safetensors")
+    shutil.copy(a, tmp_path / "copy.safetensors")
+    assert os.path.getsize(a) == os.path.getsize(b)
+    assert weights_digest(a) != weights_digest(b)
+    assert weights_digest(a) == weights_digest(str(tmp_path / "copy.safetensors"))
+    with open(tmp_path / "copy.safetensors", "r+b") as f:  # one changed byte inside a sampled read
+        f.seek(os.path.getsize(a) - 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert weights_digest(a) != weights_digest(str(tmp_path / "copy.safetensors"))
+
+
+HEARTBEAT_CHILD = """
+import logging, sys, time
+logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+from metainfer.distributed.heartbeat import Heartbeat
+Heartbeat("127.0.0.1", int(sys.argv[1]), 0, 1, "hb", dead_after_s=float(sys.argv[2])).start()
+print("started", flush=True)
+time.sleep(600)
+"""
+STORE_HOST = """
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["store-ends", "store-freezes"])
+def test_a_rank_that_loses_the_store_ends_within_the_bound(fault):
+    """The process hosting the rendezvous store (node 0's torchrun) is killed, or frozen (SIGSTOP: a hung or
+    cut-off host, where no connection closes): a rank's heartbeat ends it with one error line within
+    dead_after_s + a beat (+ 3 s for a loaded machine), instead of the rank waiting on for its collectives."""
+    dead_after = 2.0
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    rank = None
+    try:
+        port = int(host.stdout.readline())
+        rank = subprocess.Popen([sys.executable, "-c", HEARTBEAT_CHILD, str(port), str(dead_after)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert rank.stdout.readline().strip() == "started"
+        time.sleep(1.0)  # a few beats
+        assert rank.poll() is None
+        os.kill(host.pid, fault)
+        start = time.monotonic()
+        rank.wait(timeout=60)
+        took = time.monotonic() - start
+        err = rank.stderr.read()
+        assert rank.returncode == -signal.SIGTERM, err
+        lines = [line for line in err.splitlines() if line.startswith("ERROR")]
+        assert lines == ["ERROR metainfer: tensor-parallel rank 0 lost the rendezvous store (node 0 ended, frozen or "
+                         "unreachable) and ends (the group cannot go on without it)"], err
+        assert took < dead_after + 0.2 + 3.0, took
+    finally:
+        for proc in (host, rank):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def test_call_fingerprint_tells_prompts_from_params():

@@ -1,18 +1,22 @@
 """The SPMD script the external-launcher tests start under torchrun (one process a rank).
 
 Every rank builds `LLM(..., distributed_executor_backend="external_launcher")`, generates the prompts of
-`--prompts` (a JSON list of token-id lists) greedily, then makes three more calls (an out-of-vocabulary prompt,
-which rank 0 refuses; prompts that differ on the last rank; the first prompt again) and writes what its calls
-returned or raised to OUT/rank{RANK}.json. Fault options: `--max-model-len-on RANK:N` gives one rank another
-max_model_len; `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds
-an engine; `--vanish-rank R --idle-s S` ends rank R after the first generate while the others idle.
-Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run.
+`--prompts` (a JSON list of token-id lists) greedily, then makes four more calls (an out-of-vocabulary prompt,
+which rank 0 refuses; prompts that differ on the last rank; a sampling_params list that does not match the prompts
+on the last rank only; the first prompt again) and writes what its calls returned or raised to OUT/rank{RANK}.json.
+Fault options: `--max-model-len-on RANK:N` gives one rank another max_model_len; `--model-on RANK:PATH` another
+model; `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds an
+engine; `--vanish-rank R --idle-s S` ends rank R after the first generate while the others idle.
+Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run, and OUT/start{RANK}
+(time.time() before the engine is built) and OUT/fault{RANK} (time.time() as it dies or vanishes), so a test can
+bound how long the others take to end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -28,6 +32,7 @@ def parse(argv=None):
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-model-len-on", default=None, help="RANK:N")
+    p.add_argument("--model-on", default=None, help="RANK:PATH (another model on that rank)")
     p.add_argument("--timeout", type=float, default=60.0, help="distributed_timeout_s")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -40,7 +45,12 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def die_in_step(step: int) -> None:
+def stamp(out: str, name: str) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        f.write(repr(time.time()))
+
+
+def die_in_step(step: int, out: str, rank: int) -> None:
     """SIGKILL this process in its `step`-th model step (no cleanup, like a crashed node)."""
     from metainfer.worker.model_runner import ModelRunner
 
@@ -49,6 +59,7 @@ def die_in_step(step: int) -> None:
     def execute(self, batch):
         calls[0] += 1
         if calls[0] == step:
+            stamp(out, f"fault{rank}")
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, batch)
 
@@ -57,6 +68,7 @@ def die_in_step(step: int) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rank = int(os.environ["RANK"])
     with open(os.path.join(args.out, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
@@ -70,10 +82,15 @@ def main(argv=None) -> int:
         on, value = (int(x) for x in args.max_model_len_on.split(":"))
         max_model_len = value if rank == on else max_model_len
     if rank == args.die_rank:
-        die_in_step(args.die_at_step)
+        die_in_step(args.die_at_step, args.out, rank)
+    model = args.model
+    if args.model_on:
+        on, path = args.model_on.split(":", 1)
+        model = path if rank == int(on) else model
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
+    stamp(args.out, f"start{rank}")
+    llm = LLM(model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
               max_model_len=max_model_len, distributed_executor_backend="external_launcher",
               distributed_timeout_s=args.timeout)
     try:
@@ -81,6 +98,7 @@ def main(argv=None) -> int:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
         if args.vanish_rank is not None:
             if rank == args.vanish_rank:
+                stamp(args.out, f"fault{rank}")
                 os._exit(3)  # gone without closing, and no collective is running to notice
             time.sleep(args.idle_s)
         refused = {}
@@ -93,6 +111,11 @@ def main(argv=None) -> int:
             llm.generate([{"prompt_token_ids": p} for p in mine], params, use_tqdm=False)
         except ValueError as err:
             refused["different_args"] = str(err)
+        try:  # the last rank's call is invalid on its own (two params for one prompt): every rank raises
+            llm.generate([{"prompt_token_ids": prompts[0]}], [params, params] if rank == args.tp - 1 else params,
+                         use_tqdm=False)
+        except ValueError as err:
+            refused["bad_params"] = str(err)
         again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # still usable
     finally:
         llm.close()

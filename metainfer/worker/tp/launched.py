@@ -9,8 +9,9 @@ or sample. The sampled ids are rank 0's alone (broadcast, in effect, by the next
 determinism across ranks is assumed.
 
 Calls. `LLM.generate` (and `chat`) on every rank is one call: rank 0 announces it with a fingerprint of its
-arguments and every follower answers whether its own arguments are the same; on a difference every rank raises
-the same ValueError. Rank 0 then runs the call while the followers replay its steps; at the end they receive its
+arguments and every follower answers whether its own arguments are the same, or are invalid on their own (a
+sampling_params list that does not match the prompts); on a difference or an invalid call on any rank, every rank
+raises the same ValueError. Rank 0 then runs the call while the followers replay its steps; at the end they receive its
 outputs (or its error, re-raised: a ValueError stays a ValueError), so every rank's generate returns the same
 RequestOutputs. Commands (`metainfer serve`, `bench`, `generate`) run on rank 0 only; the followers `follow()`,
 replaying steps and answering calls without comparing, until rank 0 closes.
@@ -19,9 +20,10 @@ Close: rank 0 sends ("close",); a follower whose script closes first reads on to
 
 Faults. A rank that dies makes the others' next collective fail (gloo at once; NCCL after the process group's
 timeout, `distributed_timeout_s`), and a follower waiting for rank 0's next message fails as soon as rank 0's
-connection closes; each raises one RuntimeError saying which rank noticed what. torchrun then stops the rest of
-its node. Where nothing waits on the dead rank (rank 0 idle) or NCCL would wait out its timeout, the heartbeat
-(distributed/heartbeat.py) ends the process within HEARTBEAT_S.
+connection closes; each raises one RuntimeError naming the rank(s) that stopped (the heartbeat's `lost_ranks`
+tells), without the transport's text. torchrun then stops the rest of its node. Where nothing waits on the dead
+rank (rank 0 idle) or NCCL would wait out its timeout, or node 0's store is gone, the heartbeat
+(distributed/heartbeat.py) ends the process within min(HEARTBEAT_S, distributed_timeout_s).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from metainfer.config import EngineConfig
 from metainfer.distributed.external_launcher import LauncherEnv, join_launched_group, read_launcher_env
 from metainfer.distributed.heartbeat import Heartbeat
 from metainfer.distributed.parallel_state import destroy_tp_group, tp_state
-from metainfer.distributed.store_channel import StoreChannel
+from metainfer.distributed.store_channel import ChannelClosed, StoreChannel
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.models.shape_contract import validate_tp_config
 from metainfer.worker.model_runner import ModelRunner
@@ -54,9 +56,10 @@ HEARTBEAT_S = 30.0  # a rank silent this long (or distributed_timeout_s, if shor
 class LeaderLink(RankLink):
     """Rank 0's link: each step's delta goes to the followers before rank 0 runs the same batch."""
 
-    def __init__(self, channel: StoreChannel, sync: BuildSync):
+    def __init__(self, channel: StoreChannel, sync: BuildSync, lost_error):
         super().__init__(sync)
         self.channel = channel
+        self.lost_error = lost_error  # LaunchedRank.lost_error
         self.encoder = StepEncoder()
         self.broken: str | None = None
 
@@ -71,11 +74,10 @@ class LeaderLink(RankLink):
     def step_failed(self, exc: BaseException) -> None:
         if isinstance(exc, GroupUnusable):
             return
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        self.broken = f"a step failed on rank 0: {type(exc).__name__}: {first_line}"
+        error = self.lost_error(exc, "a step")
+        self.broken = str(error)
         if isinstance(exc, Exception):
-            raise RuntimeError(f"tensor-parallel rank 0: a step failed ({type(exc).__name__}: {first_line}); "
-                               "another rank has probably stopped") from exc
+            raise error from (None if error.lost else exc)
 
 
 def call_fingerprint(args) -> list[str]:
@@ -97,6 +99,18 @@ def describe_difference(mine: list[str], rank0: list[str]) -> str | None:
         if a != b:
             return f"{'prompt' if i % 2 == 0 else 'the sampling params of prompt'} {i // 2} differs from rank 0's"
     return None
+
+
+class RankLostError(RuntimeError):
+    """A launched rank's collective or message failed; `lost` are the ranks that stopped, where known."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _error_message(exc: BaseException) -> tuple:
@@ -143,7 +157,7 @@ class LaunchedRank:
     def build_runner(self, eos_token_ids: tuple = ()) -> ModelRunner:
         """This rank's runner; every rank agrees it built (a rank that fails makes the others fail too)."""
         sync = BuildSync(self.device)
-        self.link = LeaderLink(self.channel, sync) if self.is_leader else RankLink(sync)
+        self.link = LeaderLink(self.channel, sync, self.lost_error) if self.is_leader else RankLink(sync)
         config = replace(self.config, torch_device=self.device)
         try:
             with tp_state(self.rank, self.world_size):
@@ -156,24 +170,51 @@ class LaunchedRank:
                      "nccl" if self.device.type == "cuda" else "gloo", self.runner.num_blocks)
         return self.runner
 
+    # -- faults ---------------------------------------------------------------------------------------
+    def lost_error(self, exc: BaseException, what: str, suspect: int | None = None) -> RankLostError:
+        """The one error this rank raises when `what` (a step, a message) failed: naming the ranks that stopped
+        (asked of the heartbeat, ~2 beats; `suspect` where node 0's store is gone too), else this rank's own
+        failure in one line."""
+        lost = self.heartbeat.lost_ranks()
+        if lost is None:
+            lost = [suspect] if suspect is not None else []
+        if lost:
+            names = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {lost}"
+            return RankLostError(f"tensor-parallel {names} stopped; rank {self.rank} ends too (the group cannot go on "
+                             "without it)", lost)
+        return RankLostError(f"tensor-parallel rank {self.rank}: {what} failed ({_first_line(exc)}); another rank has "
+                         "probably stopped", [])
+
+    def _recv(self):
+        try:
+            return self.channel.recv()
+        except ChannelClosed as exc:
+            error = self.lost_error(exc.__cause__ or exc, "waiting for rank 0's next message", suspect=0)
+            raise error from (None if error.lost else exc)
+
     # -- calls ----------------------------------------------------------------------------------------
-    def call(self, args, run):
+    def call(self, args, run, invalid: str | None = None):
         """One LLM call made by every rank with the same `args`: rank 0 runs `run()`, the others replay it;
-        every rank returns rank 0's result (or raises its error)."""
+        every rank returns rank 0's result (or raises its error). `invalid`: why this rank's arguments are
+        invalid on their own (every rank then raises the same ValueError)."""
         fingerprint = call_fingerprint(args)
         if self.is_leader:
-            return self._lead(fingerprint, run)
-        return self._follow_call(fingerprint)
+            return self._lead(fingerprint, run, invalid)
+        return self._follow_call(fingerprint, invalid)
 
-    def _lead(self, fingerprint: list[str], run):
+    def _lead(self, fingerprint: list[str], run, invalid: str | None = None):
         self.link.check_usable()
         index = self.channel.send(("call", fingerprint))
         answers = self.channel.replies(index, self.config.distributed_timeout_s)
-        different = {r: d for r, d in answers.items() if d}
-        if different:
-            rank, what = min(different.items())
-            message = (f"generate() got different arguments on rank {rank} ({what}); under the external launcher "
-                       "every rank must pass the same prompts and sampling params")
+        problems = {r: a for r, a in answers.items() if a}
+        if invalid is not None or problems:
+            if invalid is not None:
+                message = invalid
+            else:
+                rank, (kind, what) = min(problems.items())
+                message = (f"{what} (on rank {rank}; every rank raises this)" if kind == "invalid" else
+                           f"generate() got different arguments on rank {rank} ({what}); under the external "
+                           "launcher every rank must pass the same prompts and sampling params")
             error = ValueError(message)
             self.channel.send(_error_message(error))
             raise error
@@ -185,12 +226,14 @@ class LaunchedRank:
         self.channel.send(("result", result))
         return result
 
-    def _follow_call(self, fingerprint: list[str]):
-        message = self.channel.recv()
+    def _follow_call(self, fingerprint: list[str], invalid: str | None = None):
+        message = self._recv()
         if message[0] != "call":
             raise RuntimeError(f"rank {self.rank} expected rank 0's generate call but got {message[0]!r}: every "
                                "rank must make the same LLM calls in the same order")
-        self.channel.reply(self.channel.received, describe_difference(fingerprint, message[1]))
+        different = describe_difference(fingerprint, message[1])
+        answer = ("invalid", invalid) if invalid is not None else ("different", different) if different else None
+        self.channel.reply(self.channel.received, answer)
         return self._replay(in_call=True)
 
     def follow(self) -> None:
@@ -200,7 +243,7 @@ class LaunchedRank:
 
     def _replay(self, in_call: bool):
         while True:
-            message = self.channel.recv()
+            message = self._recv()
             kind = message[0]
             if kind == "step":
                 self._step(message[1])
@@ -220,9 +263,8 @@ class LaunchedRank:
         try:
             self.runner.execute(self.mirror.apply(delta))
         except Exception as exc:
-            raise RuntimeError(f"tensor-parallel rank {self.rank}: a step failed ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''}); another rank has probably "
-                               "stopped") from exc
+            error = self.lost_error(exc, "a step")
+            raise error from (None if error.lost else exc)
 
     # -- close --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -235,8 +277,8 @@ class LaunchedRank:
                 self.channel.send(("close",))
             elif not self._followed_close:
                 self._drain_to_close()
-        except Exception as exc:  # a rank already gone: nothing left to hand over
-            log.warning("external launcher: rank %d closed without the others (%s)", self.rank, exc)
+        except Exception as exc:  # a rank already gone (its error was raised already): nothing left to hand over
+            log.debug("external launcher: rank %d closed without the others (%s)", self.rank, exc)
         finally:
             destroy_tp_group()
             if self._saved_threads is not None:
@@ -249,7 +291,7 @@ class LaunchedRank:
             if message[0] == "close":
                 return
             if message[0] == "call":
-                self.channel.reply(self.channel.received, "its engine is closed")
+                self.channel.reply(self.channel.received, ("different", "its engine is closed"))
             elif message[0] == "step":
                 raise RuntimeError(f"rank {self.rank} closed its engine while rank 0 still runs steps")
 
