@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
                    help="with --perturb: only these perturbation ids (perturb.<qualname>) or node ids")
     p.add_argument("--committed", action="store_true",
                    help="--mutants / --perturb on a copy of the last commit, not the work tree (a shared tree)")
+    p.add_argument("--perturb-hints", nargs="*", default=[], metavar="PATH",
+                   help="--perturb: earlier results (JSON or perturb_progress.jsonl) whose catching tests run first")
     p.add_argument("--jobs", type=int, default=1, help="--perturb: sandbox copies run in parallel (default 1)")
     p.add_argument("--deselect", action="append", default=[], metavar="TEST",
                    help="--mutants / --perturb: leave this test out (one failing on the tree for another reason; "
@@ -72,7 +74,8 @@ def run(args) -> int:
     if args.perturb:
         from metainfer.knowledge import mutants, perturb
 
-        hints = perturb.previous_catchers(os.path.join(REPO_ROOT, "docs", "results", "knowledge_perturb.json"))
+        hints = perturb.previous_catchers(os.path.join(REPO_ROOT, "docs", "results", "knowledge_perturb.json"),
+                                          *args.perturb_hints)
         modes = perturb.perturbation_modes(blueprint, REPO_ROOT, only=args.perturb_only, hints=hints)
         progress = open(os.path.join(args.evidence, "perturb_progress.jsonl"), "a") if args.evidence else None
 

@@ -11,10 +11,13 @@ and counts + 1, decisions flipped, lists one element short, ...).
 Each perturbation is a mutation for the failure-mode harness (metainfer/knowledge/mutants.py), applied to
 a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
 property is replaced at the end of its class's module. The tests are the union of every phase's quick
-selection: first the test that caught it in the last evidence run, the node's own quick tests, its phase's
-quick selection and one broad model-vs-transformers test (stage 1), then, only if those pass, the rest of the
-quick tests (stage 2); `-x` stops at the first failure. Every test run is one of the quick selections', so a
-failure is the quick gates' failure, and a perturbation that survives both stages survived them all.
+selection, in stages that stop at the first failing one: the test that caught it in the last run (a hint),
+the node's own quick tests, its phase's quick selection and one broad model-vs-transformers test, then the
+rest of the quick tests (a small first stage starts fast on a busy machine); `-x` stops at the first failure.
+Every test run is one of the quick selections', so a failure is the quick gates' failure, and a perturbation
+that survives every stage survived them all. There is no upfront baseline (the quick tests take minutes on a
+busy machine): each test that caught a perturbation runs once unmutated at the end, and a perturbation whose
+catcher fails there too counts as not caught.
 """
 
 from __future__ import annotations
@@ -64,15 +67,21 @@ def in_selection(test_id: str, selection: list[str]) -> bool:
 BROAD = ("tests/models/test_loading.py::test_sharded_checkpoint",)
 
 
-def previous_catchers(path: str | None) -> dict[str, list[str]]:
-    """{perturbation id: the test that caught it} from an earlier evidence file (hints for the run order)."""
-    if not path or not os.path.exists(path):
-        return {}
+def previous_catchers(*paths: str | None) -> dict[str, list[str]]:
+    """{perturbation id: the test that caught it} from earlier evidence (a report's JSON or a run's
+    perturb_progress.jsonl): hints for the run order, never results."""
     import json
 
-    with open(path) as f:
-        report = json.load(f)
-    return {m["id"]: m["caught_by"] for m in report.get("modes", []) if m.get("caught_by")}
+    hints: dict[str, list[str]] = {}
+    for path in paths:
+        if not path or not os.path.exists(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        modes = json.loads(text).get("modes", []) if path.endswith(".json") else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+        hints.update({m["id"]: m["caught_by"] for m in modes if m.get("caught_by")})
+    return hints
 
 
 def cpu_path_targets(blueprint: dict | None = None) -> list[tuple[dict, str]]:
@@ -89,9 +98,9 @@ def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
 
 def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
                        only: list[str] | None = None, hints: dict[str, list[str]] | None = None) -> list[dict]:
-    """One harness mode per CPU-path target (`only`: ids or node ids to keep). Each runs in two stages that
-    together are the quick selections: first the test that caught it before (`hints`), the node's own quick
-    tests, its phase's quick selection and BROAD; then, if those pass, the rest of the quick tests."""
+    """One harness mode per CPU-path target (`only`: ids or node ids to keep). Its stages together are the quick
+    selections, each without what an earlier one ran: the test that caught it before (`hints`), the node's own
+    quick tests, its phase's quick selection and BROAD, then the rest of the quick tests."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
@@ -105,11 +114,15 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
         ordered = _ordered(tests, own)
         phase_quick = [t for n in owners for p in blueprint["phases"] if p["id"] == n["phase"] for t in p["quick"]]
-        first = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
-        first += [t for t in ordered if t.split("::", 1)[0] in own] + phase_quick + list(BROAD)
-        first = list(dict.fromkeys(first))
-        modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": ordered,
-                      "stages": [first, [t for t in ordered if t not in first]],
+        hinted = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
+        mine = [t for t in ordered if t.split("::", 1)[0] in own]
+        stages, seen = [], set()
+        for stage in (hinted, mine, phase_quick + list(BROAD), ordered):  # each: what the earlier ones left
+            stage = [t for t in dict.fromkeys(stage) if t not in seen]
+            seen.update(stage)
+            if stage:
+                stages.append(stage)
+        modes.append({"id": mode_id, "title": f"{target}'s output perturbed", "tests": ordered, "stages": stages,
                       "symptom": "the quick gates must fail", "cause": f"{target}'s output perturbed",
                       "nodes": [n["id"] for n in owners], "mutation": _mutation(target, root)})
     return modes
