@@ -4,16 +4,18 @@ Each rank runs a daemon thread (`Heartbeat`) that bumps its own counter in the r
 `interval_s` (a tenth of `dead_after_s`, between 0.2 and 1 s) and reads the others'. A rank whose counter has not
 moved for `dead_after_s`, and which did not say it closed, is gone: the thread logs one error naming it and ends
 this process as torchrun would (SIGTERM to itself: a server drains and closes, a script ends; `os._exit(1)` if the
-process is still there after another `dead_after_s`), since a tensor-parallel group with a dead rank cannot go on.
+process is still there after another `dead_after_s`, whatever its handler is doing), since a tensor-parallel group
+with a dead rank cannot go on.
 
 It covers what the collectives do not: rank 0 idle (a server without traffic) when a follower dies, and a NCCL
 collective stuck on a dead peer until the process group's timeout. (A gloo collective fails at once, and a
 follower waiting for rank 0's next message fails when rank 0's connection closes.) The thread has its own store
-connection, so a main thread blocked in a collective does not block it. The store itself is watched too: a store
-that refuses the connection (node 0 ended) ends this rank the same way, and so does one that stops answering
-(node 0 frozen or cut off: no connection closes, and a TCPStore `add` waits on regardless of its timeout), which a
-second thread (`_watch`) notices when no beat has gone through for `dead_after_s`. So no wait of a launched rank
-outlasts about `dead_after_s` + `interval_s` after the fault.
+connection, so a main thread blocked in a collective does not block it. The store itself is watched too, by a
+second thread (`_watch`): when no beat has gone through for `dead_after_s` (node 0 ended and its store refuses, or
+node 0 is frozen or cut off: no connection closes, and a TCPStore `add` waits on regardless of its timeout), it ends
+this rank the same way. A rank whose main thread noticed the fault first (its collective failed) has raised its own
+error and closed by then, which stops both threads. So no wait of a launched rank outlasts about `dead_after_s` +
+`interval_s` after the fault.
 
 `lost_ranks` answers "who went?" for a rank whose collective just failed, so its error can name the rank.
 """
@@ -84,9 +86,8 @@ class Heartbeat:
                             self._end(f"tensor-parallel rank {r} stopped: no heartbeat for {now - seen[r][1]:.0f} s; "
                                       f"rank {self.rank} ends too (the group cannot go on without it)")
                         return
-        except dist.DistError:  # node 0's store refused or did not answer within dead_after_s
-            if not self._stop.is_set():
-                self._end(STORE_LOST.format(rank=self.rank))
+        except dist.DistError:  # node 0's store is gone: _watch ends the rank dead_after_s after the last beat
+            return
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -99,8 +100,8 @@ class Heartbeat:
         (waits up to ~2 `interval_s`). None where the store itself cannot be read (node 0's side has ended)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         try:
-            store = dist.TCPStore(self.host, self.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=self.dead_after_s))
+            store = dist.TCPStore(self.host, self.port, is_master=False,  # short: a gone store is an answer too
+                                  timeout=datetime.timedelta(seconds=max(1.0, 2 * self.interval_s)))
             first = {r: store.add(f"{self.prefix}/beat/{r}", 0) for r in others}
             still = set(others)
             deadline = time.monotonic() + 2 * self.interval_s + 0.3
@@ -118,5 +119,5 @@ class Heartbeat:
             self._ended = True
         log.error(message)
         os.kill(os.getpid(), signal.SIGTERM)
-        if not self._stop.wait(self.dead_after_s):  # a handler that did not end the process in time
-            os._exit(1)
+        time.sleep(self.dead_after_s)  # a handler that did not end the process in time (a close stuck on the store)
+        os._exit(1)
