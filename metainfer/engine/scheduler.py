@@ -36,7 +36,7 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_rows
+        return self.num_tokens - self.num_decode_rows if self.is_prefill else 0
 
     @property
     def is_mixed(self) -> bool:
