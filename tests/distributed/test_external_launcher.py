@@ -321,15 +321,22 @@ def run_command(cmd: list[str], stdin: str = "") -> tuple[int, str, str]:
     (["generate", "--json", "The capital of France is", "Hello"], ""),
     (["chat"], "Hello there\nAnd again\n\n"),
 ], ids=["generate", "chat"])
-def test_generate_and_chat_commands_print_once_what_tp1_prints(reference, command, stdin):
+def test_generate_and_chat_commands_print_once_what_tp1_prints(tmp_path, command, stdin):
     """`torchrun --nproc-per-node 2 --no-python metainfer generate|chat ... --distributed-executor-backend
     external_launcher`: rank 0 prints exactly what the same command prints with one process (TP=1), once; rank 1
-    prints nothing of its own."""
-    folder, _, _ = reference
+    prints nothing of its own. (A one-layer tiny Qwen3 with the tokenizer's whole vocabulary, so text prompts and
+    the chat template's ids are in range.)"""
+    folder = str(tmp_path / "text-model")
+    build_tiny_model(folder, "qwen3", vocab_size=151936, num_hidden_layers=1)
     args = [command[0], "--model", folder, "--device", "cpu", "--dtype", "float32", "--max-tokens", "8",
             *command[1:]]
-    code, want, _ = run_command(metainfer_cmd(*args, torchrun=False), stdin)
-    assert code == 0 and want.strip()
+    code, want, err = run_command(metainfer_cmd(*args, torchrun=False), stdin)
+    assert code == 0 and "error" not in want + err, want + err
+    if command[0] == "generate":
+        records = json.loads(want)
+        assert [len(r["token_ids"]) for r in records] == [8, 8] and all(r["text"] for r in records), records
+    else:
+        assert want.count("> ") == 3, want  # two answered turns, then the empty line
     code, got, err = run_command(metainfer_cmd(*args, torchrun=True), stdin)
     assert code == 0, err
     assert got == want, err
