@@ -12,8 +12,8 @@ Each perturbation is a mutation for the failure-mode harness (metainfer/knowledg
 a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
 property is replaced at the end of its class's module. The tests are the union of every phase's quick
 selection, in stages that stop at the first failing one: the test that caught it in the last run (a hint),
-the node's own quick tests, its phase's quick selection and one broad model-vs-transformers test, then the
-rest of the quick tests (a small first stage starts fast on a busy machine); `-x` stops at the first failure.
+the unit-level quick tests (the node's own files first), then the ones that build whole engines against
+transformers (HEAVY: minutes on a busy machine); `-x` stops at the first failure.
 Every test run is one of the quick selections', so a failure is the quick gates' failure, and a perturbation
 that survives every stage survived them all. There is no upfront baseline (the quick tests take minutes on a
 busy machine): each test that caught a perturbation runs once unmutated at the end, and a perturbation whose
@@ -62,9 +62,10 @@ def in_selection(test_id: str, selection: list[str]) -> bool:
     return False
 
 
-# a quick-selection test that runs a whole model against transformers: most layer, kernel and loader
-# perturbations fail it first (stage 1 of every perturbation; it is part of P3's quick selection)
-BROAD = ("tests/models/test_loading.py::test_sharded_checkpoint",)
+# quick tests that build whole engines and transformers references (seconds each, minutes on a busy machine):
+# the last stage, for what the unit-level quick tests let through
+HEAVY = ("tests/models/test_hf_parity.py", "tests/models/test_moe_families.py", "tests/mlx/",
+         "tests/distributed/", "tests/entrypoints/", "tests/engine/test_sampling.py")
 
 
 def previous_catchers(*paths: str | None) -> dict[str, list[str]]:
@@ -99,8 +100,8 @@ def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
 def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
                        only: list[str] | None = None, hints: dict[str, list[str]] | None = None) -> list[dict]:
     """One harness mode per CPU-path target (`only`: ids or node ids to keep). Its stages together are the quick
-    selections, each without what an earlier one ran: the test that caught it before (`hints`), the node's own
-    quick tests, its phase's quick selection and BROAD, then the rest of the quick tests."""
+    selections, each without what an earlier one ran: the test that caught it before (`hints`), the unit-level
+    quick tests (the node's own files first), then the HEAVY ones."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
@@ -113,11 +114,10 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
             continue
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
         ordered = _ordered(tests, own)
-        phase_quick = [t for n in owners for p in blueprint["phases"] if p["id"] == n["phase"] for t in p["quick"]]
         hinted = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
-        mine = [t for t in ordered if t.split("::", 1)[0] in own]
+        cheap = [t for t in ordered if not t.startswith(HEAVY)]
         stages, seen = [], set()
-        for stage in (hinted, mine, phase_quick + list(BROAD), ordered):  # each: what the earlier ones left
+        for stage in (hinted, cheap, ordered):  # each: what the earlier ones left
             stage = [t for t in dict.fromkeys(stage) if t not in seen]
             seen.update(stage)
             if stage:

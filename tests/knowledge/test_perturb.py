@@ -61,4 +61,4 @@ def test_every_mode_runs_only_quick_tests_and_all_of_them():
         assert set(quick) <= set(ran) and len(ran) == len(set(ran)), mode["id"]  # every quick test, once
     rms = next(m for m in modes if m["id"] == "perturb.rms_norm_ref")
     assert "tests/engine/test_sampler.py::x" not in rms["stages"][0]  # a hint outside the quick tests is dropped
-    assert rms["stages"][0] == ["tests/kernels/test_elementwise.py"]  # its own quick tests first
+    assert rms["stages"][0][0] == "tests/kernels/test_elementwise.py"  # its own quick tests first
