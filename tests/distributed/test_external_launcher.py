@@ -172,6 +172,25 @@ def run_to_end(launch: Launch, timeout: float = RUN_LIMIT_S) -> list[int]:
         launch.kill()
 
 
+def test_run_to_end_reports_a_rank_that_outlives_torchrun(tmp_path, monkeypatch):
+    """The leftover check runs before the cleanup kill: a rank still alive LEFTOVER_S after its torchrun ended fails
+    the test (here a sleeping process stands for the rank, a finished one for torchrun), and is killed after."""
+    monkeypatch.setattr(sys.modules[__name__], "LEFTOVER_S", 1)
+    launch = Launch.__new__(Launch)
+    launch.out = str(tmp_path)
+    launch.procs = [subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)]
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    (tmp_path / "pid0").write_text(str(rank.pid))
+    try:
+        with pytest.raises(AssertionError, match=rf"rank process\(es\) \[{rank.pid}\] outlived their torchrun"):
+            run_to_end(launch, timeout=30)
+        assert rank.wait(timeout=10) == -signal.SIGKILL  # the finally's cleanup
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+
+
 def first_error_line(text: str) -> str:
     """The first line of a log that reports an error (a traceback's exception line or a logged ERROR), without
     torchrun's [rankN]: prefix and the exception's module path."""
