@@ -4,7 +4,9 @@ Messages go by broadcast over a gloo group of their own, made by the constructor
 straight to the followers' sockets (no third process on the way, unlike the rendezvous store, whose server runs
 in torchrun's agent), on the CPU for NCCL groups too. The group's timeout is long (`IDLE_WAIT`) because a
 follower waits for rank 0's next message for as long as rank 0 has nothing to do (a server without traffic); a
-peer that dies still fails the wait at once, since gloo sees its connection close.
+peer that dies still fails the wait at once, since gloo sees its connection close, and a rank 0 that freezes or is
+cut off (no connection closes) is caught by the heartbeat (heartbeat.py), which ends the waiting rank within its
+bound. The year is never waited out.
 
 Answers (a follower's reply to message i) go through the rendezvous store, `{prefix}/reply/{i}/{rank}`, where rank
 0 collects them with a deadline (`replies`): a rank that does not answer is named instead of waited for.
