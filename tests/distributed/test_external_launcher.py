@@ -487,6 +487,37 @@ def test_a_rank_that_vanishes_while_rank0_idles_ends_rank0(reference, tmp_path):
 
 @pytest.mark.tp
 @pytest.mark.slow
+def test_a_frozen_rank0_ends_the_follower_waiting_for_it(reference, tmp_path):
+    """Rank 0 (node 0) freezes after a generate (SIGSTOP: a hung host, no connection closes) while rank 1 waits for
+    rank 0's next call on the year-long control group: rank 1's heartbeat ends it within distributed_timeout_s
+    (8 s) and a beat, naming rank 0, and node 1's torchrun ends. (Node 0's torchrun waits on its stopped worker;
+    the test kills it.)"""
+    folder, prompts_file, _ = reference
+    timeout = 8
+    launch = Launch(tmp_path, folder, prompts_file, 2, 1, "--freeze-rank", "0", "--timeout", str(timeout))
+    node1 = launch.procs[1]
+    try:
+        node1.wait(timeout=RUN_LIMIT_S)
+        ended = time.time()
+        took = ended - launch.stamp("fault0")
+        print(f"rank 0 froze: node 1's torchrun ended {took:.1f} s later")
+        assert node1.returncode != 0
+        assert re.fullmatch(r"tensor-parallel rank 0 stopped: no heartbeat for \d+ s; rank 1 ends too \(the group "
+                            r"cannot go on without it\)", first_error_line(launch.output(1))), launch.output(1)
+        assert took < timeout + 1 + TEARDOWN_S, launch.output(1)
+        pids = launch.rank_pids()
+        assert len(pids) == 2
+        rank0 = int(open(os.path.join(launch.out, "pid0")).read())
+        assert not wait_gone([p for p in pids if p != rank0], timeout=LEFTOVER_S), "rank 1 outlived its torchrun"
+    finally:
+        for pid in launch.rank_pids():
+            if alive(pid):
+                os.killpg(pid, signal.SIGCONT)
+        launch.kill()
+
+
+@pytest.mark.tp
+@pytest.mark.slow
 def test_one_node_alone_fails_after_the_rendezvous_timeout(reference, tmp_path):
     """Only node 0 of two is started: torchrun's rendezvous gives up after --rdzv-conf timeout with a message
     saying how many nodes came; no rank is ever started."""

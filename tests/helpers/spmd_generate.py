@@ -6,7 +6,8 @@ which rank 0 refuses; prompts that differ on the last rank; a sampling_params li
 on the last rank only; the first prompt again) and writes what its calls returned or raised to OUT/rank{RANK}.json.
 Fault options: `--max-model-len-on RANK:N` gives one rank another max_model_len; `--model-on RANK:PATH` another
 model; `--die-rank R --die-at-step K` SIGKILLs rank R in its K-th model step; `--stall-rank R` never builds an
-engine; `--vanish-rank R --idle-s S` ends rank R after the first generate while the others idle.
+engine; `--vanish-rank R --idle-s S` ends rank R after the first generate while the others idle;
+`--freeze-rank R` stops rank R (SIGSTOP: a hung host, no connection closes) after the first generate.
 Each rank writes OUT/pid{RANK} first, so a test can check that no process outlives the run, and OUT/start{RANK}
 (time.time() before the engine is built) and OUT/fault{RANK} (time.time() as it dies or vanishes), so a test can
 bound how long the others take to end.
@@ -42,6 +43,7 @@ def parse(argv=None):
     p.add_argument("--vanish-rank", type=int, default=None, help="exits (os._exit) after the first generate, "
                    "while the other ranks stay idle for --idle-s")
     p.add_argument("--idle-s", type=float, default=0.0)
+    p.add_argument("--freeze-rank", type=int, default=None)
     return p.parse_args(argv)
 
 
@@ -101,6 +103,9 @@ def main(argv=None) -> int:
                 stamp(args.out, f"fault{rank}")
                 os._exit(3)  # gone without closing, and no collective is running to notice
             time.sleep(args.idle_s)
+        if rank == args.freeze_rank:
+            stamp(args.out, f"fault{rank}")
+            os.kill(os.getpid(), signal.SIGSTOP)
         refused = {}
         try:  # rank 0 refuses the prompt; every rank raises the same ValueError
             llm.generate([{"prompt_token_ids": [10**6]}], params, use_tqdm=False)
