@@ -90,8 +90,14 @@ class MLXModelRunner:
         """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""
         if not batch.is_prefill:
             ids, positions, step = self._decode_inputs(batch)
-            logits = self._decode_forward(ids, positions, step.slots, step.gather, step.mask, *self._take_pools())
-            logits = self._put_pools(logits)
+            pools = self._take_pools()
+            try:
+                outputs = self._decode_forward(ids, positions, step.slots, step.gather, step.mask, *pools)
+            except BaseException:
+                self._put_pools((None, *pools))  # a failed trace leaves the pools as they were
+                raise
+            del pools
+            logits = self._put_pools(outputs)
         else:
             ids, positions, step, rows = self._prefill_inputs(batch)
             hidden = self.model.forward(mx.array(ids), mx.array(positions), step, self.kv)
