@@ -11,8 +11,8 @@ engine in a fresh process, all N at once (one batch):
   server    the OpenAI server in this process (uvicorn thread + engine thread), N concurrent streaming
             /v1/completions from a client in another process (its CPU is not counted).
 Torch runs one thread. Each reports the process CPU seconds (time.process_time over the run: every thread) per
-output token, and the wall time. server - offline is what the server adds per token. `--profile DIR` writes cProfile stats of the
-server's engine thread and event-loop thread (pstats files) and prints their top entries.
+output token, and the wall time. server - offline is what the server adds per token. `--profile DIR` writes
+cProfile stats of the server's engine thread and event-loop thread (pstats files) and prints their top entries.
 """
 
 from __future__ import annotations
