@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import numbers
 import os
 
 import torch
 
 from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
+from metainfer.engine.request_validation import InvalidRequestError
 from metainfer.outputs import RequestOutput
 from metainfer.sampling_params import SamplingParams
 
@@ -56,13 +58,19 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs in input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+                                                and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError("prompts", "prompts must be a string, a dict, a list of token ids or a list "
+                                                 f"of those, got {type(prompts).__name__}")
         prompts = list(prompts)
-        if isinstance(sampling_params, list):
-            params = sampling_params
-        else:
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        elif sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            raise InvalidRequestError("sampling_params", "sampling_params must be a SamplingParams or a list of "
+                                                         f"them, got {type(sampling_params).__name__}")
         invalid = (f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
                    if len(params) != len(prompts) else None)
         launcher = self.llm_engine.launcher
@@ -79,7 +87,7 @@ class LLM:
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 engine.add_request(request_id, prompt, p, stream=False)
-        except ValueError:
+        except BaseException:  # a bad prompt or value (ValueError) or anything else: none of the call stays queued
             for request_id in ids:
                 engine.abort_request(request_id)
             raise

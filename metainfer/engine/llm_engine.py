@@ -27,7 +27,15 @@ import torch
 
 from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.request_validation import RequestLimits, check_request
+from metainfer.engine.request_validation import (
+    InvalidRequestError,
+    RequestLimits,
+    check_fan_out,
+    check_group_budget,
+    check_prompt_ids,
+    check_request,
+    kv_tokens_needed,
+)
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -121,6 +129,9 @@ class LLMEngine:
         # Test hook: called with each batch's sequences before it runs; raising there acts as a step that
         # failed because of those sequences' data (fault isolation, _execute_isolating).
         self.fault_hook: Callable[[list[Sequence]], None] | None = None
+        # Test hook: called with each sequence before its new token is processed on the host (logprobs,
+        # detokenizing, stop checks); raising there finishes only that sequence's request (_read_back).
+        self.output_fault_hook: Callable[[Sequence], None] | None = None
         # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
         # throughput bench's timeline. None (the default) records nothing.
         self.step_trace: list[tuple[float, bool, int, int]] | None = None
@@ -130,6 +141,32 @@ class LLMEngine:
                     params: SamplingParams | None = None, stream: bool = True) -> None:
         """Queue a request. `stream=False` (offline use) reports it only when finished and
         detokenizes once at the end unless stop strings need the text as it grows."""
+        self._queue(self._prepare(request_id, prompt, params, stream))
+
+    def add_request_group(self, items: list[tuple[str, str | list[int] | dict, SamplingParams]],
+                          stream: bool = True) -> None:
+        """Queue the engine requests of one client request, all or none: together they may ask for at most
+        max_n choices (prompts x n) and their samples must fit in the KV pool together (one request's token
+        budget, `request_validation.check_group_budget`)."""
+        limits = self.request_limits()
+        if len(items) > 1:  # before tokenizing them all (a single prompt's n is check_request's)
+            params = [p or SamplingParams() for _, _, p in items]
+            for p in params:
+                if isinstance(p, SamplingParams):
+                    p.validate()
+            check_fan_out(len(items), [p.n if isinstance(p, SamplingParams) else 1 for p in params], limits.max_n)
+        requests = [self._prepare(rid, prompt, params, stream) for rid, prompt, params in items]
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("request ids of a group must differ")
+        check_group_budget([kv_tokens_needed(r.params, len(r.prompt_token_ids), limits) for r in requests], limits)
+        for request in requests:
+            self._queue(request)
+
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool) -> Request:
+        """Tokenize and check a request (raise ValueError naming the field); queue nothing."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "sampling_params must be a SamplingParams, got "
+                                                         f"{type(params).__name__}")
         params = copy.deepcopy(params or SamplingParams())  # checked once: the caller's object may change
         params.validate()
         if request_id in self.requests:
@@ -139,8 +176,11 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         for seq in seqs:
             seq.incremental_detokenize = stream or bool(params.stop_strings)
-        self.requests[request_id] = Request(request_id, text, ids, params, seqs, stream=stream)
-        for seq in seqs:
+        return Request(request_id, text, ids, params, seqs, stream=stream)
+
+    def _queue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
             self.scheduler.add(seq)
 
     def request_limits(self) -> RequestLimits:
@@ -155,26 +195,29 @@ class LLMEngine:
                              shared_prompt=c.enable_prefix_caching)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, ids) of a prompt: a string, a list of token ids or a dict with `prompt_token_ids` or `prompt`.
+        The ids are checked with the rest of the request (check_prompt_ids: one check for every caller)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = list(prompt["prompt_token_ids"])
-                if not ids:
-                    raise ValueError("prompt_token_ids must not be empty")
-                if not all(isinstance(t, int) for t in ids):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), ids
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestError("prompt", f"prompt must be a string, got {type(text).__name__}")
+                return text, check_prompt_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
-        if isinstance(prompt, list):
-            return self._tokenize({"prompt_token_ids": prompt})
+            if isinstance(prompt, dict):
+                raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids, got dict")
+        if isinstance(prompt, (list, tuple)):
+            return None, check_prompt_ids(prompt)
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
+                                                f"{type(prompt).__name__}")
         if not prompt:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequestError("prompt", "prompt must not be empty")
         ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         if not ids:
-            raise ValueError("prompt encodes to zero tokens")
+            raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
         return prompt, ids
 
     def abort_request(self, request_id: str) -> None:
@@ -307,7 +350,15 @@ class LLMEngine:
                     continue
                 token = result.token_ids[i]
                 seq.resolve_pending(step.token_index[i], token)
-                self._append_token(seq, token, result.logprobs[i])
+                try:  # host-side output processing (logprobs, detokenizing, stop checks) of this request only
+                    if self.output_fault_hook is not None:
+                        self.output_fault_hook(seq)
+                    self._append_token(seq, token, result.logprobs[i])
+                except Exception as exc:
+                    log.error("request %s failed its output processing and was finished with an error: %s: %s",
+                              seq.request_id, type(exc).__name__, exc)
+                    self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+                    continue
                 request = self.requests[seq.request_id]
                 request.first_token_time = request.first_token_time or now
                 touched[seq.request_id] = request

@@ -17,6 +17,12 @@ import numbers
 from dataclasses import dataclass
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The sampler works in float32: a value finite in float64 can round to 0 or to infinity there (top_p 1e-300 kept
+# no token, repetition_penalty 1e-300 divided by zero, temperature 1e39 became inf). These bounds keep every
+# float inside float32's useful range.
+MAX_TEMPERATURE = 1e4  # above it sampling is uniform anyway
+MIN_PROBABILITY = 1e-6  # the smallest top_p, and the smallest min_p other than 0 (off)
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class InvalidRequestError(ValueError):
@@ -58,11 +64,12 @@ def _float(p, name: str, low: float, high: float, low_open: bool = False) -> Non
 def check_sampling_params(p) -> None:
     """The checks that need nothing but the parameters themselves (raise InvalidRequestError)."""
     _int(p, "n", 1)
-    _float(p, "temperature", 0.0, math.inf)
-    _float(p, "top_p", 0.0, 1.0, low_open=True)
+    _float(p, "temperature", 0.0, MAX_TEMPERATURE)
+    _float(p, "top_p", MIN_PROBABILITY, 1.0)
     if p.top_k != -1:
         _int(p, "top_k", 0, what=">= 0 (0 or -1: disabled; it must fit in int64)")
-    _float(p, "min_p", 0.0, 1.0)
+    if not (_is_number(p.min_p) and p.min_p == 0):
+        _float(p, "min_p", MIN_PROBABILITY, 1.0)
     _int(p, "seed", INT64_MIN, none_ok=True, what=f"in [{INT64_MIN}, {INT64_MAX}] (int64)")
     _int(p, "max_tokens", 1, none_ok=True)
     _int(p, "min_tokens", 0)
@@ -72,7 +79,7 @@ def check_sampling_params(p) -> None:
     _int(p, "logprobs", 0, none_ok=True)
     _float(p, "presence_penalty", -2.0, 2.0)
     _float(p, "frequency_penalty", -2.0, 2.0)
-    _float(p, "repetition_penalty", 0.0, math.inf, low_open=True)
+    _float(p, "repetition_penalty", *REPETITION_PENALTY_RANGE)
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"{name} must be true or false, got {getattr(p, name)!r}")
@@ -94,6 +101,20 @@ class RequestLimits:
     max_logprobs: int
     kv_tokens: int | None = None  # the KV pool's size in tokens: what one request's samples may hold at once
     shared_prompt: bool = True  # prefix caching: the samples of a request share its prompt's KV blocks
+
+
+def check_prompt_ids(ids) -> list[int]:
+    """A prompt given as token ids: a non-empty list (or tuple, or a 1-D numpy / torch array) of integers (numpy's
+    too), returned as a list of Python ints. Their range is checked by `check_request`."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError("prompt", f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    if not ids:
+        raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
+    if not all(_is_int(t) for t in ids):
+        raise InvalidRequestError("prompt", "prompt_token_ids must be a list of integers")
+    return [int(t) for t in ids]
 
 
 def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits: RequestLimits) -> None:
@@ -122,14 +143,37 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
         raise InvalidRequestError("prompt", f"prompt_token_ids contain ids outside [0, {model_vocab_size}): "
                                             f"{bad[:5]}")
     if limits.kv_tokens is not None and p.n > 1:
-        # the request's token budget: its samples must fit in the KV pool together, else they preempt each
-        # other over and over and hold the whole pool while every other request waits
-        new = max_new_tokens(p, len(prompt_token_ids), limits.max_model_len)
-        need = (len(prompt_token_ids) + p.n * new) if limits.shared_prompt else p.n * (len(prompt_token_ids) + new)
+        need = kv_tokens_needed(p, len(prompt_token_ids), limits)
         if need > limits.kv_tokens:
-            raise InvalidRequestError("n", f"n={p.n} samples of up to {len(prompt_token_ids) + new} tokens need "
+            longest = len(prompt_token_ids) + max_new_tokens(p, len(prompt_token_ids), limits.max_model_len)
+            raise InvalidRequestError("n", f"n={p.n} samples of up to {longest} tokens need "
                                            f"{need} tokens of KV cache, more than the engine's {limits.kv_tokens}; "
                                            "lower n or max_tokens")
+
+
+def kv_tokens_needed(p, prompt_len: int, limits: RequestLimits) -> int:
+    """The request's token budget: the KV its samples hold together at their longest. Beyond the pool they
+    would preempt each other over and over and hold the whole pool while every other request waits."""
+    new = max_new_tokens(p, prompt_len, limits.max_model_len)
+    return (prompt_len + p.n * new) if limits.shared_prompt else p.n * (prompt_len + new)
+
+
+def check_fan_out(num_prompts: int, n: list[int], max_n: int) -> None:
+    """One client request (a server request with a list of prompts, `n[i]` samples each) may ask for at most
+    `max_n` choices in all: 20,000 one-token prompts held the engine for minutes while a small request waited."""
+    if sum(n) > max_n:
+        raise InvalidRequestError("prompt", f"prompt: {num_prompts} prompts x n={max(n)} is {sum(n)} choices, "
+                                            f"more than the engine's max_n ({max_n}); send fewer prompts or "
+                                            "lower n")
+
+
+def check_group_budget(needs: list[int], limits: RequestLimits) -> None:
+    """The token budget of one client request's engine requests together (`kv_tokens_needed` each)."""
+    total = sum(needs)
+    if limits.kv_tokens is not None and len(needs) > 1 and total > limits.kv_tokens:
+        raise InvalidRequestError("prompt", f"prompt: {len(needs)} prompts need {total} tokens of KV cache "
+                                            f"together, more than the engine's {limits.kv_tokens}; send fewer "
+                                            "prompts or lower n or max_tokens")
 
 
 def max_new_tokens(p, prompt_len: int, max_model_len: int) -> int:

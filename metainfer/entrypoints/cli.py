@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto",
                    help="auto, safetensors, gguf or dummy (random weights at the real dims)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    p.add_argument("--max-n", type=int, default=128,
+                   help="most choices one request may ask for (n, times the prompts of a server request); also "
+                        "capped by --max-num-seqs (default 128)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top logprobs one request may ask for (logprobs / top_logprobs; default 20)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="launch step n+1 before reading step n back (default: on for one CUDA GPU)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
@@ -65,6 +70,7 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,
+                max_n=getattr(args, "max_n", 128), max_logprobs=getattr(args, "max_logprobs", 20),
                 tokenizer=getattr(args, "tokenizer", None),
                 distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
                 distributed_timeout_s=getattr(args, "distributed_timeout_s", 600.0))
@@ -94,6 +100,8 @@ def sampling_params(args):
     except ValueError as err:
         field = getattr(err, "param", None)
         option = _OPTION_OF_FIELD.get(field, f"--{field.replace('_', '-')}") if field else None
+        if field == "seed" and args.request_seed is None:  # the seed came from the engine's --seed
+            option = "--seed"
         raise SystemExit(f"metainfer: error: {option + ': ' if option else ''}{err}") from None
 
 

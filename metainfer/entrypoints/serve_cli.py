@@ -30,6 +30,9 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are waiting for their first token (default: no cap)")
     p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request bring its own chat template (chat_template_kwargs.chat_template); off by "
+                        "default: a template is code the engine thread runs, so any client could stall the server")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight may run on after SIGTERM / SIGINT (default 5)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -69,7 +72,8 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     try:
         serve(llm, served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
               max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-              access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout)
+              access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout,
+              trust_request_chat_template=args.trust_request_chat_template)
     finally:
         llm.close()
         logging.getLogger("metainfer.server").info("engine closed; exiting")

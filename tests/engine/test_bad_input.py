@@ -116,6 +116,10 @@ POISONED = [  # (SamplingParams keywords, the field the ValueError names); the i
     ({"n": 20000}, "n"), ({"n": 2**70}, "n"), ({"n": True}, "n"),
     ({"max_tokens": 2**63}, "max_tokens"), ({"min_tokens": 2**63, "max_tokens": None}, "min_tokens"),
     ({"temperature": "0.5"}, "temperature"), ({"stop": [1]}, "stop"), ({"ignore_eos": "no"}, "ignore_eos"),
+    # finite in float64, degenerate in the sampler's float32 (0 or inf there): review of issue 24, item 3
+    ({"top_p": 1e-300, "seed": 1}, "top_p"), ({"top_p": 1e-7}, "top_p"), ({"min_p": 1e-300}, "min_p"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"), ({"repetition_penalty": 1e39}, "repetition_penalty"),
+    ({"temperature": 1e39}, "temperature"), ({"temperature": 1e4 * (1 + 1e-9)}, "temperature"),
 ]
 
 
@@ -399,6 +403,143 @@ def test_forced_failure_on_cuda_with_async_scheduling(tmp_path):
         engine.fault_hook = None
         assert done["bad"].outputs[0].finish_reason == "error"
         assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == alone
+        assert_drained(llm)
+    finally:
+        llm.close()
+
+
+# -- review of issue 24: float32 bounds, odd offline types, host-side output isolation, a request group --
+
+def test_float32_bounds_sample_real_tokens(setup):
+    """The smallest top_p / min_p / repetition_penalty and the largest temperature the checks accept still sample
+    real tokens: top_p 1e-6 keeps only the most likely token, so a seeded sample equals greedy (top_p 1e-300 gave
+    [0, 0, 0, 0]); repetition_penalty 1e-6 and temperature 1e4 give ids inside the vocabulary, never NaN rows."""
+    _, llm = setup
+    prompt = {"prompt_token_ids": [5, 9, 3, 12]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    tiny_p = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=1e-6, seed=1, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert tiny_p == greedy
+    vocab = llm.llm_engine.spec.vocab_size
+    for kw in ({"repetition_penalty": 1e-6}, {"repetition_penalty": 1e6}, {"temperature": 1e4, "min_tokens": 3},
+               {"min_p": 1e-6, "temperature": 1.0}):
+        outs = [llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, seed=s, **kw),
+                             use_tqdm=False)[0].outputs[0].token_ids for s in (1, 2)]
+        assert all(len(o) == 6 and all(0 <= t < vocab for t in o) for o in outs), (kw, outs)
+        assert len({t for o in outs for t in o}) > 1, (kw, outs)  # not one id repeated (a NaN row gives 0s)
+    assert_drained(llm)
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ({"prompt_token_ids": 5}, OK, "prompt"), ({"prompt_token_ids": None}, OK, "prompt"),
+    ({"prompt_token_ids": "abc"}, OK, "prompt"), ({"prompt_token_ids": [1, 2.5]}, OK, "prompt"),
+    ({"prompt_token_ids": [1, 2], "prompt": 7}, OK, "prompt"), ({"prompt": {"prompt": "x"}}, OK, "prompt"),
+    ({"prompt": None}, OK, "prompt"), (3.5, OK, "prompt"), ({}, OK, "prompt"),
+    ({"prompt_token_ids": [1, 2]}, {"temperature": 0}, "sampling_params"),
+    ({"prompt_token_ids": [1, 2]}, "greedy", "sampling_params"),
+])
+def test_odd_offline_types_are_a_value_error_and_nothing_stays_queued(setup, prompt, params, field):
+    """A well-formed prompt first, the odd one second: a ValueError naming the field (never TypeError /
+    AttributeError), and the first request of the call is not left queued."""
+    _, llm = setup
+    good = {"prompt_token_ids": [1, 2, 3]}
+    with pytest.raises(ValueError) as err:
+        llm.generate([good, prompt], [OK, params] if params is not OK else OK, use_tqdm=False)
+    assert _param_of(err.value) == field, err.value
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError) as err:
+        llm.generate(good, params if params is not OK else 5, use_tqdm=False)
+    assert _param_of(err.value) == "sampling_params"
+    with pytest.raises(ValueError):
+        llm.generate(5, OK, use_tqdm=False)
+    assert len(llm.generate(good, OK, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert_drained(llm)
+
+
+def test_any_exception_while_adding_aborts_the_whole_call(setup, monkeypatch):
+    _, llm = setup
+    engine = llm.llm_engine
+    real = engine._tokenize
+    calls = {"n": 0}
+
+    def tokenize(prompt):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("tokenizer bug")
+        return real(prompt)
+
+    monkeypatch.setattr(engine, "_tokenize", tokenize)
+    with pytest.raises(KeyError):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3, 4]}], OK, use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    assert_drained(llm)
+
+
+def test_numpy_token_ids_are_one_check(setup):
+    """numpy integers (and arrays) are token ids wherever ids are checked: the prompt and stop_token_ids."""
+    np = pytest.importorskip("numpy")
+    _, llm = setup
+    ids = [1, 2, 3]
+    want = llm.generate({"prompt_token_ids": ids}, OK, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": [np.int64(t) for t in ids]}, {"prompt_token_ids": np.array(ids)},
+                   [np.int32(t) for t in ids]):
+        out = llm.generate(prompt, OK, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want and all(type(t) is int for t in out.prompt_token_ids)
+    assert_drained(llm)
+
+
+def test_output_processing_failure_finishes_only_its_own_request(reference):
+    """A failure in the host-side processing of one request's new token (detokenizing, stop checks, logprobs:
+    the output fault hook) finishes that request with finish_reason "error"; the four others finish with
+    exactly HF's outputs."""
+    hf, prompts, expected, llm = reference
+    engine = llm.llm_engine
+    before = engine.stats["failed_requests"]
+
+    def hook(seq):
+        if seq.request_id == "bad" and seq.num_output_tokens >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    engine.output_fault_hook = hook
+    try:
+        done = _run_alongside(llm, prompts, bad=({"prompt_token_ids": [7, 8, 9]}, OK_6))
+    finally:
+        engine.output_fault_hook = None
+    bad = done["bad"]
+    assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
+    assert all(done[f"good-{i}"].error is None for i in range(4))
+    assert_matches_hf(hf, prompts, [done[f"good-{i}"].outputs[0].token_ids for i in range(4)], expected)
+    assert engine.stats["failed_requests"] - before == 1
+    assert_drained(llm)
+
+
+def test_a_request_group_is_bounded_together(setup):
+    """One client request's prompts (LLMEngine.add_request_group, what the server adds): prompts x n <= max_n
+    (a 400 naming `prompt`), and their samples must fit in the KV pool together; all or none are queued."""
+    folder, _ = setup
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8, block_size=16, max_n=4)
+    engine = llm.llm_engine
+    try:
+        one = SamplingParams(max_tokens=1)
+        with pytest.raises(ValueError, match=r"5 prompts x n=1 is 5 choices, more than the engine's max_n") as e:
+            engine.add_request_group([(f"g{i}", {"prompt_token_ids": [1, 2]}, one) for i in range(5)])
+        assert _param_of(e.value) == "prompt" and not engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="3 prompts x n=2 is 6 choices"):  # each n=2 alone is fine
+            engine.add_request_group([(f"g{i}", {"prompt_token_ids": [1]}, SamplingParams(n=2, max_tokens=1))
+                                      for i in range(3)])
+        assert not engine.has_unfinished_requests()
+        long = SamplingParams(max_tokens=None)  # 3 x (8 + 56) = 192 tokens > the pool's 128
+        with pytest.raises(ValueError, match="3 prompts need 192 tokens of KV cache together") as e:
+            engine.add_request_group([(f"k{i}", {"prompt_token_ids": list(range(1, 9))}, long) for i in range(3)])
+        assert _param_of(e.value) == "prompt" and not engine.has_unfinished_requests()
+        engine.add_request_group([(f"ok{i}", {"prompt_token_ids": [1, 2]}, SamplingParams(
+            max_tokens=3, temperature=0, ignore_eos=True)) for i in range(4)])
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert sorted(done) == [f"ok{i}" for i in range(4)]
         assert_drained(llm)
     finally:
         llm.close()

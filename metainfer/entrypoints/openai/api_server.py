@@ -102,16 +102,19 @@ def default_served_name(model: str) -> str:
 
 
 def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
-              max_queued_requests: int | None = None, docs: bool = True) -> FastAPI:
+              max_queued_requests: int | None = None, docs: bool = True,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The ASGI app. `llm_or_kwargs`: an `LLM` (the caller keeps ownership) or a dict of `LLM`
     keyword arguments (the app builds the LLM and closes it at shutdown). `docs=False` drops /docs,
-    /redoc and /openapi.json (with an API key they need it, like /v1/*)."""
+    /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
+    lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
     owns = isinstance(llm_or_kwargs, dict)
     llm = LLM(**llm_or_kwargs) if owns else llm_or_kwargs
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
     names = list(served_model_names or [default_served_name(llm.llm_engine.config.model)])
     server = OpenAIServer(llm, names, api_key, max_queued_requests, owns_llm=owns)
+    server.chat.trust_request_chat_template = trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,12 +178,13 @@ class _Server(uvicorn.Server):
 
 def serve(llm, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
           max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True,
-          docs: bool = True, shutdown_timeout: float = 5.0) -> None:
+          docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False) -> None:
     """Serve `llm` under uvicorn until SIGTERM / SIGINT (the caller keeps ownership of `llm`). At the
     signal, requests in flight may finish for `shutdown_timeout` seconds; the rest end with a final
     error event (code server_shutdown); then this returns."""
     app = build_app(llm, served_model_names=served_model_names, api_key=api_key,
-                    max_queued_requests=max_queued_requests, docs=docs)
+                    max_queued_requests=max_queued_requests, docs=docs,
+                    trust_request_chat_template=trust_request_chat_template)
     engine_loop = app.state.server.engine_loop
 
     def on_exit() -> None:  # in the signal handler, on the event loop's thread

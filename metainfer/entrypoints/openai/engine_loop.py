@@ -187,19 +187,13 @@ class EngineLoop:
     def _add(self, items: list[Item], sink, future: concurrent.futures.Future, arrival: float) -> None:
         if not future.set_running_or_notify_cancel():
             return  # the handler went away before we got to it
-        added = []
-        try:
-            for request_id, prompt, params in items:
-                if callable(prompt):
-                    prompt = prompt()
-                self.engine.add_request(request_id, prompt, params)
-                added.append(request_id)
+        try:  # one client request: all or none, bounded together (LLMEngine.add_request_group)
+            self.engine.add_request_group([(rid, prompt() if callable(prompt) else prompt, params)
+                                           for rid, prompt, params in items])
         except BaseException as exc:
-            for request_id in added:
-                self.engine.abort_request(request_id)
             future.set_exception(exc)
             return
-        for request_id in added:
+        for request_id, _, _ in items:
             self._sinks[request_id] = sink
             self._timing[request_id] = RequestTiming(arrival)
         future.set_result(None)

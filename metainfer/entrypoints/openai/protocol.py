@@ -19,9 +19,11 @@ from metainfer.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # the default of EngineConfig.max_logprobs; the endpoints pass the engine's own
 # chat_template_kwargs may not override how the template is called
+# (apply_chat_template's own keywords and those it passes to the template's render())
 _RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors", "padding",
-    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+    "conversation", "conversations", "messages", "tools", "documents", "continue_final_message", "tokenize",
+    "add_generation_prompt", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens"})
 # the optional sampling fields passed to SamplingParams only when the client set them
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "stop", "stop_token_ids")
@@ -149,7 +151,10 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
-    def check_supported(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+    def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
+        """`trust_request_chat_template` (serve --trust-request-chat-template): a request may bring its own
+        chat template; off by default, as in vLLM: a template is a program the engine thread runs (a nested
+        loop froze every stream for 28 s)."""
         if self.tools:
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -158,7 +163,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request(f"top_logprobs must be in [0, {max_logprobs}]", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        kwargs = self.chat_template_kwargs or {}
+        if "chat_template" in kwargs and not trust_request_chat_template:
+            raise bad_request("chat_template_kwargs may not set chat_template: this server does not run "
+                              "templates from requests (serve --trust-request-chat-template allows it)",
+                              "chat_template_kwargs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
 

@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from metainfer.engine.request_validation import InvalidRequestError
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
 from metainfer.entrypoints.openai.errors import OpenAIError
 from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
@@ -16,17 +17,24 @@ from metainfer.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    trust_request_chat_template = False  # a request may set chat_template_kwargs.chat_template (build_app)
+
     async def create(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = self.check_model(req.model)
-        req.check_supported(self.llm.llm_engine.config.max_logprobs)
+        req.check_supported(self.llm.llm_engine.config.max_logprobs, self.trust_request_chat_template)
         top_k = req.top_logprobs or 0
         params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
         conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
         llm, add_generation_prompt = self.llm, req.add_generation_prompt
 
         def prompt():  # runs on the engine thread (the tokenizer's only encoder)
-            ids = llm.apply_chat_template(conversation, template_kwargs, add_generation_prompt)
+            try:
+                ids = llm.apply_chat_template(conversation, template_kwargs, add_generation_prompt)
+            except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
+                field = "chat_template_kwargs" if template_kwargs else "messages"
+                raise InvalidRequestError(field, f"the chat template failed on this request's {field}: "
+                                                 f"{type(exc).__name__}: {exc}"[:500]) from None
             return {"prompt_token_ids": ids}
 
         base = f"chatcmpl-{uuid.uuid4().hex}"
