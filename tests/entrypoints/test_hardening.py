@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import httpx
 import pytest
 
+from metainfer import LLM
 from metainfer.entrypoints.openai.api_server import build_app
-from tests.helpers.server import ServerThread, assert_error, auth, greedy, metrics, post, wait_idle
+from tests.helpers.server import MODEL, ServerThread, assert_error, auth, greedy, metrics, post, wait_idle
 from tests.helpers.tiny_models import make_prompts
 
 MARK = 999  # a prompt holding this token fails its steps (fault hook): a request whose data breaks a step
@@ -167,3 +169,124 @@ def test_served_name_of_a_gguf_file_drops_the_extension():
     assert default_served_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     assert default_served_name("/models/Qwen3-8B/") == "Qwen3-8B"
     assert default_served_name("Qwen3-8B") == "Qwen3-8B"
+
+
+# -- review of issue 24 --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_server(model_dir):
+    """max_n 4, a 96-token KV pool, a 48-token context; request-supplied chat templates allowed."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=48, max_n=4, num_kv_blocks=6, block_size=16)
+    app = build_app(llm, served_model_names=[MODEL], trust_request_chat_template=True)
+    srv = ServerThread(app).start()
+    srv.state = app.state.server
+    yield srv
+    srv.stop()
+    llm.close()
+
+
+def test_prompt_list_fan_out_is_bounded_and_a_neighbour_is_not_delayed(small_server):
+    """The review's repro at small numbers: a prompt list whose prompts x n pass max_n is a 400 naming `prompt`
+    (or `n`), as is one whose sequences cannot fit the KV pool together; a concurrent small request finishes
+    in its usual time; nothing is left queued."""
+    srv = small_server
+    alone = time.monotonic()
+    assert post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}, headers={}).status_code == 200
+    alone = time.monotonic() - alone
+    answers: dict[str, tuple[int, float]] = {}
+
+    def neighbour():
+        t0 = time.monotonic()
+        r = post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}, headers={})
+        answers["neighbour"] = (r.status_code, time.monotonic() - t0)
+
+    thread = threading.Thread(target=neighbour)
+    thread.start()
+    t0 = time.monotonic()
+    err = assert_error(post(srv, "/v1/completions", {"prompt": ["x"] * 5, "max_tokens": 1}, headers={}), 400,
+                       "prompt")
+    assert "5 choices" in err["message"] and "max_n (4)" in err["message"], err
+    assert_error(post(srv, "/v1/completions", {"prompt": [[1, 2]] * 3, "n": 2, "max_tokens": 1}, headers={}),
+                 400, "prompt")
+    assert_error(post(srv, "/v1/completions", {"prompt": "x", "n": 5, "max_tokens": 1}, headers={}), 400, "n")
+    err = assert_error(post(srv, "/v1/completions", {"prompt": [[1, 2, 3]] * 3, "max_tokens": None}, headers={}),
+                       400, "prompt")  # 3 x (3 + 45) = 144 tokens together > the pool's 96
+    assert "KV cache together" in err["message"], err
+    refused = time.monotonic() - t0
+    thread.join(60)
+    assert answers["neighbour"][0] == 200
+    assert refused < 10 and answers["neighbour"][1] < 10 + 5 * alone, (refused, answers, alone)
+    r = post(srv, "/v1/completions", {"prompt": [[1, 2]] * 2, "n": 2, "max_tokens": 2}, headers={})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4  # exactly max_n choices are fine
+    wait_idle(srv)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}
+
+
+def test_request_chat_templates_are_refused_by_default(server):
+    for kwargs in ({"chat_template": "{{ messages[0].content }}"},
+                   {"chat_template": "{% for i in range(10**9) %}a{% endfor %}"}):
+        err = assert_error(post(server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": kwargs}), 400,
+                           "chat_template_kwargs")
+        assert "--trust-request-chat-template" in err["message"], err
+    for key in ("messages", "tools", "documents", "continue_final_message", "conversation"):
+        assert_error(post(server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {key: 5}}), 400,
+                     "chat_template_kwargs")
+    assert post(server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+                ).status_code == 200
+    wait_idle(server)
+
+
+def test_a_trusted_request_template_that_fails_is_a_400(small_server):
+    """With --trust-request-chat-template a template that raises while rendering (range(10**9): OverflowError in
+    jinja's sandbox; an undefined call) is a 400 naming chat_template_kwargs, not a 500; a good one is used."""
+    srv = small_server
+    for template in ("{% for i in range(10**9) %}a{% endfor %}", "{{ nothing() }}", "{% raise %}"):
+        assert_error(post(srv, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"chat_template": template}},
+                          headers={}), 400, "chat_template_kwargs")
+    r = post(srv, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}, "logprobs": True}, headers={})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(srv.state.llm.get_tokenizer().encode("hi"))
+    wait_idle(srv)
+
+
+def test_drain_refuses_new_requests_and_lets_short_ones_finish(ref):
+    """Shutdown's drain (what SIGTERM / SIGINT start, EngineLoop.request_drain): a new request gets 503
+    server_shutdown; a request finishing within the drain time completes normally with its exact output; a
+    non-streaming request still running when the time is up gets a 503 server_shutdown."""
+    short_prompt = [11, 12, 13]
+    expected = ref.generate({"prompt_token_ids": short_prompt}, greedy(6, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    engine = ref.llm_engine
+    app = build_app(ref, served_model_names=[MODEL])
+    results: dict[str, httpx.Response] = {}
+
+    def run(name, body):
+        results[name] = post(srv, "/v1/completions", body, headers={})
+
+    engine.fault_hook = lambda seqs: time.sleep(0.03)  # a slow engine: ~30 ms a step
+    try:
+        with ServerThread(app) as srv:
+            loop = app.state.server.engine_loop
+            threads = [threading.Thread(target=run, args=("long", {"prompt": [1, 2], "max_tokens": 400,
+                                                                   "ignore_eos": True})),
+                       threading.Thread(target=run, args=("short", {"prompt": short_prompt, "max_tokens": 6,
+                                                                    "temperature": 0, "ignore_eos": True}))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while loop.num_in_flight < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            loop.request_drain(2.0)
+            assert_error(post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers={}), 503,
+                         code="server_shutdown")
+            for t in threads:
+                t.join(60)
+    finally:
+        engine.fault_hook = None
+    assert results["short"].status_code == 200 and results["short"].json()["choices"][0]["text"] == expected
+    assert_error(results["long"], 503, code="server_shutdown")
+    assert not engine.has_unfinished_requests()
