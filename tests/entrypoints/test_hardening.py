@@ -43,6 +43,16 @@ POISONED = [  # (path, raw body, the field the 400 names): the issue's list and 
     ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":1000000}',
      "top_logprobs"),
     ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"temperature":NaN}', "temperature"),
+    # finite in float64, 0 or inf in the sampler's float32 (review item 3)
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"top_p":1e-300,"seed":1}', "top_p"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"repetition_penalty":1e-300}', "repetition_penalty"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"temperature":1e39,"min_tokens":2}', "temperature"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"min_p":1e-300}', "min_p"),
+    ("/v1/completions", '{"prompt":["x","y","z"],"max_tokens":1,"n":100}', "prompt"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"chat_template":'
+     '"{% for i in range(10**9) %}a{% endfor %}"}}', "chat_template_kwargs"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"messages":5}}',
+     "chat_template_kwargs"),
 ]
 
 
@@ -59,8 +69,15 @@ def _good_requests(ref, n: int = 4, max_tokens: int = 24):
     return prompts, [o.outputs[0].text for o in alone]
 
 
-def _post_good(server, prompts, max_tokens, results, stream: bool):
+def _post_good(server, prompts, max_tokens, results, stream: bool, finished_at: dict | None = None):
     def one(i, p):
+        try:
+            _one(i, p)
+        finally:
+            if finished_at is not None:
+                finished_at[i] = time.monotonic()
+
+    def _one(i, p):
         body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
         r = post(server, "/v1/completions", body)
         if stream:
@@ -80,14 +97,38 @@ def _post_good(server, prompts, max_tokens, results, stream: bool):
 @pytest.mark.slow  # ~5-20 s on 2 shared cores
 @pytest.mark.parametrize("stream", [False, True])
 def test_poisoned_bodies_get_400_while_four_requests_finish_exactly(server, ref, stream):
-    prompts, expected = _good_requests(ref)
+    """The poisoned bodies are posted all at once while the four well-formed requests are in the engine (a
+    slowed engine: ~30 ms a step), and every 400 arrives before any of the four finishes."""
+    prompts, expected = _good_requests(ref, max_tokens=48)
+    engine_loop = server.state.engine_loop
     results: dict[int, str] = {}
-    threads = _post_good(server, prompts, 24, results, stream)
-    for path, body, field in POISONED:
-        err = assert_error(_raw_post(server, path, body), 400, field)
+    finished_at: dict[int, float] = {}
+    answered: dict[int, tuple[float, httpx.Response]] = {}
+
+    def poison(k, path, body):
+        r = _raw_post(server, path, body)
+        answered[k] = (time.monotonic(), r)
+
+    server.state.engine.fault_hook = lambda seqs: time.sleep(0.03)
+    try:
+        threads = _post_good(server, prompts, 48, results, stream, finished_at)
+        deadline = time.monotonic() + 60
+        while engine_loop.num_in_flight < 4:  # all four added to the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        bad = [threading.Thread(target=poison, args=(k, path, body)) for k, (path, body, _) in enumerate(POISONED)]
+        for t in bad:
+            t.start()
+        for t in bad:
+            t.join(60)
+        for t in threads:
+            t.join(120)
+    finally:
+        server.state.engine.fault_hook = None
+    for k, (_, _, field) in enumerate(POISONED):
+        err = assert_error(answered[k][1], 400, field)
         assert field in err["message"] or field in ("prompt", "max_completion_tokens", "top_logprobs"), err
-    for t in threads:
-        t.join(120)
+    assert max(t for t, _ in answered.values()) < min(finished_at.values()), "a good request finished first"
     assert [results[i] for i in range(4)] == expected
     wait_idle(server)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
