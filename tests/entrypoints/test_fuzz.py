@@ -2,7 +2,8 @@
 
 Every generated input either succeeds or is refused with a ValueError / HTTP 4xx that names one of the
 fields it set; meanwhile well-formed greedy requests keep their exact outputs, and the engine serves
-afterwards. Bounded: a fixed number of examples, no example database, no deadline (the CPU is shared).
+afterwards. Bounded twice: a number of examples and a wall-clock budget a test (METAINFER_FUZZ_SECONDS,
+default 60: examples past it are skipped); no example database, no per-example deadline (the CPU is shared).
 """
 
 from __future__ import annotations
@@ -26,7 +27,24 @@ from tests.helpers.tiny_models import make_prompts
 # values that broke or could break a step: widths, signs, NaN / inf, wrong types
 NASTY = st.sampled_from([0, -1, 1, 2, 2**31, 2**63 - 1, 2**63, -(2**63) - 1, 2**64, 10**30, -(10**9), 10**9,
                          math.nan, math.inf, -math.inf, 0.5, -0.5, 1e-9, 1e300, True, False, None, "1", "", [],
-                         {}, [1], [-1], [2**63], [10**9], ["a"], [""]])
+                         {}, [1], [-1], [2**63], [10**9], ["a"], [""],
+                         # finite in float64, 0 or inf in the sampler's float32
+                         1e-300, 5e-324, 1e-45, 1e-7, 1e39, 3.5e38, -1e39])
+BUDGET_S = float(os.environ.get("METAINFER_FUZZ_SECONDS", "60"))
+
+
+class Budget:
+    """A wall-clock bound over a hypothesis run: `spent` turns true once the budget is used up."""
+
+    def __init__(self, seconds: float = BUDGET_S):
+        self.end, self.skipped = time.monotonic() + seconds, 0
+
+    @property
+    def spent(self) -> bool:
+        if time.monotonic() > self.end:
+            self.skipped += 1
+            return True
+        return False
 FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 SMALL_INTS = st.integers(min_value=-3, max_value=40)
 BIG_INTS = st.integers(min_value=-(2**70), max_value=2**70)
@@ -54,10 +72,17 @@ FIELD_VALUES = {
 PARAMS = st.fixed_dictionaries({}, optional=FIELD_VALUES)
 
 
+_PARAMS_BUDGET: list[Budget] = []
+
+
 @settings(max_examples=400, deadline=None, database=None)
 @given(PARAMS)
 def test_sampling_params_accept_or_name_a_field(kwargs):
     """Construction either succeeds (and re-validation agrees) or raises ValueError naming a field it set."""
+    if not _PARAMS_BUDGET:
+        _PARAMS_BUDGET.append(Budget())
+    if _PARAMS_BUDGET[0].spent:
+        return
     try:
         params = SamplingParams(**kwargs)
     except ValueError as err:
@@ -71,13 +96,21 @@ def test_sampling_params_accept_or_name_a_field(kwargs):
         assert value is None or (type(value) is int and -(2**63) <= value < 2**63)
 
 
+_ENGINE_BUDGET: list[Budget] = []
+
+
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(PARAMS)
 def test_engine_accepts_or_names_a_field(ref, kwargs):
     """What SamplingParams accepts, the engine either queues or refuses naming a field; what it queues runs
-    one step without failing (bounded: the request is aborted after that step)."""
+    a prefill and a few decode steps (where penalties and min_tokens act) without failing and samples ids
+    inside the vocabulary (bounded: the request is aborted after them)."""
+    if not _ENGINE_BUDGET:
+        _ENGINE_BUDGET.append(Budget())
+    if _ENGINE_BUDGET[0].spent:
+        return
     try:
         params = SamplingParams(**kwargs)
     except ValueError:
@@ -88,9 +121,15 @@ def test_engine_accepts_or_names_a_field(ref, kwargs):
     except ValueError as err:
         assert getattr(err, "param", None) in kwargs, (kwargs, err)
         return
+    failed = engine.stats.get("failed_requests", 0)
     try:
-        engine.step()
-        assert engine.stats.get("failed_requests", 0) == 0
+        for _ in range(4):
+            for out in engine.step():
+                assert out.error is None, (kwargs, out.error)
+                assert all(0 <= t < engine.spec.vocab_size for c in out.outputs for t in c.token_ids), kwargs
+            if not engine.has_unfinished_requests():
+                break
+        assert engine.stats.get("failed_requests", 0) == failed
     finally:
         engine.abort_request("fuzz")
         while engine.in_flight:  # read back what async scheduling left in flight
@@ -99,7 +138,14 @@ def test_engine_accepts_or_names_a_field(ref, kwargs):
 
 # request bodies: the sampling fields plus the API's own; the values may be anything JSON can carry
 PROMPTS = st.one_of(st.text(max_size=12), st.lists(st.integers(0, 600), max_size=6),
-                    st.lists(st.text(max_size=6), max_size=2), NASTY)
+                    st.lists(st.text(max_size=6), max_size=2), NASTY,
+                    st.lists(st.just("x"), min_size=1, max_size=9))  # fan-out through the prompt list (max_n 4)
+TEMPLATE_KWARGS = st.one_of(
+    st.fixed_dictionaries({}, optional={"chat_template": st.one_of(st.sampled_from(
+        ["{{ messages }}", "{% for i in range(10**9) %}a{% endfor %}", "{{ x() }}"]), NASTY),
+        "messages": NASTY, "tools": NASTY, "add_generation_prompt": NASTY, "enable_thinking": st.booleans(),
+        "documents": NASTY, "continue_final_message": NASTY}),
+    NASTY)
 COMPLETION_BODY = st.fixed_dictionaries({"prompt": PROMPTS}, optional={
     **{k: v for k, v in FIELD_VALUES.items() if k != "logprobs"},
     "logprobs": st.one_of(st.integers(0, 3), BIG_INTS, NASTY), "echo": st.one_of(st.booleans(), NASTY),
@@ -112,7 +158,9 @@ MESSAGES = st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["u
 CHAT_BODY = st.fixed_dictionaries({"messages": MESSAGES}, optional={
     **{k: v for k, v in FIELD_VALUES.items() if k not in ("logprobs", "max_tokens")},
     "max_completion_tokens": FIELD_VALUES["max_tokens"], "logprobs": st.one_of(st.booleans(), NASTY),
-    "top_logprobs": st.one_of(st.integers(0, 3), BIG_INTS, NASTY), "stream": st.one_of(st.booleans(), NASTY)})
+    "top_logprobs": st.one_of(st.integers(0, 3), BIG_INTS, NASTY), "stream": st.one_of(st.booleans(), NASTY),
+    "chat_template_kwargs": TEMPLATE_KWARGS,
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=3), FLOATS, max_size=2), NASTY)})
 # plausible values only: most of these succeed, so the accepted paths (penalties, seeds, stops, logprobs, n,
 # streaming) run beside the neighbours too
 PLAUSIBLE = {"n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
@@ -125,9 +173,12 @@ PLAUSIBLE = {"n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st
 PLAUSIBLE_BODY = st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=12),
                                                             st.lists(st.integers(0, 500), min_size=1, max_size=6))},
                                        optional=PLAUSIBLE)
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+NOT_OBJECTS = st.one_of(st.just([]), st.none(), st.text(max_size=4), st.integers(), st.lists(st.integers(), max_size=2))
 BODIES = st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION_BODY),
                    st.tuples(st.just("/v1/chat/completions"), CHAT_BODY),
-                   st.tuples(st.just("/v1/completions"), PLAUSIBLE_BODY))
+                   st.tuples(st.just("/v1/completions"), PLAUSIBLE_BODY),
+                   st.tuples(PATHS, NOT_OBJECTS))  # a body that is not a JSON object: 400, param null
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +228,10 @@ class Neighbours:
             self.rounds += 1
 
 
-def _check_answer(path: str, body: dict, r: httpx.Response) -> None:
+def _check_answer(path: str, body, r: httpx.Response) -> None:
+    if not isinstance(body, dict):
+        assert r.status_code == 400 and r.json()["error"]["param"] is None, (path, body, r.text)
+        return
     if r.status_code == 200:
         if body.get("stream") is True:
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -197,12 +251,14 @@ def test_fuzzed_bodies_against_the_server(fuzz_server, ref):
     neighbours = Neighbours(server, ref)
     neighbours.thread.start()
     statuses: dict[int, int] = {}
-    start = time.monotonic()
+    start, budget = time.monotonic(), Budget()
 
     @settings(max_examples=int(os.environ.get("METAINFER_FUZZ_EXAMPLES", "70")), deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(BODIES)
     def fuzz(path_body):
+        if budget.spent:
+            return
         path, body = path_body
         raw = json.dumps(body).encode()  # NaN / Infinity are written as JSON's common extension
         r = post(server, path, raw)
@@ -220,4 +276,6 @@ def test_fuzzed_bodies_against_the_server(fuzz_server, ref):
     r = post(server, "/v1/completions", {"prompt": "still serving", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     wait_idle(server, timeout=60)
-    print(f"fuzz: {sum(statuses.values())} bodies {statuses}, {neighbours.rounds} neighbour rounds, {elapsed:.1f} s")
+    assert elapsed < BUDGET_S + 120, elapsed  # the budget, plus the neighbours' last round and the checks
+    print(f"fuzz: {sum(statuses.values())} bodies {statuses}, {neighbours.rounds} neighbour rounds, {elapsed:.1f} s, "
+          f"{budget.skipped} examples past the {BUDGET_S:g} s budget skipped")
