@@ -33,7 +33,8 @@ def _one_line_error(capsys, argv) -> str:
     (["--max-tokens", "-1"], "--max-tokens"), (["--temperature", "-2"], "--temperature"),
     (["--top-p", "0"], "--top-p"), (["--top-p", "nan"], "--top-p"), (["--temperature", "inf"], "--temperature"),
     (["--top-k", str(2**63)], "--top-k"), (["--min-p", "1.5"], "--min-p"),
-    (["--sample-seed", str(2**64)], "--sample-seed"),
+    (["--sample-seed", str(2**64)], "--sample-seed"), (["--seed", str(2**64)], "--seed"),
+    (["--top-p", "1e-300"], "--top-p"), (["--temperature", "1e39"], "--temperature"),
 ])
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_bad_sampling_values_are_one_line_before_the_model_loads(capsys, command, argv, option):
@@ -87,3 +88,32 @@ def test_every_option_has_help():
     missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in _options(cli.build_parser())
                if not a.help or a.help == argparse.SUPPRESS]
     assert missing == []
+
+
+def test_seed_errors_name_the_option_given(capsys):
+    """--seed feeds the request's seed when --sample-seed is absent: the error names --seed, not --sample-seed."""
+    line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--seed", str(2**64)])
+    assert line.startswith("metainfer: error: --seed: ") and "--sample-seed" not in line, line
+    line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--seed", "1", "--sample-seed", str(2**64)])
+    assert line.startswith("metainfer: error: --sample-seed: "), line
+
+
+def test_max_n_and_max_logprobs_options(capsys, model_dir):
+    """--max-n and --max-logprobs reach the engine (serve takes the engine options too); a bad one is one line."""
+    args = cli.build_parser().parse_args(["serve", "--model", model_dir, "--max-n", "3", "--max-logprobs", "5"])
+    kwargs = cli.engine_kwargs(args)
+    assert kwargs["max_n"] == 3 and kwargs["max_logprobs"] == 5
+    defaults = cli.engine_kwargs(cli.build_parser().parse_args(["generate", "--model", model_dir]))
+    assert defaults["max_n"] == 128 and defaults["max_logprobs"] == 20
+    line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", "--max-n", "0"])
+    assert "max_n" in line, line
+    from metainfer import LLM
+
+    llm = LLM(**cli.engine_kwargs(cli.build_parser().parse_args(
+        ["generate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len", "32",
+         "--max-n", "2", "--max-logprobs", "1"])))
+    try:
+        limits = llm.llm_engine.request_limits()
+        assert limits.max_n == 2 and limits.max_logprobs == 1
+    finally:
+        llm.close()
