@@ -6,7 +6,8 @@ determinism (10 runs identical, greedy and seeded sampling), long-sequence decay
 NaN, HF's argmax agrees), long-prefill cost linear in length, KV block boundaries (block_size - 1 / block_size /
 block_size + 1 prompts), KV full (preemption and recovery, nothing lost), latency jitter (p99/p50 of per-token
 time reported), edge cases (1-token prompt, max_tokens=1, empty stop lists, unicode), multi-turn chat with
-prefix-cache hits. Figures a test measures are printed (`-s` shows them).
+prefix-cache hits. Figures a test measures are printed (`-s` shows them). Tests over ~5 s on 2 busy cores (the
+torch CPU path's determinism, KV-full and jitter runs took 25-32 s at a load of 8) are marked slow.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _greedy(n, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
+@pytest.mark.slow
 def test_determinism_ten_runs_identical(engine):
     prompts = make_prompts([7, 23, 40], seed=11)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
@@ -124,6 +126,7 @@ def test_kv_block_boundaries(engine, reference):
         assert_matches_hf(model, prompts, got, expected)
 
 
+@pytest.mark.slow
 def test_kv_full_preempts_and_recovers_with_nothing_lost(reference, engine):
     """8 sequences of 40 + 40 tokens in a pool of 12 blocks (5 per sequence at the end): the scheduler must
     preempt and recompute; every output equals HF's and every block comes back."""
@@ -139,6 +142,7 @@ def test_kv_full_preempts_and_recovers_with_nothing_lost(reference, engine):
     assert again == got[:2]
 
 
+@pytest.mark.slow
 def test_latency_jitter_p99_over_p50_is_reported(engine):
     """Per-token decode times of one 200-token stream: p50, p99 and p99/p50 of wall time and of the process's
     CPU time printed. The bound (10x) is on CPU time: a stall of the engine's own making (a per-step
