@@ -27,13 +27,26 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def build_metadata(is_prefill: bool, views: dict[str, torch.Tensor], positions: torch.Tensor,
-                       max_seqlen_q: int, seq_lens: tuple[tuple[int, int], ...] | None = None) -> AttentionMetadata:
+                       max_seqlen_q: int, seq_lens: tuple[tuple[int, int], ...] | None = None,
+                       num_decode_rows: int = 0) -> AttentionMetadata:
         """The step's metadata over the packed step views (worker/step_inputs.py: StepLayout.views);
-        `seq_lens` the host (new tokens, context) of each sequence of a prefill step."""
-        return AttentionMetadata(is_prefill=is_prefill, slot_mapping=views["slots"],
+        `seq_lens` the host (new tokens, context) of each sequence of a prefill step; a mixed step's first
+        `num_decode_rows` sequences are 1-token decode rows (rows 0 .. D-1 of q), given their own part."""
+        meta = AttentionMetadata(is_prefill=is_prefill, slot_mapping=views["slots"],
                                  context_lens=views["context_lens"], block_tables=views["tables"],
                                  cu_seqlens_q=views["cu"], max_seqlen_q=max_seqlen_q, positions=positions,
                                  seq_lens=seq_lens)
+        if is_prefill and num_decode_rows:
+            d = num_decode_rows
+            meta.decode_part = AttentionMetadata(
+                is_prefill=False, slot_mapping=meta.slot_mapping[:d], context_lens=meta.context_lens[:d],
+                block_tables=meta.block_tables[:d], positions=positions[:d])
+            meta.prefill_part = AttentionMetadata(
+                is_prefill=True, slot_mapping=meta.slot_mapping, context_lens=meta.context_lens[d:],
+                block_tables=meta.block_tables[d:], cu_seqlens_q=meta.cu_seqlens_q[d:],  # absolute offsets
+                max_seqlen_q=max(q_len for q_len, _ in seq_lens[d:]) if seq_lens else max_seqlen_q,
+                positions=positions, seq_lens=seq_lens[d:] if seq_lens else None, first_row=d)
+        return meta
 
     @abstractmethod
     def bytes_per_block(self, num_layers: int, block_size: int) -> int:
@@ -61,7 +74,15 @@ class AttentionBackend(ABC):
         """Attention of one query token per sequence over its cache (this step's K/V already stored)."""
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """store, then prefill or decode, under the current forward context (the step's metadata)."""
+        """store, then prefill or decode, under the current forward context (the step's metadata). A mixed
+        step: prefill over the prefill rows (absolute row offsets: rows 0 .. D-1 of its output are left
+        unwritten), then the decode rows through the decode kernel into those rows."""
         meta = get_attention_metadata()
         q = self.store(layer, q, k, v, meta)
-        return self.prefill(layer, q, meta) if meta.is_prefill else self.decode(layer, q, meta)
+        if not meta.is_prefill:
+            return self.decode(layer, q, meta)
+        if meta.decode_part is None:
+            return self.prefill(layer, q, meta)
+        out = self.prefill(layer, q, meta.prefill_part)
+        out[: meta.prefill_part.first_row] = self.decode(layer, q[: meta.prefill_part.first_row], meta.decode_part)
+        return out

@@ -26,6 +26,12 @@ class AttentionMetadata:
     # prefill only, on the host: (new tokens, context after the step) per sequence, for a backend whose
     # prefill form is chosen or shaped by length (MLA's expanded prefill); None where not known
     seq_lens: tuple[tuple[int, int], ...] | None = None
+    # a mixed step (prefill path with decode rows first): the decode rows' and the prefill rows' own metadata,
+    # so each part runs its own kernel (the prefill kernel reads K/V once per q head: a 1-token decode row
+    # there costs the GQA group's factor in bytes). `first_row`: the part's first row of the step's q.
+    decode_part: AttentionMetadata | None = None
+    prefill_part: AttentionMetadata | None = None
+    first_row: int = 0
 
 
 _CURRENT: list[AttentionMetadata | None] = [None]

@@ -120,7 +120,7 @@ class MLABackend(AttentionBackend):
         kv_b = layer.kv_b_weight  # [Hr * (Dn + Dv), L]
         block_size = layer.latent_cache.shape[1]
         out = q.new_empty(q.shape[0], heads, layer.v_head_dim)
-        start = 0
+        start = meta.first_row  # a mixed step's prefill part starts after its decode rows
         for b, (length, _) in enumerate(meta.seq_lens):
             blocks = meta.block_tables[b, : -(-length // block_size)].long()
             cached = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:length].to(q.dtype)

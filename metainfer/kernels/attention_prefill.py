@@ -59,7 +59,10 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
+# the block-table width changes per batch; the per-sequence pointers of a mixed step's prefill part start
+# at its first prefill row (any alignment): one variant for both
+@triton.jit(do_not_specialize=["bt_stride_b"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     scale_log2e,

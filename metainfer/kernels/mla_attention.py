@@ -296,7 +296,10 @@ def mla_decode_attention_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["bt_stride_b"])
+# the block-table width changes per batch; the per-sequence pointers of a mixed step's prefill part start
+# at its first prefill row (any alignment): one variant for both
+@triton.jit(do_not_specialize=["bt_stride_b"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_seqlens_ptr", "context_lens_ptr"])
 def _mla_prefill_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr,
     scale_log2e, num_heads,

@@ -113,7 +113,8 @@ class ModelRunner:
         seq_lens = tuple((s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
                          for s in batch.seqs) if batch.is_prefill else None
         meta = self.attn_backend.build_metadata(batch.is_prefill, views, positions,
-                                                max(s.num_scheduled_tokens for s in batch.seqs), seq_lens)
+                                                max(s.num_scheduled_tokens for s in batch.seqs), seq_lens,
+                                                batch.num_decode_rows if batch.is_prefill else 0)
         with forward_context(meta):
             hidden = self.model(ids)
         return self.model.compute_logits(hidden[views["rows"].long()])
