@@ -85,16 +85,38 @@ def test_long_sequence_decay_2000_tokens_agrees_with_hf_teacher_forced(engine, r
     assert all(t in top2.indices[i].tolist() for i, t in zip(disagree.tolist(), ours[disagree].tolist()))
 
 
+def _mlx_attention_seconds(engine, n: int) -> float:
+    """What a prefill of n tokens spends in attention on MLX: the runner's own op (the context K/V gathered from
+    a pool, mx.fast.scaled_dot_product_attention with a causal mask) at the model's shapes, median of 3, times
+    the layer count."""
+    import mlx.core as mx
+
+    spec = engine.llm_engine.config.spec
+    q = mx.random.normal((1, spec.num_heads, n, spec.head_dim))
+    pool = mx.random.normal((n, spec.num_kv_heads, spec.head_dim))
+    slots = mx.arange(n)
+    mx.eval(q, pool, slots)
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        k = pool[slots].transpose(1, 0, 2)[None]
+        v = pool[slots].transpose(1, 0, 2)[None]
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=spec.head_dim ** -0.5, mask="causal"))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * spec.num_layers
+
+
 @pytest.mark.slow
 def test_long_prefill_cost_is_linear_in_length(engine):
-    """Prefill time per prompt token at 256 .. 2,048 tokens (median of 3, max_tokens=1). Torch CPU: the longest
-    may cost at most 3x the shortest a token (a per-token loop or a quadratic copy shows as >= 8x; attention's
-    own quadratic share at these dims stays under 2x there). MLX on this CPU: its build runs matmuls through a
-    reference BLAS, so attention's T^2 term dominates a 64-wide model from a few hundred tokens and the cost a
-    token grows with length (docs/PERFORMANCE.md); there the bound is no worse than that quadratic term: from
-    1,024 to 2,048 tokens the cost a token may at most double (+50% for shared-core noise: 2.6x was seen at a
-    load of 8); a re-prefill or a cubic gather shows as >= 4x."""
-    per_token = {}
+    """Prefill time per prompt token at 256 .. 2,048 tokens (median of 3, max_tokens=1). One bound on both
+    backends: the cost a token may grow by at most 2x the 256-token cost (3x in all) beyond what the attention
+    op's own growth explains (a per-token loop or a quadratic copy shows as >= 8x). On torch attention counts 0
+    (its quadratic share at these dims stays under 2x). On MLX's CPU build the matmuls run through a reference
+    BLAS, so attention's T^2 term alone dominates a 64-wide model from a few hundred tokens
+    (docs/PERFORMANCE.md): the attention op is timed at the same shapes in this process and taken out; and the
+    whole cost a token may at most double per doubling of length (+50% for shared-core noise)."""
+    device = engine.llm_engine.config.device
+    per_token, attention = {}, {}
     for n in (256, 512, 1024, 2048):
         prompt = make_prompts([n], seed=n)[0]
         engine.generate({"prompt_token_ids": prompt}, _greedy(1), use_tqdm=False)  # warm this shape
@@ -105,14 +127,21 @@ def test_long_prefill_cost_is_linear_in_length(engine):
             engine.generate({"prompt_token_ids": prompt}, _greedy(1), use_tqdm=False)
             times.append(time.perf_counter() - start)
         per_token[n] = statistics.median(times) / n
+        attention[n] = (_mlx_attention_seconds(engine, n) if device == "mlx" else 0.0) / n
     ratio = per_token[2048] / per_token[256]
-    print(f"\n[{engine.llm_engine.config.device}] prefill us/token: "
-          + ", ".join(f"{n}: {t * 1e6:.1f}" for n, t in per_token.items()) + f"; 2048/256 ratio {ratio:.2f}")
-    if engine.llm_engine.config.device == "mlx":
+    # growth of the cost a token from 256 to 2,048 tokens that the attention op does not explain; one bound for
+    # both backends (on torch attention counts 0, so this is the whole cost's ratio < 3). Measured against
+    # the 256-token cost a token, so the subtraction's noise on busy cores cannot make a ratio of noise.
+    unexplained = (per_token[2048] - per_token[256]) - (attention[2048] - attention[256])
+    print(f"\n[{device}] prefill us/token: " + ", ".join(f"{n}: {t * 1e6:.1f}" for n, t in per_token.items())
+          + f"; 2048/256 ratio {ratio:.2f}; attention op us/token: "
+          + ", ".join(f"{n}: {t * 1e6:.1f}" for n, t in attention.items())
+          + f"; growth not explained by attention {unexplained / per_token[256]:.2f}x the 256-token cost")
+    assert unexplained < 2.0 * per_token[256], (
+        f"prefill cost per token grew by {unexplained / per_token[256]:.2f}x the 256-token cost beyond attention")
+    if device == "mlx":
         doubling = per_token[2048] / per_token[1024]
         assert doubling < 3.0, f"prefill cost per token grew {doubling:.2f}x from 1024 to 2048 tokens"
-    else:
-        assert ratio < 3.0, f"prefill cost per token grew {ratio:.2f}x from 256 to 2048 tokens"
 
 
 def test_kv_block_boundaries(engine, reference):
