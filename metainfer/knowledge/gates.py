@@ -56,16 +56,21 @@ def file_hashes(files: list[str], root: str = REPO_ROOT) -> dict[str, str]:
     return out
 
 
-# what every gate also depends on: the shared fixtures and builders of the references
-SHARED_TEST_FILES = ("tests/conftest.py", "tests/helpers")
 SELECTION_KEY = "selection"
+
+
+def shared_test_files(root: str = REPO_ROOT) -> list[str]:
+    """What every gate also depends on: every conftest.py under tests/ (nested ones included: a folder
+    selection runs its folder's conftest) and the shared builders of the references in tests/helpers/."""
+    found = glob.glob(os.path.join(root, "tests", "**", "conftest.py"), recursive=True)
+    found += glob.glob(os.path.join(root, "tests", "helpers", "*.py"))
+    return sorted({os.path.relpath(f, root) for f in found})
 
 
 def build_manifest(blueprint: dict, root: str = REPO_ROOT) -> dict:
     """{phase id: {file: sha256, "selection": sha256 of its quick and full lists}} over both selections of
-    every phase and the shared test helpers: narrowing a gate or changing a fixture is a manifest change."""
-    shared = [f for f in selected_files(list(SHARED_TEST_FILES), root)] + \
-        sorted(os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "tests", "helpers", "*.py")))
+    every phase and the shared test files: narrowing a gate or changing a fixture is a manifest change."""
+    shared = shared_test_files(root)
     out = {}
     for p in blueprint["phases"]:
         entry = file_hashes(sorted(set(selected_files(p["quick"] + p["full"], root)) | set(shared)), root)

@@ -50,3 +50,18 @@ def test_a_gate_runs_its_selection_and_records_evidence():
     assert result["pytest"]["returncode"] == 0 and result["pytest"]["counts"]["passed"] >= 10
     assert result["pytest"]["counts"]["failures"] == 0 and result["environment"]["torch"]
     assert len(result["commit"]) == 40 and result["seconds"] > 0 and result["gate"] == "P0"
+
+
+def test_a_changed_nested_conftest_is_drift(tmp_path):
+    """A folder's own conftest.py (e.g. tests/entrypoints/conftest.py) is in every gate's manifest entry."""
+    for path in ("tests/conftest.py", "tests/helpers/h.py", "tests/sub/conftest.py", "tests/sub/test_x.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("# v1\n")
+    blueprint = {"phases": [{"id": "P0", "quick": ["tests/sub/test_x.py"], "full": ["tests/sub"]}]}
+    manifest = build_manifest(blueprint, str(tmp_path))
+    assert "tests/sub/conftest.py" in manifest["P0"]
+    assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == []
+    (tmp_path / "tests/sub/conftest.py").write_text("# v2\n")
+    assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == [
+        "P0: tests/sub/conftest.py changed without its manifest entry"]
+    assert "tests/entrypoints/conftest.py" in build_manifest(load_blueprint())["P10"]
