@@ -176,6 +176,9 @@ class EngineConfig:
             raise ConfigError(f"device='mlx' supports the dense family (Qwen3, Qwen2, Llama); got {spec.architecture}")
         if self.tensor_parallel_size != 1:
             raise ConfigError("device='mlx' runs on one device: tensor_parallel_size must be 1")
+        if self.distributed_executor_backend != "mp":
+            raise ConfigError("device='mlx' runs in one process: distributed_executor_backend must be 'mp' "
+                              f"(the default), got {self.distributed_executor_backend!r}")
         if self.kv_cache_dtype not in ("auto", self.torch_dtype):
             raise ConfigError(f"device='mlx' keeps K/V in the model dtype: kv_cache_dtype must be auto, "
                               f"got {self.kv_cache_dtype!r}")

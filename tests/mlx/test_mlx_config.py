@@ -42,6 +42,7 @@ def test_auto_stays_on_torch(folder):
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(async_scheduling=True), "async_scheduling"),
+    (dict(distributed_executor_backend="external_launcher"), "distributed_executor_backend"),
 ])
 def test_options_mlx_cannot_honour_are_named(folder, kwargs, field):
     with pytest.raises(ConfigError, match=field):
