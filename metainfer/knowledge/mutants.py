@@ -97,6 +97,12 @@ def check_library(modes: list[dict], repo_root) -> list[str]:
         count = file.read_text(encoding="utf-8").count(mutation["find"]) if mutation["find"] else 0
         if count != 1:
             problems.append(f"{name}: find occurs {count} times in {mutation['file']}, expected exactly once")
+    from metainfer.knowledge.blueprint import missing_parametrized_ids
+
+    test_ids = [(m["id"], t) for m in modes if isinstance(m, dict) and isinstance(m.get("tests"), list)
+                for t in m["tests"] if isinstance(t, str) and _test_exists(t, root) is None]
+    params = missing_parametrized_ids([t for _, t in test_ids], str(root))
+    problems += [f"{name}: test id {t!r}: {params[t]}" for name, t in test_ids if t in params]
     return problems
 
 

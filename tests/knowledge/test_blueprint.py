@@ -144,3 +144,26 @@ def test_a_ref_neither_perturbed_nor_exempt_is_drift(blueprint):
     assert any("'metainfer.kernels.rms_norm:rms_norm_triton' is neither a perturbation target nor exempt" in e
                for e in errors)
     assert any("no_such_function" in e for e in errors)
+
+
+def test_a_renamed_parameter_id_is_drift(tmp_path):
+    """A test id's "[param]" must be one pytest collects: renaming a parametrize id leaves the blueprint's
+    reference dangling, which the check names (and so does the failure-mode library's check)."""
+    from metainfer.knowledge.blueprint import check_tests, missing_parametrized_ids
+    from metainfer.knowledge.mutants import _test_exists, check_library, load_failure_modes
+
+    test_file = tmp_path / "tests" / "test_p.py"
+    test_file.parent.mkdir()
+    test_file.write_text("import pytest\n\n\n@pytest.mark.parametrize('x', [1, 2], ids=['one', 'two'])\n"
+                         "def test_x(x):\n    pass\n")
+    doc = {"nodes": [{"id": "n", "tests": ["tests/test_p.py::test_x[one]", "tests/test_p.py::test_x[two]"]}],
+           "phases": []}
+    assert check_tests(doc, str(tmp_path)) == []
+    test_file.write_text(test_file.read_text().replace("'two'", "'deux'"))
+    assert check_tests(doc, str(tmp_path)) == [
+        "n: test 'tests/test_p.py::test_x[two]': pytest collects no parameter id 'test_x[two]' in tests/test_p.py"]
+    assert _test_exists("tests/test_p.py::test_x[two]", tmp_path) is None  # the name alone still resolves
+    assert list(missing_parametrized_ids(["tests/test_p.py::test_x[two]"], str(tmp_path))) == [
+        "tests/test_p.py::test_x[two]"]
+    mode = {**load_failure_modes()[0], "tests": ["tests/test_p.py::test_x[two]"]}
+    assert any("pytest collects no parameter id 'test_x[two]'" in p for p in check_library([mode], tmp_path))
