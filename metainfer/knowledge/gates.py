@@ -5,7 +5,8 @@ phase's selection after the earlier phases' quick selections (regression), behin
                 changed without their manifest entry fails (`metainfer gate --update-manifest` writes it, a
                 deliberate, reviewed commit);
   L0            the engine's import closure (metainfer, its models, kernels, server) holds none of vllm,
-                sglang, flash_attn, flashinfer, xformers;
+                sglang, flash_attn, flashinfer, xformers, and no module under metainfer/ writes such an
+                import anywhere (an ast scan: function-level imports and modules outside the closure);
   evidence      one JSON per gate under --evidence DIR: command, result, duration, commit, environment,
                 test counts.
 `--mutants` runs the failure-mode library's mutations (metainfer/knowledge/mutants.py) and reports
@@ -14,6 +15,7 @@ caught / total.
 
 from __future__ import annotations
 
+import ast
 import glob
 import hashlib
 import json
@@ -103,6 +105,36 @@ def l0_violations(modules: tuple[str, ...] = ENGINE_MODULES,
     return [f"L0: the engine imports {m}" for m in loaded if m.split(".")[0] in forbidden]
 
 
+def _imported_names(tree: ast.AST):
+    """(line, module) for every import statement anywhere in a module (function bodies included) and every
+    importlib.import_module / __import__ call with a literal name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__"):
+                yield node.lineno, node.args[0].value
+
+
+def static_import_violations(package_dir: str = os.path.join(REPO_ROOT, "metainfer"),
+                             forbidden: tuple[str, ...] = FORBIDDEN_IMPORTS) -> list[str]:
+    """Forbidden imports written anywhere in the package's source (ast, no import): the modules the runtime
+    closure does not reach (launchers, the MLX backend, function-level imports) are checked too."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(package_dir, "**", "*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        rel = os.path.relpath(path, os.path.dirname(package_dir))
+        out += [f"L0: {rel}:{line} imports {name}" for line, name in _imported_names(tree)
+                if name.split(".")[0] in forbidden]
+    return out
+
+
 def _environment() -> dict:
     """The versions and machine a gate ran on (evidence)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -161,7 +193,7 @@ def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest
     earlier = order[: order.index(phase_id)] if regression else []
     start = time.perf_counter()
     errors = [e for pid in [*earlier, phase_id] for e in manifest_drift(pid, blueprint, manifest, root)]
-    errors += l0_violations() if l0 else []
+    errors += l0_violations() + static_import_violations() if l0 else []
     tests = [t for pid in earlier for t in phases[pid]["quick"]] + selection(phases[phase_id], quick)
     result = {"gate": phase_id, "title": phases[phase_id]["title"], "quick": quick, "regression_phases": earlier,
               "commit": _git_commit(root), "environment": _environment()}

@@ -8,7 +8,14 @@ import copy
 import json
 
 from metainfer.knowledge.blueprint import load_blueprint
-from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, l0_violations, manifest_drift, run_gate
+from metainfer.knowledge.gates import (
+    MANIFEST_PATH,
+    build_manifest,
+    l0_violations,
+    manifest_drift,
+    run_gate,
+    static_import_violations,
+)
 
 
 def _manifest():
@@ -65,3 +72,29 @@ def test_a_changed_nested_conftest_is_drift(tmp_path):
     assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == [
         "P0: tests/sub/conftest.py changed without its manifest entry"]
     assert "tests/entrypoints/conftest.py" in build_manifest(load_blueprint())["P10"]
+
+
+def test_l0_static_scan_finds_a_function_level_import(tmp_path):
+    """Imports the runtime closure never executes (inside a function, a module outside the closure, a
+    literal importlib call) are found by the ast scan of every module under the package."""
+    pkg = tmp_path / "metainfer"
+    (pkg / "distributed").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import json\n")
+    (pkg / "distributed" / "launch.py").write_text(
+        "def launch():\n    from flash_attn.ops import x  # noqa\n    import xformers.ops\n")
+    (pkg / "mlx_backend.py").write_text("import importlib\nm = importlib.import_module('flashinfer')\n")
+    assert static_import_violations(str(pkg)) == [
+        "L0: metainfer/distributed/launch.py:2 imports flash_attn.ops",
+        "L0: metainfer/distributed/launch.py:3 imports xformers.ops",
+        "L0: metainfer/mlx_backend.py:2 imports flashinfer"]
+    assert static_import_violations() == []
+
+
+def test_a_gate_runs_the_static_l0_scan(monkeypatch):
+    from metainfer.knowledge import gates
+
+    monkeypatch.setattr(gates, "l0_violations", lambda: [])
+    monkeypatch.setattr(gates, "static_import_violations", lambda: ["L0: planted"])
+    blueprint = load_blueprint()
+    result = run_gate("P0", quick=True, blueprint=blueprint, manifest=build_manifest(blueprint), regression=False)
+    assert result["errors"] == ["L0: planted"] and not result["passed"] and "pytest" not in result
