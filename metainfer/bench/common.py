@@ -101,7 +101,8 @@ def run_on_engine(name: str, args, engine_kwargs, measure) -> dict:
         record = measure(llm)
     finally:
         llm.close()
-    record.update({"bench": name, "model": args.model, "startup_s": startup, "tp": args.tp,
+    record.update({"bench": name, "model": args.model, "device": llm.llm_engine.config.device,
+                   "startup_s": startup, "tp": args.tp,
                    "enforce_eager": args.enforce_eager, "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
                    "env": environment()})
     return record

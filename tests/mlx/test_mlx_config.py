@@ -1,5 +1,6 @@
 """device="mlx" as an option: a clear error without MLX, "auto" never picks it, the options it cannot honour
-are refused by name, and `--device mlx` works from the command line (generate, bench latency)."""
+are refused by name, and `--device mlx` works from the command line (generate, chat, serve, bench latency and
+throughput)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,76 @@ def test_cli_generate_and_bench_latency_with_device_mlx(folder, tmp_path, capsys
                  "--output-json", str(record)]) in (0, None)
     data = json.loads(record.read_text())
     assert data["weight_bytes"] > 0 and data["decode_tok_s"] > 0
+
+
+@needs_mlx
+def test_cli_chat_with_device_mlx(tmp_path, monkeypatch, capsys):
+    """Two turns through `metainfer chat --device mlx` (stdin), then an empty line ends it; the chat template's
+    ids need the tokenizer's whole vocabulary."""
+    from metainfer.entrypoints.cli import main
+
+    folder = str(tmp_path)
+    build_tiny_model(folder, "qwen3", vocab_size=151936, num_hidden_layers=1)
+    lines = iter(["hello", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", folder, "--device", "mlx", "--num-kv-blocks", "32", "--max-tokens", "3"]) == 0
+    assert next(lines, None) is None  # both turns and the empty line were read
+    captured = capsys.readouterr()
+    assert "error" not in captured.err and captured.out.count("\n") >= 2  # a reply line a turn
+
+
+@needs_mlx
+def test_cli_bench_throughput_with_device_mlx_records_the_device(folder, tmp_path):
+    from metainfer.entrypoints.cli import main
+
+    record = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", folder, "--device", "mlx", "--num-kv-blocks", "32",
+                 "--num-seqs", "3", "--min-input-len", "4", "--max-input-len", "8", "--min-output-len", "2",
+                 "--max-output-len", "4", "--output-json", str(record)]) in (0, None)
+    data = json.loads(record.read_text())
+    assert data["device"] == "mlx"
+    assert data["output_tokens"] >= 6 and data["output_tok_s"] > 0
+
+
+@needs_mlx
+@pytest.mark.slow
+def test_cli_serve_with_device_mlx_answers_a_completion(folder):
+    """`metainfer serve --device mlx` in its own process answers one completion with exactly the tokens asked."""
+    import os
+    import subprocess
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from tests.helpers.server import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    port = free_port()
+    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", "--model", folder, "--device", "mlx",
+           "--dtype", "float32", "--num-kv-blocks", "32", "--port", str(port), "--served-model-name", "tiny-mlx",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": root},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny-mlx", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
