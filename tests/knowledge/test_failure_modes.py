@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # the classic failure modes the library must cover, by the id chosen for each
 CLASSICS = {
-    "TP double slicing / wrong rank offset": "fm.tp_column_wrong_rank_offset",
+    "TP double slicing": "fm.tp_row_shard_sliced_twice",
+    "TP wrong rank offset": "fm.tp_column_wrong_rank_offset",
     "missing all-reduce": "fm.tp_row_parallel_all_reduce_missing",
     "wrong GQA head mapping": "fm.gqa_head_mapping_interleaved",
     "neox vs interleaved rope (MLA)": "fm.mla_rope_neox_instead_of_interleaved",
