@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 
@@ -34,9 +35,22 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def command_line(args) -> str:
+    """The top-level command, rebuilt from the parsed options (evidence names what produced it)."""
+    parts = ["metainfer", "gate", *args.phases]
+    for flag in ("quick", "mutants", "perturb", "committed", "update_manifest"):
+        parts += [f"--{flag.replace('_', '-')}"] if getattr(args, flag) else []
+    parts += ["--evidence", args.evidence] if args.evidence else []
+    parts += ["--perturb-only", *args.perturb_only] if args.perturb_only else []
+    parts += ["--perturb-hints", *args.perturb_hints] if args.perturb_hints else []
+    parts += ["--jobs", str(args.jobs)] if args.jobs != 1 else []
+    parts += [arg for test in args.deselect for arg in ("--deselect", test)]
+    return shlex.join(parts)
+
+
 def run(args) -> int:
     from metainfer.knowledge.blueprint import REPO_ROOT, load_blueprint
-    from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, run_gate
+    from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, provenance, run_gate
 
     blueprint = load_blueprint()
     if args.update_manifest:
@@ -53,7 +67,8 @@ def run(args) -> int:
     failed = 0
     every = args.phases == ["all"]  # in order, each phase's own selection: the earlier ones just ran
     for i, phase_id in enumerate(ids):
-        result = run_gate(phase_id, args.quick, blueprint, regression=not every, l0=i == 0)
+        result = run_gate(phase_id, args.quick, blueprint, regression=not every, l0=i == 0,
+                          command=command_line(args))
         failed += not result["passed"]
         print(f"{phase_id} {'PASS' if result['passed'] else 'FAIL'} {result['seconds']:.1f}s "
               f"{result.get('pytest', {}).get('summary', '')} " + "; ".join(result["errors"]), flush=True)
@@ -66,6 +81,7 @@ def run(args) -> int:
 
         report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None,
                                      deselect=tuple(args.deselect))
+        report.update(provenance(command_line(args), REPO_ROOT, committed=args.committed))
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
@@ -91,6 +107,7 @@ def run(args) -> int:
         for mode, result in zip(modes, report["modes"]):
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
+        report.update(provenance(command_line(args), REPO_ROOT, committed=args.committed))
         print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates "
               f"({len(report['not_cpu_path'])} refs exempt as not on the CPU path, with reasons)"
               + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))

@@ -7,8 +7,8 @@ phase's selection after the earlier phases' quick selections (regression), behin
   L0            the engine's import closure (metainfer, its models, kernels, server) holds none of vllm,
                 sglang, flash_attn, flashinfer, xformers, and no module under metainfer/ writes such an
                 import anywhere (an ast scan: function-level imports and modules outside the closure);
-  evidence      one JSON per gate under --evidence DIR: command, result, duration, commit, environment,
-                test counts.
+  evidence      one JSON per gate under --evidence DIR: the top-level command, the pytest command, result,
+                duration, commit, a dirty-tree flag, environment, test counts.
 `--mutants` runs the failure-mode library's mutations (metainfer/knowledge/mutants.py) and reports
 caught / total.
 """
@@ -153,6 +153,20 @@ def _git_commit(root: str) -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def _git_dirty(root: str) -> bool | None:
+    """Whether the work tree differs from the commit (modified, staged or untracked files); None: no git."""
+    proc = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=root)
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+
+def provenance(command: str | None, root: str = REPO_ROOT, committed: bool = False) -> dict:
+    """What evidence says about where it came from: the top-level command, the commit, whether the tested
+    tree was that commit (a --committed run tests the commit itself) or a work tree with changes, and the
+    environment."""
+    return {"command": command, "commit": _git_commit(root), "tree": "commit" if committed else "work tree",
+            "dirty": False if committed else _git_dirty(root), "environment": _environment()}
+
+
 def run_pytest(test_ids: list[str], root: str = REPO_ROOT, timeout_s: int = 3600) -> dict:
     """pytest over the selection (2 xdist workers); the counts come from its JUnit XML report."""
     import tempfile
@@ -178,10 +192,10 @@ def run_pytest(test_ids: list[str], root: str = REPO_ROOT, timeout_s: int = 3600
 
 
 def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest: dict | None = None,
-             root: str = REPO_ROOT, regression: bool = True, l0: bool = True) -> dict:
+             root: str = REPO_ROOT, regression: bool = True, l0: bool = True, command: str | None = None) -> dict:
     """One gate: manifest check, L0, then the earlier phases' quick selections (regression) and this phase's
     selection. A run of every phase in order passes regression=False (the earlier phases just ran) and checks
-    L0 once."""
+    L0 once. `command` is the top-level command line that ran the gate (its evidence records it)."""
     blueprint = blueprint or load_blueprint()
     if manifest is None:
         with open(MANIFEST_PATH) as f:
@@ -196,7 +210,7 @@ def run_gate(phase_id: str, quick: bool, blueprint: dict | None = None, manifest
     errors += l0_violations() + static_import_violations() if l0 else []
     tests = [t for pid in earlier for t in phases[pid]["quick"]] + selection(phases[phase_id], quick)
     result = {"gate": phase_id, "title": phases[phase_id]["title"], "quick": quick, "regression_phases": earlier,
-              "commit": _git_commit(root), "environment": _environment()}
+              **provenance(command, root)}
     if not errors:
         run = run_pytest(list(dict.fromkeys(tests)), root)
         result["pytest"] = run

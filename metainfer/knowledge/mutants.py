@@ -15,6 +15,7 @@ import argparse
 import json
 import queue
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -348,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run_mutants(modes, root, jobs=args.jobs, timeout_s=args.timeout,
                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    from metainfer.knowledge.gates import provenance
+
+    argv = sys.argv[1:] if argv is None else argv
+    result.update(provenance(shlex.join(["python", "-m", "metainfer.knowledge.mutants", *argv]), str(root)))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"caught {result['caught']}/{result['total']} (score {result['score']:.3f}), "

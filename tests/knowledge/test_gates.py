@@ -98,3 +98,58 @@ def test_a_gate_runs_the_static_l0_scan(monkeypatch):
     blueprint = load_blueprint()
     result = run_gate("P0", quick=True, blueprint=blueprint, manifest=build_manifest(blueprint), regression=False)
     assert result["errors"] == ["L0: planted"] and not result["passed"] and "pytest" not in result
+
+
+def test_provenance_flags_a_dirty_tree(tmp_path):
+    import subprocess
+
+    from metainfer.knowledge.gates import provenance
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    clean = provenance("metainfer gate P0", str(tmp_path))
+    assert clean["dirty"] is False and len(clean["commit"]) == 40 and clean["command"] == "metainfer gate P0"
+    assert clean["environment"]["python"] and clean["tree"] == "work tree"
+    (tmp_path / "a.txt").write_text("2\n")
+    assert provenance(None, str(tmp_path))["dirty"] is True
+    assert provenance(None, str(tmp_path), committed=True)["dirty"] is False  # a --committed run tests HEAD
+
+
+def test_gate_and_mutants_evidence_name_the_command(tmp_path, monkeypatch):
+    """Each gate's JSON and the --mutants JSON carry the top-level command, the commit, the dirty flag and
+    the environment (run_gate and the harness are stubbed: this is about the records)."""
+    from metainfer.entrypoints.cli import main
+    from metainfer.knowledge import gates, mutants
+
+    seen = {}
+
+    def fake_gate(phase_id, quick, blueprint, regression, l0, command):
+        seen[phase_id] = command
+        return {"gate": phase_id, "passed": True, "seconds": 0.0, "errors": [], **gates.provenance(command)}
+
+    monkeypatch.setattr(gates, "run_gate", fake_gate)
+    monkeypatch.setattr(mutants, "run_mutants", lambda *a, **k: {"caught": 1, "total": 1, "modes": []})
+    evidence = tmp_path / "ev"
+    assert main(["gate", "P0", "--quick", "--mutants", "--evidence", str(evidence)]) == 0
+    command = f"metainfer gate P0 --quick --mutants --evidence {evidence}"
+    assert seen == {"P0": command}
+    for name in ("gate_P0.json", "mutants.json"):
+        record = json.loads((evidence / name).read_text())
+        assert record["command"] == command, name
+        assert len(record["commit"]) == 40 and isinstance(record["dirty"], bool) and record["environment"]["torch"]
+
+
+def test_the_mutants_cli_json_names_the_command(tmp_path, monkeypatch):
+    from metainfer.knowledge import mutants
+
+    stub = {"caught": 1, "total": 1, "score": 1.0, "modes": [], "baseline": {"status": "passed"}, "wall_s": 0.0}
+    monkeypatch.setattr(mutants, "run_mutants", lambda *a, **k: dict(stub))
+    mode = mutants.load_failure_modes()[0]["id"]
+    out = tmp_path / "m.json"
+    assert mutants.main(["--only", mode, "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["command"] == f"python -m metainfer.knowledge.mutants --only {mode} --json {out}"
+    assert len(record["commit"]) == 40 and isinstance(record["dirty"], bool) and record["environment"]["python"]
