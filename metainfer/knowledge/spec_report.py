@@ -37,7 +37,7 @@ from metainfer.config import KV_CACHE_DTYPES, ConfigError, ModelSpec
 
 NODES = ("constraint.supported_architecture", "constraint.tp_divides_heads", "constraint.tp_kv_heads",
          "constraint.tp_divides_intermediate", "constraint.tp_divides_moe_intermediate",
-         "constraint.rope_scaling_supported", "constraint.kv_cache_dtype")
+         "constraint.rope_scaling_supported", "constraint.kv_cache_dtype", "constraint.supported_features")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # kernels/rotary.py: _inv_freq
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GPU_MEMORY_UTILIZATION = 0.9  # the engine's default share of the GPU (EngineConfig.gpu_memory_utilization)

@@ -167,3 +167,15 @@ def test_a_renamed_parameter_id_is_drift(tmp_path):
         "tests/test_p.py::test_x[two]"]
     mode = {**load_failure_modes()[0], "tests": ["tests/test_p.py::test_x[two]"]}
     assert any("pytest collects no parameter id 'test_x[two]'" in p for p in check_library([mode], tmp_path))
+
+
+def test_the_schema_requires_30_failure_modes(blueprint):
+    from metainfer.knowledge.blueprint import check_schema
+
+    assert check_schema(blueprint) == []
+    short = copy.deepcopy(blueprint)
+    short["failure_modes"] = short["failure_modes"][:29]
+    assert [e for e in check_schema(short) if e.startswith("schema: failure_modes: ")]  # "... is too short"
+    missing = copy.deepcopy(blueprint)
+    del missing["failure_modes"]
+    assert any("'failure_modes' is a required property" in e for e in check_schema(missing))

@@ -309,3 +309,21 @@ def test_unsupported_features_are_refused_by_node(tmp_path):
         with pytest.raises(ConfigError, match="constraint.supported_features"):
             validate_tp_config(spec, 1)
     assert spec_violations(ModelSpec.from_dict(cfg), 1) == []
+
+
+def test_every_violation_node_is_listed_and_in_the_blueprint():
+    """NODES names every constraint node spec_violations can report (each bad("node", ...) call in the
+    module), and each is a blueprint node."""
+    import ast
+
+    from metainfer.knowledge import spec_report
+    from metainfer.knowledge.blueprint import load_blueprint
+
+    with open(spec_report.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    emitted = {node.args[0].value for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "bad"
+               and node.args and isinstance(node.args[0], ast.Constant)}
+    assert "constraint.supported_features" in emitted
+    assert emitted <= set(spec_report.NODES), emitted - set(spec_report.NODES)
+    assert set(spec_report.NODES) <= {n["id"] for n in load_blueprint()["nodes"]}
