@@ -33,9 +33,10 @@ def mlx_lm_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> lis
     return out
 
 
-def mlx_lm_quantize(src: str, dst: str, bits: int, group_size: int = 32) -> None:
-    """mlx-lm's own converter: an affine-quantized checkpoint (`quantization` in its config.json)."""
+def mlx_lm_quantize(src: str, dst: str, bits: int, group_size: int = 32, quant_predicate=None) -> None:
+    """mlx-lm's own converter: an affine-quantized checkpoint (`quantization` in its config.json);
+    `quant_predicate(path, module, config) -> bool | {"bits", "group_size"}` gives per-module overrides."""
     from mlx_lm.convert import convert
 
     add_legacy_rope_keys(src)
-    convert(src, dst, quantize=True, q_bits=bits, q_group_size=group_size)
+    convert(src, dst, quantize=True, q_bits=bits, q_group_size=group_size, quant_predicate=quant_predicate)

@@ -47,6 +47,51 @@ def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(tiny, tmp_path, bits):
     assert got != mlx_lm_greedy(tiny, prompts, 16)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tied_quantized_embedding_is_the_lm_head(tmp_path, bits):
+    """tie_word_embeddings=True: mlx-lm stores one quantized embedding table and uses it as the LM head
+    (`as_linear`); ours must read that packed table for both, giving mlx-lm's tokens."""
+    src = str(tmp_path / "src")
+    build_tiny_model(src, "qwen3", tie_word_embeddings=True)
+    dst = str(tmp_path / f"q{bits}")
+    mlx_lm_quantize(src, dst, bits)
+    import mlx.core as mx
+
+    stored = mx.load(os.path.join(dst, "model.safetensors"))
+    assert "lm_head.weight" not in stored and stored["model.embed_tokens.weight"].dtype == mx.uint32
+    prompts = make_prompts([4, 19, 40], seed=19)
+    got = generate_ids(LLM(dst, device="mlx", num_kv_blocks=64), prompts, GREEDY)
+    assert got == mlx_lm_greedy(dst, prompts, 16)
+    assert got != mlx_lm_greedy(src, prompts, 16)
+
+
+def test_per_module_quantization_overrides_match_mlx_lm(tiny, tmp_path):
+    """A mixed recipe as mlx-lm writes it: the default 4-bit / group 32, per-module overrides in config.json's
+    `quantization` (layer 0's down_proj 8-bit / group 64, the LM head 8-bit, layer 1's o_proj left dense)."""
+    import json
+
+    def predicate(path, module, config=None):
+        if path == "model.layers.0.mlp.down_proj" or path == "lm_head":
+            return {"bits": 8, "group_size": 64}
+        if path == "model.layers.1.self_attn.o_proj":
+            return False
+        return True
+
+    dst = str(tmp_path / "mixed")
+    mlx_lm_quantize(tiny, dst, 4, quant_predicate=predicate)
+    with open(os.path.join(dst, "config.json")) as f:
+        quant = json.load(f)["quantization"]
+    assert quant["model.layers.0.mlp.down_proj"] == {"bits": 8, "group_size": 64}
+    import mlx.core as mx
+
+    stored = mx.load(os.path.join(dst, "model.safetensors"))
+    assert stored["model.layers.1.self_attn.o_proj.weight"].dtype != mx.uint32  # left dense
+    assert stored["model.layers.0.mlp.down_proj.weight"].shape[-1] == 128 * 8 // 32  # packed 8-bit
+    prompts = make_prompts([4, 19, 40], seed=29)
+    got = generate_ids(LLM(dst, device="mlx", num_kv_blocks=64), prompts, GREEDY)
+    assert got == mlx_lm_greedy(dst, prompts, 16)
+
+
 def test_quantized_without_a_quantization_section_is_named(tiny, tmp_path):
     dst = str(tmp_path / "q4")
     mlx_lm_quantize(tiny, dst, 4)
@@ -110,3 +155,16 @@ def test_bf16_compute_runs_close_to_fp32(tiny, tmp_path):
     bf16 = generate_ids(LLM(str(tmp_path / "m"), device="mlx", dtype="bfloat16", num_kv_blocks=16), prompts, one)
     fp32 = generate_ids(LLM(str(tmp_path / "m"), device="mlx", dtype="float32", num_kv_blocks=16), prompts, one)
     assert bf16 == fp32
+
+
+def test_fp16_compute_runs_close_to_fp32(tiny, tmp_path):
+    """dtype float16: the computation really is in float16 (the runner's dtype) and the first greedy token of
+    each prompt equals fp32's."""
+    shutil.copytree(tiny, str(tmp_path / "m"))
+    prompts = make_prompts([8, 30], seed=12)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm = LLM(str(tmp_path / "m"), device="mlx", dtype="float16", num_kv_blocks=16)
+    assert str(llm.llm_engine.runner.dtype) == "mlx.core.float16"
+    fp16 = generate_ids(llm, prompts, one)
+    fp32 = generate_ids(LLM(str(tmp_path / "m"), device="mlx", dtype="float32", num_kv_blocks=16), prompts, one)
+    assert fp16 == fp32

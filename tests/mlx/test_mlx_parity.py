@@ -1,5 +1,5 @@
 """MLX backend parity: fp32 greedy tokens equal HF transformers' on tiny random Qwen3, Qwen2 and Llama models
-(llama3 rope scaling and an untied head included), and the MLX path equals the torch CPU path: greedy
+(llama3, linear and yarn rope scaling and an untied head included), and the MLX path equals the torch CPU path: greedy
 tokens, every SamplingParams feature through the shared sampler, logprobs to fp32 noise."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'mlx[c
 
 from metainfer import LLM, SamplingParams  # noqa: E402
 from tests.helpers.engine_checks import assert_drained, generate_ids  # noqa: E402
-from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, hf_reference, make_prompts  # noqa: E402
+from tests.helpers.tiny_models import LLAMA3_ROPE, YARN_ROPE, assert_matches_hf, hf_reference, make_prompts  # noqa: E402
 
 CASES = {
     "qwen3": ("qwen3", {}),
@@ -18,6 +18,8 @@ CASES = {
     "llama": ("llama", {}),
     "llama3-rope-untied": ("llama", {"rope_parameters": dict(LLAMA3_ROPE), "tie_word_embeddings": False}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "qwen2-linear-rope": ("qwen2", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}),
+    "llama-yarn-rope": ("llama", {"rope_parameters": dict(YARN_ROPE)}),
 }
 
 
