@@ -127,3 +127,21 @@ def test_greedy_with_min_tokens_masks_stop_ids_like_the_torch_sampler(both):
     ref = torch_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert len(got[0].outputs[0].token_ids) >= 10 and got[0].outputs[0].token_ids[2] != stop
+
+
+def test_a_decode_step_runs_several_rows_together(tmp_path):
+    """Batched decoding really batches: a hook on the runner's decode forward records each step's rows; with
+    three prompts some step carries all three, and the tokens still equal HF's."""
+    model, prompts, expected = hf_reference(str(tmp_path), "qwen3", [3, 9, 20], 12)
+    llm = LLM(str(tmp_path), device="mlx", dtype="float32", num_kv_blocks=64)
+    runner = llm.llm_engine.runner
+    forward, rows = runner._decode_forward, []
+
+    def counting(ids, *args):
+        rows.append(ids.shape[0])
+        return forward(ids, *args)
+
+    runner._decode_forward = counting
+    got = generate_ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert_matches_hf(model, prompts, got, expected)
+    assert rows and max(rows) == 3, rows
