@@ -43,11 +43,21 @@ def test_auto_stays_on_torch(folder):
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(async_scheduling=True), "async_scheduling"),
-    (dict(distributed_executor_backend="external_launcher"), "distributed_executor_backend"),
 ])
 def test_options_mlx_cannot_honour_are_named(folder, kwargs, field):
     with pytest.raises(ConfigError, match=field):
         LLM(folder, device="mlx", **kwargs)
+
+
+@needs_mlx
+def test_external_launcher_is_refused_under_torchrun_variables(folder, monkeypatch):
+    """Even where torchrun's variables are set (so the launcher's own check passes), device='mlx' refuses
+    distributed_executor_backend='external_launcher' by name: it runs in one process."""
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29599").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="device='mlx' runs in one process: distributed_executor_backend"):
+        LLM(folder, device="mlx", distributed_executor_backend="external_launcher")
 
 
 @needs_mlx
