@@ -282,12 +282,14 @@ def add_serve_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> dict:
+    from metainfer.entrypoints.cli import usage_error
+
     if isinstance(args.metric_percentiles, str):
         args.metric_percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        raise SystemExit("--num-prompts, --input-len and --output-len must be >= 1")
+        usage_error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise SystemExit("--max-concurrency must be >= 1")
+        usage_error("--max-concurrency must be >= 1")
     record = asyncio.run(run_benchmark(args))
     if args.print_json:
         print(json.dumps(record, indent=1))

@@ -6,9 +6,17 @@ import argparse
 import importlib.util
 import json
 import sys
+from typing import NoReturn
 
 # the CLI options of the SamplingParams fields whose names differ
 _OPTION_OF_FIELD = {"seed": "--sample-seed"}
+
+
+def usage_error(message: str) -> NoReturn:
+    """A bad command-line value: one line on stderr naming the option, exit status 2 (argparse's own
+    convention for usage errors, so scripts tell a bad invocation from a failed run)."""
+    print(f"metainfer: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def default_model_path() -> str:
@@ -102,7 +110,7 @@ def sampling_params(args):
         option = _OPTION_OF_FIELD.get(field, f"--{field.replace('_', '-')}") if field else None
         if field == "seed" and args.request_seed is None:  # the seed came from the engine's --seed
             option = "--seed"
-        raise SystemExit(f"metainfer: error: {option + ': ' if option else ''}{err}") from None
+        usage_error(f"{option + ': ' if option else ''}{err}")
 
 
 def cmd_generate(args) -> int:
@@ -110,7 +118,7 @@ def cmd_generate(args) -> int:
     from metainfer.worker.tp.launched import follow_rank0
     prompts = args.prompts or ["The capital of France is"]
     if not all(prompts):
-        raise SystemExit("metainfer: error: prompt must not be empty")
+        usage_error("prompt must not be empty")
     params = sampling_params(args)  # before the model loads
     llm = LLM(**engine_kwargs(args))
     if follow_rank0(llm):  # under torchrun, ranks > 0 replay rank 0's steps until it closes; rank 0 prints

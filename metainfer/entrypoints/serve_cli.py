@@ -46,19 +46,21 @@ def missing_server_packages() -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
+    from metainfer.entrypoints.cli import usage_error
+
     missing = missing_server_packages()
     if missing:
         raise SystemExit(f"metainfer: error: serve needs {' and '.join(missing)}: "
                          "pip install 'metainfer[serve]'")
     if args.model_tag and args.model and args.model_tag != args.model:
-        raise SystemExit("metainfer: error: give the model either as MODEL or as --model, not both")
+        usage_error("give the model either as MODEL or as --model, not both")
     args.model = args.model or args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise SystemExit("metainfer: error: --max-queued-requests must be >= 0")
+        usage_error("--max-queued-requests must be >= 0")
     if not args.shutdown_timeout >= 0:
-        raise SystemExit("metainfer: error: --shutdown-timeout must be >= 0")
+        usage_error("--shutdown-timeout must be >= 0")
     if not 0 <= args.port <= 65535:
-        raise SystemExit(f"metainfer: error: --port must be in [0, 65535], got {args.port}")
+        usage_error(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from metainfer import LLM
     from metainfer.entrypoints.openai.api_server import default_served_name, serve

@@ -211,14 +211,21 @@ def check_links(blueprint: dict) -> list[str]:
 
 
 def _anchors(path: str) -> set[str]:
-    """GitHub-style anchors of a markdown file's headings (lowercase, punctuation dropped, spaces -> -)."""
+    """GitHub-style anchors of a markdown file's headings (lowercase, punctuation dropped, spaces -> -); a
+    `#` line inside a fenced code block is a comment, not a heading."""
+    headings, fenced = [], False
     with open(path) as f:
-        headings = [line.lstrip("#").strip() for line in f if line.startswith("#")]
+        for line in f:
+            if line.startswith("```"):
+                fenced = not fenced
+            elif line.startswith("#") and not fenced:
+                headings.append(line.lstrip("#").strip())
     return {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 def check_docs(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
-    """Every ref_docs entry names an existing file, and its anchor (if any) one of the file's headings."""
+    """Every ref_docs entry names an existing file and, after `#`, one of its headings (a bare file is drift:
+    the reader must land on the section that states the contract)."""
     errors = []
     for node in blueprint["nodes"]:
         for doc in node["ref_docs"]:
@@ -226,7 +233,9 @@ def check_docs(blueprint: dict, root: str = REPO_ROOT) -> list[str]:
             full = os.path.join(root, path)
             if not os.path.isfile(full):
                 errors.append(f"{node['id']}: ref_docs {doc!r}: no such file")
-            elif anchor and anchor not in _anchors(full):
+            elif not anchor:
+                errors.append(f"{node['id']}: ref_docs {doc!r}: names no heading (file.md#anchor)")
+            elif anchor not in _anchors(full):
                 errors.append(f"{node['id']}: ref_docs {doc!r}: no such heading")
     return errors
 

@@ -10,7 +10,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="per-rank facts of a model (shapes, bytes, constraints) from its config alone",
                        description=__doc__)
     p.add_argument("model", nargs="?", default=None,
-                   help="model folder (config.json) or .gguf file (default: the embedded SmolLM2 GGUF)")
+                   help="model folder with config.json, a config.json file, or a .gguf file (default: the embedded "
+                        "SmolLM2 GGUF)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel size the shapes and bytes are given for (default 1)")
     out = p.add_mutually_exclusive_group()
@@ -38,6 +39,9 @@ def cmd_spec(args) -> int:
         from metainfer.entrypoints.cli import default_model_path
 
         model = default_model_path()
+    if args.tp < 1:  # a bad option value (exit 2); a tp the model cannot be split by is a violation (exit 1)
+        print(f"metainfer spec: error: --tp must be >= 1; got {args.tp}", file=sys.stderr)
+        return 2
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"metainfer spec: error: --max-model-len must be >= 1; got {args.max_model_len}", file=sys.stderr)
         return 2

@@ -249,9 +249,16 @@ def expand_shapes(compressed: dict) -> dict[str, tuple[int, ...]]:
 
 # -- the report ----------------------------------------------------------------------------------------
 def load_config(model: str) -> dict:
-    """config.json of a model folder, or the config the engine derives from a GGUF header (no tensor data)."""
+    """config.json of a model folder (or the path of a config.json itself), or the config the engine derives
+    from a GGUF header (no tensor data)."""
     from metainfer.config import locate_model
 
+    if os.path.isfile(model) and model.endswith(".json"):
+        with open(model) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"model {model!r} is not valid JSON: {err}") from None
     folder, gguf_file = locate_model(model)
     if gguf_file is not None:
         from metainfer.loader.gguf import gguf_config

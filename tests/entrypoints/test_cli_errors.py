@@ -14,8 +14,9 @@ from tests.helpers.tiny_models import copy_model_files
 MISSING = "/nonexistent/model-folder"  # were the model loaded first, the error would name this path
 
 
-def _one_line_error(capsys, argv) -> str:
-    """Run the CLI; it must stop with an error whose whole output is one line; return that line."""
+def _one_line_error(capsys, argv, status: int = 2) -> str:
+    """Run the CLI; it must stop with exit `status` (2, argparse's for a bad invocation, unless said) and an
+    error whose whole output is one line; return that line."""
     try:
         rc = cli.main(argv)
         message = ""
@@ -24,7 +25,7 @@ def _one_line_error(capsys, argv) -> str:
         rc = 1 if isinstance(rc, str) else rc
     captured = capsys.readouterr()
     lines = [line for line in (captured.err + captured.out + message).splitlines() if line.strip()]
-    assert rc not in (0, None) and len(lines) == 1, (rc, lines)
+    assert rc == status and len(lines) == 1, (rc, lines)
     assert lines[0].startswith("metainfer: error: "), lines
     return lines[0]
 
@@ -71,8 +72,19 @@ def test_missing_tokenizer_names_the_folder_and_the_option(capsys, model_dir, tm
 
 def test_serve_without_the_server_packages_names_the_extra(capsys, monkeypatch):
     monkeypatch.setattr(serve_cli, "missing_server_packages", lambda: ["fastapi", "uvicorn"])
-    line = _one_line_error(capsys, ["serve", "--model", MISSING])
+    line = _one_line_error(capsys, ["serve", "--model", MISSING], status=1)  # the install, not the invocation
     assert "pip install 'metainfer[serve]'" in line and "uvicorn" in line and MISSING not in line
+
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--port", "70000"], "--port"), (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests"), (["other-model"], "MODEL or as --model"),
+])
+def test_bad_serve_values_exit_2_naming_the_option(capsys, monkeypatch, argv, option):
+    monkeypatch.setattr(serve_cli, "missing_server_packages", lambda: [])
+    line = _one_line_error(capsys, ["serve", "--model", MISSING, *argv])
+    assert option in line and MISSING not in line, line
 
 
 def _options(parser: argparse.ArgumentParser, path: str = "metainfer"):

@@ -179,3 +179,33 @@ def test_the_schema_requires_30_failure_modes(blueprint):
     missing = copy.deepcopy(blueprint)
     del missing["failure_modes"]
     assert any("'failure_modes' is a required property" in e for e in check_schema(missing))
+
+
+def test_docs_links_must_land_on_a_heading(blueprint, tmp_path):
+    """A ref_docs entry without an anchor, with one that is not a heading, or with one that only a `#` comment
+    inside a fenced code block spells, is drift; every shipped node's anchors resolve."""
+    from metainfer.knowledge.blueprint import check_docs
+
+    assert check_docs(blueprint) == []
+    doc = copy.deepcopy(blueprint)
+    _node(doc, "sampler.top_p")["ref_docs"] = ["docs/CONTRACTS.md#no-such-section"]
+    assert "sampler.top_p: ref_docs 'docs/CONTRACTS.md#no-such-section': no such heading" in \
+        check_blueprint(doc)["errors"]
+    doc = copy.deepcopy(blueprint)
+    _node(doc, "kernel.rms_norm")["ref_docs"] = ["docs/CONTRACTS.md"]
+    assert any(e.startswith("schema: ") and "'docs/CONTRACTS.md' does not match" in e
+               for e in check_blueprint(doc)["errors"])
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "X.md").write_text("# Title\n```bash\n# a comment\n```\n## Real heading\n")
+    probe = {"nodes": [{"id": "x.y", "ref_docs": ["docs/X.md#a-comment", "docs/X.md#real-heading", "docs/X.md"]}]}
+    assert check_docs(probe, str(tmp_path)) == [
+        "x.y: ref_docs 'docs/X.md#a-comment': no such heading",
+        "x.y: ref_docs 'docs/X.md': names no heading (file.md#anchor)"]
+
+
+def test_every_sampler_feature_has_its_node(blueprint):
+    """One node per SamplingParams feature the sampler or the stop logic implements, each with a test."""
+    ids = {n["id"] for n in blueprint["nodes"]}
+    features = {"greedy", "temperature", "top_k", "top_p", "min_p", "penalties", "min_tokens", "seed", "logprobs",
+                "stop_strings", "stop_ids_and_length", "n"}
+    assert {f"sampler.{f}" for f in features} <= ids

@@ -53,12 +53,12 @@ def test_a_method_is_replaced_in_its_class_only():
 def test_every_mode_runs_only_quick_tests_and_all_of_them():
     blueprint = load_blueprint()
     quick = quick_tests(blueprint)
-    modes = perturbation_modes(blueprint, hints={"perturb.rms_norm_ref": ["tests/engine/test_sampler.py::x"]})
+    modes = perturbation_modes(blueprint, hints={"perturb.rms_norm_ref": ["tests/engine/test_llm_api.py::x"]})
     assert len(modes) >= 100
     for mode in modes:
         ran = [t for stage in mode["stages"] for t in stage]
         assert all(in_selection(t, quick) for t in ran), mode["id"]
         assert set(quick) <= set(ran) and len(ran) == len(set(ran)), mode["id"]  # every quick test, once
     rms = next(m for m in modes if m["id"] == "perturb.rms_norm_ref")
-    assert "tests/engine/test_sampler.py::x" not in rms["stages"][0]  # a hint outside the quick tests is dropped
+    assert "tests/engine/test_llm_api.py::x" not in rms["stages"][0]  # a hint outside the quick tests is dropped
     assert rms["stages"][0][0] == "tests/kernels/test_elementwise.py"  # its own quick tests first

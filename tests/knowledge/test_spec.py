@@ -327,3 +327,23 @@ def test_every_violation_node_is_listed_and_in_the_blueprint():
     assert "constraint.supported_features" in emitted
     assert emitted <= set(spec_report.NODES), emitted - set(spec_report.NODES)
     assert set(spec_report.NODES) <= {n["id"] for n in load_blueprint()["nodes"]}
+
+
+def test_spec_takes_a_config_json_path_and_refuses_a_bad_tp_as_usage(folders, capsys, tmp_path):
+    """`metainfer spec path/to/config.json` is the folder's report; --tp 0 is a bad option value (exit 2, one line
+    naming --tp), a tp the model cannot be split by a violation (exit 1)."""
+    import os
+
+    from metainfer.entrypoints.cli import main
+
+    config_path = os.path.join(folders["qwen3-8b"], "config.json")
+    assert load_config(config_path) == load_config(folders["qwen3-8b"])
+    assert main(["spec", config_path, "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == build_report(load_config(folders["qwen3-8b"]), tp=2)
+    assert main(["spec", config_path, "--tp", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tp must be >= 1" in err
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    assert main(["spec", str(broken)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
