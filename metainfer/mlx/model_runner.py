@@ -56,64 +56,96 @@ class MLXModelRunner:
                               self.dtype)
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(spec.vocab_size, self.eos_token_ids, "cpu", seed=config.seed)
-        self._decode_forward = self._eager_decode if config.enforce_eager else mx.compile(self._decode_graph)
+        self._decode_forward = self._decode_graph if config.enforce_eager else mx.compile(self._decode_graph)
+        self._bans: dict = {}  # greedy masks: (rows, banned pairs) -> [rows, V]; rows -> zeros
         self.graph_batch_sizes: list[int] = []  # no CUDA graphs (the bench reports this field)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
-        logits = self.compute_logits(batch)
         sampling = batch.sampling_seqs
+        greedy = bool(sampling) and all(_greedy_without_extras(s) for s in sampling)
+        if batch.is_prefill:
+            logits = self.compute_logits(batch)
+            ids = self._argmax(logits, self._ban(sampling)) if greedy else None
+        else:
+            logits, ids = self._decode(batch, self._ban(sampling) if greedy else None)
         if not sampling:
             return None
-        if all(_greedy_without_extras(s) for s in sampling):
-            return self._greedy(logits, sampling)
+        if greedy:
+            return SampledBatch(torch.from_numpy(np.array(ids).astype(np.int64)), [None] * len(sampling))
         with torch.inference_mode():
             return self.sampler(torch.from_numpy(np.array(logits, copy=False)), sampling)
 
-    def _greedy(self, logits: mx.array, seqs) -> SampledBatch:
-        """Argmax in MLX over the model's vocabulary; rows short of min_tokens get their stop ids (and EOS
-        unless ignore_eos) masked first, exactly as Sampler._mask_stop_tokens does."""
-        logits = logits[:, : self.spec.vocab_size]
-        rows, cols = [], []
+    def _ban(self, seqs) -> mx.array:
+        """The additive [rows, V] mask of the greedy argmax: rows short of min_tokens get their stop ids (and
+        EOS unless ignore_eos) at -inf, exactly as Sampler._mask_stop_tokens does. Built once per distinct
+        set of banned (row, id) pairs and reused: a long min_tokens run bans the same ids every step."""
+        pairs = []
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
-                ids = [i for i in ids if 0 <= i < self.spec.vocab_size]
-                rows += [row] * len(ids)
-                cols += ids
-        if rows:
-            logits[mx.array(rows), mx.array(cols)] = -mx.inf
-        ids = np.array(mx.argmax(logits, axis=-1)).astype(np.int64)
-        return SampledBatch(torch.from_numpy(ids), [None] * len(seqs))
+                pairs += [(row, i) for i in ids if 0 <= i < self.spec.vocab_size]
+        if not pairs:
+            return self._zero_ban(len(seqs))
+        key = (len(seqs), tuple(pairs))
+        ban = self._bans.get(key)
+        if ban is None:
+            host = np.zeros((len(seqs), self.spec.vocab_size), dtype=np.float32)
+            for row, i in pairs:
+                host[row, i] = -np.inf
+            ban = self._bans[key] = mx.array(host)
+            if len(self._bans) > 64:  # distinct sets are few (per batch size); bound it anyway
+                self._bans.pop(next(iter(self._bans)))
+        return ban
+
+    def _argmax(self, logits: mx.array, ban: mx.array) -> mx.array:
+        ids = mx.argmax(logits[:, : self.spec.vocab_size] + ban, axis=-1)
+        mx.eval(ids)
+        return ids
 
     def compute_logits(self, batch: ScheduledBatch) -> mx.array:
         """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""
         if not batch.is_prefill:
-            ids, positions, step = self._decode_inputs(batch)
-            pools = self._take_pools()
-            try:
-                outputs = self._decode_forward(ids, positions, step.slots, step.gather, step.mask, *pools)
-            except BaseException:
-                self._put_pools((None, *pools))  # a failed trace leaves the pools as they were
-                raise
-            del pools
-            logits = self._put_pools(outputs)
-        else:
-            ids, positions, step, rows = self._prefill_inputs(batch)
-            hidden = self.model.forward(mx.array(ids), mx.array(positions), step, self.kv)
-            logits = self.model.logits(hidden[mx.array(rows)] if len(rows) != len(ids) else hidden)
+            return self._decode(batch, None)[0]
+        ids, positions, step, rows = self._prefill_inputs(batch)
+        hidden = self.model.forward(mx.array(ids), mx.array(positions), step, self.kv)
+        logits = self.model.logits(hidden[mx.array(rows)] if len(rows) != len(ids) else hidden)
         mx.eval(logits, self.kv.k, self.kv.v)
         return logits
 
-    def _decode_graph(self, ids, positions, slots, gather, mask, *pools):
-        """The decode forward as a pure function of its inputs (what mx.compile traces): (logits, *pools)."""
+    def _decode(self, batch: ScheduledBatch, ban: mx.array | None) -> tuple[mx.array, mx.array | None]:
+        """One decode step, one `mx.eval`: (logits, the greedy ids with `ban` added); with `ban` None the
+        logits are what is read (the argmax, over a cached zero mask, is left unevaluated)."""
+        ids, positions, tables = self._decode_inputs(batch)
+        wanted = ban
+        if ban is None:
+            ban = self._zero_ban(len(batch.seqs))
+        pools = self._take_pools()
+        try:
+            outputs = self._decode_forward(ids, positions, tables, ban, *pools)
+        except BaseException:
+            self._put_pools((None, None, *pools))  # a failed trace leaves the pools as they were
+            raise
+        del pools
+        logits, greedy = self._put_pools(outputs)
+        mx.eval(greedy if wanted is not None else logits, self.kv.k, self.kv.v)
+        return logits, (greedy if wanted is not None else None)
+
+    def _zero_ban(self, rows: int) -> mx.array:
+        ban = self._bans.get(rows)
+        if ban is None:
+            ban = self._bans[rows] = mx.zeros((rows, self.spec.vocab_size), dtype=mx.float32)
+        return ban
+
+    def _decode_graph(self, ids, positions, tables, ban, *pools):
+        """The decode forward and its greedy argmax as a pure function of the inputs (what mx.compile
+        traces): (logits, argmax(logits + ban), *pools)."""
         layers = len(self.model.layers)
         kv = PagedKVPool.of(list(pools[:layers]), list(pools[layers:]))
-        hidden = self.model.forward(ids, positions, DecodeAttention(slots, gather, mask), kv)
-        return (self.model.logits(hidden), *kv.k, *kv.v)
-
-    def _eager_decode(self, *args):
-        return self._decode_graph(*args)
+        step = DecodeAttention.from_tables(tables, positions, self.block_size, self.dtype)
+        logits = self.model.logits(self.model.forward(ids, positions, step, kv))
+        greedy = mx.argmax(logits[:, : self.spec.vocab_size] + ban, axis=-1)
+        return (logits, greedy, *kv.k, *kv.v)
 
     def _take_pools(self) -> list[mx.array]:
         """Hand the pools to the step (no reference kept here, so MLX can update them in place)."""
@@ -121,23 +153,20 @@ class MLXModelRunner:
         self.kv.k, self.kv.v = [], []
         return pools
 
-    def _put_pools(self, outputs) -> mx.array:
+    def _put_pools(self, outputs) -> tuple[mx.array, mx.array]:
         layers = len(self.model.layers)
-        self.kv.k, self.kv.v = list(outputs[1:1 + layers]), list(outputs[1 + layers:])
-        return outputs[0]
+        self.kv.k, self.kv.v = list(outputs[2:2 + layers]), list(outputs[2 + layers:])
+        return outputs[0], outputs[1]
 
     def _decode_inputs(self, batch: ScheduledBatch):
-        seqs, bs = batch.seqs, self.block_size
-        positions = np.array([s.num_computed_tokens for s in seqs], dtype=np.int32)
-        ids = np.array([s.token_ids[p] for s, p in zip(seqs, positions)], dtype=np.int32)
+        """ids, positions int32 [B]; block tables int32 [B, W], W padded to a power of two (few compiled shapes)."""
+        seqs = batch.seqs
+        positions = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
         longest = max(len(s.block_table) for s in seqs)
-        width = 1 << (longest - 1).bit_length()  # a power-of-two bucket: few compiled shapes
-        tables = np.full((len(seqs), width), -1, dtype=np.int64)
-        for row, seq in enumerate(seqs):
-            tables[row, :len(seq.block_table)] = seq.block_table
-        slots = (tables[np.arange(len(seqs)), positions // bs] * bs + positions % bs).astype(np.int32)
-        step = DecodeAttention.build(slots, tables, positions + 1, bs, self.dtype)
-        return mx.array(ids), mx.array(positions), step
+        width = 1 << (longest - 1).bit_length()
+        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return mx.array(ids, dtype=mx.int32), mx.array(positions, dtype=mx.int32), mx.array(tables, dtype=mx.int32)
 
     def _prefill_inputs(self, batch: ScheduledBatch):
         bs = self.block_size

@@ -50,16 +50,18 @@ class DecodeAttention:
         self.slots, self.gather, self.mask = slots, gather, mask
 
     @classmethod
-    def build(cls, slots: np.ndarray, tables: np.ndarray, context_lens: np.ndarray, block_size: int,
-              dtype) -> DecodeAttention:
-        """tables int [B, W] padded with -1 (a padded slot reads slot 0 and is masked)."""
+    def from_tables(cls, tables: mx.array, positions: mx.array, block_size: int, dtype) -> DecodeAttention:
+        """Built inside the decode graph from its two int32 inputs: tables [B, W] padded with -1 (a padded
+        slot reads slot 0 and is masked) and each row's query position [B]. Slots, the gather indices and
+        the mask are a few fused integer ops there, not host arrays packed and copied every step."""
         B, W = tables.shape
         length = W * block_size
-        gather = (np.maximum(tables, 0)[:, :, None] * block_size + np.arange(block_size)).reshape(B, length)
-        hidden = np.arange(length)[None, :] >= context_lens[:, None]
-        minus_inf, zero = mx.array(-np.inf, dtype=dtype), mx.array(0, dtype=dtype)
-        mask = mx.where(mx.array(hidden), minus_inf, zero)[:, None, None, :]
-        return cls(mx.array(slots), mx.array(gather.astype(np.int32)), mask)
+        gather = (mx.maximum(tables, 0)[:, :, None] * block_size + mx.arange(block_size, dtype=mx.int32))
+        block = mx.take_along_axis(tables, (positions // block_size)[:, None], axis=1)[:, 0]
+        slots = block * block_size + positions % block_size
+        hidden = mx.arange(length, dtype=mx.int32)[None, :] > positions[:, None]
+        mask = mx.where(hidden, mx.array(-mx.inf, dtype=dtype), mx.array(0, dtype=dtype))
+        return cls(slots, gather.reshape(B, length), mask[:, None, None, :])
 
     def attend(self, q: mx.array, k_pool: mx.array, v_pool: mx.array, scale: float) -> mx.array:
         """q [B, heads, 1, d] -> [B, heads * d]."""
