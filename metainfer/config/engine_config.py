@@ -93,6 +93,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs around eager attention
+    # (worker/piecewise_graphs.py; capped at max_num_batched_tokens); 0: they run eagerly
+    max_piecewise_graph_tokens: int = 2048
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
@@ -155,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:
             raise ConfigError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
+        if self.max_piecewise_graph_tokens < 0:
+            raise ConfigError(f"max_piecewise_graph_tokens must be >= 0, got {self.max_piecewise_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         self.torch_device = resolve_device(self.device)

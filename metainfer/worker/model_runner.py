@@ -4,9 +4,10 @@ scheduled batch and, on rank 0, samples it.
 `execute(batch)` is the whole step: (TP rank 0) publish the step to the workers, pack the batch's
 inputs (worker/step_inputs.py, one upload), run the forward (a captured CUDA graph for decode
 batches that fit one, else eager), the LM head, then sample (rank 0 only) and keep the sampled ids on
-the device, where the next step's PENDING inputs (async scheduling) read them. Every choice — kernels,
-attention backend, graphs or eager, sampler, whether this rank samples or publishes — is made here,
-once, at build.
+the device, where the next step's PENDING inputs (async scheduling) read them. Prefill and mixed steps of
+up to `max_piecewise_graph_tokens` run as per-layer graphs around eager attention
+(worker/piecewise_graphs.py). Every choice — kernels, attention backend, graphs or eager, sampler,
+whether this rank samples or publishes — is made here, once, at build.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from metainfer.loader import load_model_weights
 from metainfer.models.registry import build_attention_backend, model_class
 from metainfer.models.shape_contract import check_param_shapes
 from metainfer.worker.cuda_graphs import DecodeGraphs
+from metainfer.worker.piecewise_graphs import PiecewiseGraphs
 from metainfer.worker.sampler import SampledBatch, Sampler
 from metainfer.worker.step_inputs import StepLayout, StepStaging, pack_step
 from metainfer.worker.tp.protocol import LOCAL, RankLink
@@ -74,7 +76,9 @@ class ModelRunner:
             self.sampler = Sampler(self.spec.vocab_size, tuple(eos_token_ids), self.device, fused=fused,
                                    seed=config.seed)
             self._sample = self._sample_rows
-        self.graphs = DecodeGraphs(self, capture=self.device.type == "cuda" and not config.enforce_eager)
+        self._capture = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs = DecodeGraphs(self, capture=self._capture)
+        self.piecewise = PiecewiseGraphs(self, config.max_piecewise_graph_tokens, self._capture, self.graphs.pool)
         # one step of every shape class, so every Triton variant is compiled before serving (worker/warmup.py);
         # rank 0 drives it (the workers run what it publishes); the torch references compile nothing
         self.warmup_steps = warmup_plan(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs,
@@ -106,6 +110,9 @@ class ModelRunner:
         """The forward of one batch: logits [sampling rows, V] (rank 0; a shard elsewhere)."""
         if not batch.is_prefill and len(batch.seqs) <= self.graphs.max_batch:
             return self.model.compute_logits(self.graphs.replay(batch))
+        if self.piecewise.covers(batch.num_tokens):
+            hidden, rows = self.piecewise.run(batch)
+            return self.model.compute_logits(hidden[rows.long()])
         host = self.staging.next_host_buffer()
         layout = pack_step(batch, len(batch.seqs), host, self.block_size)
         views = layout.views(self.staging.upload(layout.size))
@@ -143,6 +150,8 @@ class ModelRunner:
             if hasattr(module, "bind_ops"):
                 module.bind_ops(ops)
         self.graphs = DecodeGraphs(self, capture=bool(self.graphs.max_batch))
+        self.piecewise = PiecewiseGraphs(self, self.piecewise.max_tokens, bool(self.piecewise.max_tokens),
+                                         self.graphs.pool)
 
     # -- the KV pool ----------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:

@@ -1,0 +1,223 @@
+"""Piecewise CUDA graphs for prefill and mixed steps: every layer's non-attention work captured per token
+bucket, the attention run eagerly between the pieces (vLLM v1's piecewise graphs, without torch.compile).
+
+Why: an eager step launches ~17 kernels a layer from Python (~30 us each: ~20 ms a step for 36 layers), more
+than the GPU time of a mixed step of a few hundred tokens, so a mixed step (decode rows beside a new prompt's
+prefill, issue 23's unified schedule) was host-bound: its inter-token gap twice a decode step's. Attention is
+what cannot be captured for every step alike (its grid and lengths follow the batch's sequences), and
+everything else only depends on the token count, so each bucket of T_b tokens holds L + 1 graphs:
+
+  piece 0      embedding, layer 0's norm and q/k/v (or MLA q / latent) projections
+  piece i      layer i-1's o_proj, post-attention norm and MLP/MoE, layer i's norm and projections
+  piece L      the last layer's o_proj, norm and MLP, the final norm -> `hidden` [T_b, H]
+
+Between pieces the attention layer's inputs are copied (inside the piece) into static buffers shared by every
+layer and bucket; `backend.forward` runs eagerly on their first T rows under the step's metadata (K/V store,
+prefill / decode kernels); its output is copied into one static buffer the next piece reads. Rows T..T_b are
+padding: their ids are 0 and their attention output is whatever the buffer held (rows never mix outside
+attention, so they cannot reach the real rows, and the logits are taken at the real rows only).
+
+Memory: the pieces share the decode graphs' pool; a tensor crossing from piece i to i+1 inside the graphs
+(the residual stream) is freed after piece i+1's capture and may be reused by later pieces, which is safe
+because a bucket's pieces always replay in capture order. Capture runs a throw-away prefill of T_b tokens
+over real KV blocks (worker/warmup.py's), largest bucket first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metainfer.attention import forward_context
+from metainfer.worker.step_inputs import pack_step
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """Token buckets: 16 .. 128 by 16, 160 .. 512 by 32, 576 .. 1,024 by 64, 1,152 .. 2,048 by 128, then by 256
+    (padding at most 1/4 above 128 tokens, 1/8 above 512), cut at `max_tokens` (which is added as the last bucket)."""
+    sizes = [*range(16, 129, 16), *range(160, 513, 32), *range(576, 1025, 64), *range(1152, 2049, 128),
+             *range(2304, max_tokens + 1, 256)]
+    out = [b for b in sizes if b < max_tokens]
+    return out + [max_tokens] if max_tokens > 0 else []
+
+
+class _Split:
+    """Stands in for the attention backend while a bucket is captured: ends the current piece at each
+    attention call, runs the real backend eagerly on the static copies and starts the next piece."""
+
+    def __init__(self, owner: PiecewiseGraphs, pool):
+        self.owner, self.pool = owner, pool
+        self.capturing = False
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+        self.capturing = True
+
+    def end(self) -> torch.cuda.CUDAGraph:
+        self.graph.capture_end()
+        self.capturing = False
+        if self.pool is None:
+            self.pool = self.graph.pool()
+        return self.graph
+
+    def forward(self, layer, *args):
+        owner = self.owner
+        if not self.capturing:  # the probe run: size the static buffers outside any capture
+            out = owner.real_backend.forward(layer, *args)
+            owner.static_inputs(args)
+            owner.static_output(out.shape, out.dtype)
+            return out
+        statics, copies = owner.static_inputs(args)
+        for static, source in copies:
+            static.copy_(source)
+        owner.segments.append(self.end().replay)
+        out = owner.real_backend.forward(layer, *statics)  # recorded values are not computed: shapes only
+        static_out = owner.static_output(out.shape, out.dtype)
+        owner.segments.append(_EagerAttention(owner, layer, statics, static_out))
+        self.begin()
+        return static_out
+
+
+class _EagerAttention:
+    """One attention call between two pieces at replay: the backend on the static inputs' first T rows."""
+
+    def __init__(self, owner: PiecewiseGraphs, layer, statics, static_out):
+        self.owner, self.layer, self.statics, self.static_out = owner, layer, statics, static_out
+
+    def __call__(self) -> None:
+        n = self.owner.num_tokens
+        args = [None if s is None else s[:n] for s in self.statics]
+        self.static_out[:n].copy_(self.owner.real_backend.forward(self.layer, *args))
+
+
+class PiecewiseGraphs:
+    def __init__(self, runner, max_tokens: int, capture: bool, pool=None):
+        """`runner`: the ModelRunner (its model, backend, staging, step_inputs and KV blocks are read, not
+        kept). Steps of up to `max_tokens` tokens that no decode graph takes run here; none without
+        `capture` (CPU, enforce_eager, max_tokens 0)."""
+        self.model, self.step_inputs = runner.model, runner.ops.step_inputs
+        self.real_backend, self.staging = runner.attn_backend, runner.staging
+        self.sampled_ids, self.block_size = runner.sampled_ids, runner.block_size
+        self.attention_layers = runner.attention_layers
+        self.buckets: list[int] = []
+        self.max_tokens = 0
+        self.pieces: dict[int, list] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.num_tokens = 0  # the replaying step's real tokens (read by _EagerAttention)
+        self._statics: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._out: torch.Tensor | None = None
+        self._ids = torch.zeros(0, dtype=torch.long)
+        self.segments: list = []
+        if capture and max_tokens > 0:
+            self._capture(runner, min(max_tokens, runner.config.max_num_batched_tokens), pool)
+
+    # -- static buffers shared by every layer and bucket (sized by the largest bucket, captured first) --
+    def static_inputs(self, args) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Static stand-ins for the attention call's tensor arguments, and the (static, source) copies that fill
+        them. Arguments viewing one tensor (q, k, v as column slices of the packed projection) share one static
+        copy of the rows they span, with their column offsets and strides kept (the paged backend reads them
+        as one packed tensor)."""
+        groups: dict[int, list[int]] = {}
+        for position, arg in enumerate(args):
+            if arg is not None:
+                groups.setdefault(arg.untyped_storage().data_ptr(), []).append(position)
+        statics: list[torch.Tensor | None] = [None] * len(args)
+        copies = []
+        for index, positions in enumerate(groups.values()):
+            members = [args[p] for p in positions]
+            first = members[0]
+            row_stride, rows = first.stride(0), first.shape[0]
+            lo = min(a.storage_offset() for a in members)
+            hi = max(a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape[1:], a.stride()[1:])) + 1
+                     for a in members)
+            width = hi - lo
+            if any(a.shape[0] != rows or a.stride(0) != row_stride for a in members) or width > row_stride:
+                raise ValueError("attention arguments must be row-major views of [tokens, ...] tensors")
+            source = torch.as_strided(first, (rows, width), (row_stride, 1), lo)
+            key = (index, first.dtype)
+            buf = self._statics.get(key)
+            if buf is None or buf.numel() < rows * width:
+                buf = self._statics[key] = torch.empty(rows * width, dtype=first.dtype, device=first.device)
+            static = buf[: rows * width].view(rows, width)
+            copies.append((static, source))
+            for p, a in zip(positions, members):
+                statics[p] = torch.as_strided(static, a.shape, (width, *a.stride()[1:]), a.storage_offset() - lo)
+        return statics, copies
+
+    def static_output(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The one output buffer every attention call writes (piece i+1 has read it before call i+1 runs)."""
+        numel = shape.numel()
+        if self._out is None or self._out.numel() < numel or self._out.dtype != dtype:
+            self._out = torch.empty(numel, dtype=dtype, device=self._ids.device)
+        return self._out[:numel].view(shape)
+
+    # -- replay -----------------------------------------------------------------------------------
+    def covers(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def run(self, batch) -> torch.Tensor:
+        """Hidden states [T, H] of a prefill / mixed step of T <= max_tokens tokens, and the step's rows."""
+        layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
+        views = layout.views(self.staging.upload(layout.size))
+        ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+        n = ids.shape[0]
+        bucket = self._bucket_of[n]
+        self._ids[:n].copy_(ids)
+        self.num_tokens = n
+        meta = self.real_backend.build_metadata(
+            batch.is_prefill, views, positions, max(s.num_scheduled_tokens for s in batch.seqs),
+            tuple((s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in batch.seqs)
+            if batch.is_prefill else None, batch.num_decode_rows if batch.is_prefill else 0)
+        with forward_context(meta):
+            for piece in self.pieces[bucket]:
+                piece()
+        return self.hidden[bucket][:n], views["rows"]
+
+    # -- capture ----------------------------------------------------------------------------------
+    def _capture(self, runner, max_tokens: int, pool) -> None:
+        from metainfer.worker.warmup import WarmupStep, _BlockCycle, warmup_batch
+
+        self.buckets = piecewise_buckets(max_tokens)
+        blocks = _BlockCycle(runner.num_blocks)
+        device = runner.device
+        self._ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
+        split = _Split(self, pool)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                batch = warmup_batch(WarmupStep("prefill", bucket), blocks, self.block_size)
+                layout = pack_step(batch, 1, self.staging.next_host_buffer(), self.block_size)
+                views = layout.views(self.staging.upload(layout.size))
+                _, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+                meta = self.real_backend.build_metadata(True, views, positions, bucket, ((bucket, bucket),))
+                with forward_context(meta), self._split_attention(split):
+                    self.num_tokens = bucket
+                    self.model(self._ids[:bucket])  # probe: compiles, sizes the static buffers
+                    self.segments = []
+                    split.begin()
+                    hidden = self.model(self._ids[:bucket])
+                    self.segments.append(split.end().replay)
+                self.pieces[bucket], self.hidden[bucket] = self.segments, hidden
+                self.segments = []
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.pool = split.pool
+        self.max_tokens = self.buckets[-1]
+        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.max_tokens + 1)]
+
+    def _split_attention(self, split: _Split):
+        """Every attention layer calls `split` instead of the backend while a bucket is captured."""
+        layers, backend = self.attention_layers, self.real_backend
+
+        class _Swap:
+            def __enter__(self_inner):
+                for layer in layers:
+                    layer.backend = split
+
+            def __exit__(self_inner, *exc):
+                for layer in layers:
+                    layer.backend = backend
+
+        return _Swap()
