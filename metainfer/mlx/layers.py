@@ -5,9 +5,10 @@ Contract (the torch path's, docs/CONTRACTS.md): a step is a flat, unpadded batch
 slots its sequence's block table names (`paged_kv.StepAttention`); `forward` returns the final-normed
 hidden states [T, H], `logits` the LM head of the rows that sample, fp32 [S, V].
 
-Ops: `mx.fast.rms_norm`, `mx.fast.rope` (frequencies from the engine's own rope tables, so llama3 / linear
-/ yarn scaling match the torch path), `mx.fast.scaled_dot_product_attention` (GQA without tiling K/V), and
-one compiled SwiGLU. Projections are fused at load (q|k|v, gate|up): one GEMM each instead of three or two.
+Ops: `mx.fast.rms_norm`, rope (`Rotary`: `mx.fast.rope` with the engine's own frequencies, or on MLX's CPU
+build the same rotation from cos/sin tables made once a step), `mx.fast.scaled_dot_product_attention` (GQA
+without tiling K/V), and one compiled SwiGLU. Projections are fused at load (q|k|v, gate|up): one GEMM each
+instead of three or two.
 
 Dense weight layout (`Linear.in_out`): MLX's CPU build calls a reference BLAS, whose `x @ W.T` inner loop
 is a dot product it does not vectorise while `x @ W` is an axpy it does; on this CPU fp32 GEMVs ran 1.4x
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from metainfer.config import ConfigError, ModelSpec
 from metainfer.kernels.rotary import _inv_freq
@@ -125,16 +127,16 @@ class Attention:
     """q|k|v projection, per-head q/k RMSNorm (Qwen3), rope, K/V store into the paged pool, attention over
     the sequence's slots, o projection."""
 
-    def __init__(self, spec: ModelSpec, qkv, o_proj, q_norm, k_norm, rope_freqs: mx.array, rope_mscale: float):
+    def __init__(self, spec: ModelSpec, qkv, o_proj, q_norm, k_norm, rotary: Rotary):
         self.qkv, self.o_proj, self.q_norm, self.k_norm = qkv, o_proj, q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.rotary_dim = spec.rotary_dim
         self.eps, self.scale = spec.rms_norm_eps, spec.attention_scale
-        self.rope_freqs, self.rope_mscale = rope_freqs, rope_mscale
+        self.rotary = rotary
         self.splits = [self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim]
 
-    def __call__(self, x: mx.array, positions: mx.array, step, k_pool: mx.array, v_pool: mx.array):
-        """x [T, H]; returns (out [T, H], the pools with this step's K/V stored)."""
+    def __call__(self, x: mx.array, rope, step, k_pool: mx.array, v_pool: mx.array):
+        """x [T, H], `rope` the step's Rotary.prepare(positions); returns (out [T, H], the pools with this
+        step's K/V stored)."""
         T, d = x.shape[0], self.head_dim
         q, k, v = mx.split(apply_linear(self.qkv, x), self.splits, axis=-1)
         q = q.reshape(T, self.num_heads, 1, d)  # rope's (batch, *, seq, dim): each token its own batch row
@@ -142,18 +144,12 @@ class Attention:
         if self.q_norm is not None:
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
-        q = self._rope(q, positions)
-        k = self._rope(k, positions)
+        q = self.rotary(q, rope)
+        k = self.rotary(k, rope)
         k_pool[step.slots] = k.reshape(T, self.num_kv_heads, d)
         v_pool[step.slots] = v.reshape(T, self.num_kv_heads, d)
         out = step.attend(q, k_pool, v_pool, self.scale)  # [T, heads * d]
         return self.o_proj(out), k_pool, v_pool
-
-    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        if self.rope_mscale != 1.0:
-            x = x * self.rope_mscale
-        return mx.fast.rope(x, self.rotary_dim, traditional=False, base=None, scale=1.0, offset=positions,
-                            freqs=self.rope_freqs)
 
 
 class DecoderLayer:
@@ -161,8 +157,8 @@ class DecoderLayer:
         self.attn, self.gate_up, self.down = attn, gate_up, down
         self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
 
-    def __call__(self, x, positions, step, k_pool, v_pool):
-        h, k_pool, v_pool = self.attn(mx.fast.rms_norm(x, self.input_norm, self.eps), positions, step, k_pool, v_pool)
+    def __call__(self, x, rope, step, k_pool, v_pool):
+        h, k_pool, v_pool = self.attn(mx.fast.rms_norm(x, self.input_norm, self.eps), rope, step, k_pool, v_pool)
         x = x + h
         h = _swiglu(apply_linear(self.gate_up, mx.fast.rms_norm(x, self.post_norm, self.eps)))
         return x + self.down(h), k_pool, v_pool
@@ -179,8 +175,9 @@ class DenseModel:
     def forward(self, ids: mx.array, positions: mx.array, step, kv) -> mx.array:
         """Final-normed hidden states [T, H]; every layer's K/V stored into `kv` (a paged_kv.PagedKVPool)."""
         x = self.embed(ids)
+        rope = self.layers[0].attn.rotary.prepare(positions) if self.layers else None  # once for every layer
         for i, layer in enumerate(self.layers):
-            x, kv.k[i], kv.v[i] = layer(x, positions, step, kv.k[i], kv.v[i])
+            x, kv.k[i], kv.v[i] = layer(x, rope, step, kv.k[i], kv.v[i])
         return mx.fast.rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -197,6 +194,51 @@ class DenseModel:
                     out += part.arrays()
             out += [x for x in (a.q_norm, a.k_norm, layer.input_norm, layer.post_norm) if x is not None]
         return out
+
+
+class Rotary:
+    """Rotary embedding (non-interleaved halves, the engine's rope tables, so llama3 / linear / yarn scaling
+    match the torch path), applied to q or k [T, heads, 1, d]. Two forms, chosen once at build (`tables`):
+    `mx.fast.rope` (one fused kernel a call on Metal), or, on MLX's CPU build, whose `fast.rope` falls back
+    to composed ops that recompute the angles' cos/sin for every q and k of every layer: cos/sin tables made
+    once a step (`prepare`), and a call is `x * cos + rotate_half(x) * sin` with rotate_half a signed
+    permutation matmul (exact: one +-1 term a column), two kernels (docs/PERFORMANCE.md, MLX section)."""
+
+    def __init__(self, spec: ModelSpec, tables: bool, dtype=mx.float32):
+        self.periods, self.mscale = rope_tables(spec)  # mx.fast.rope's `freqs`
+        self.rotary_dim, self.head_dim, self.tables, self.dtype = spec.rotary_dim, spec.head_dim, tables, dtype
+        if tables:
+            half, d = spec.rotary_dim // 2, spec.head_dim
+            rotate = np.zeros((d, d), dtype=np.float32)  # x @ rotate = (-x2, x1, 0) for x = (x1, x2, rest)
+            rotate[np.arange(half) + half, np.arange(half)] = -1.0
+            rotate[np.arange(half), np.arange(half) + half] = 1.0
+            self.rotate = mx.array(rotate, dtype=dtype)
+            self.inv_freq = 1.0 / self.periods
+
+    def prepare(self, positions: mx.array):
+        """What every layer's call needs for these positions [T]: the positions, or (cos, sin) [T, 1, 1, d]
+        computed in fp32 and held in the model dtype, as HF does (cos 1 and sin 0 past the rotary dims; the
+        yarn magnitude folded in)."""
+        if not self.tables:
+            return positions
+        angles = positions.astype(mx.float32)[:, None] * self.inv_freq
+        angles = mx.concatenate([angles, angles], axis=-1)
+        cos, sin = mx.cos(angles) * self.mscale, mx.sin(angles) * self.mscale
+        if self.rotary_dim < self.head_dim:
+            rest = (positions.shape[0], self.head_dim - self.rotary_dim)
+            cos = mx.concatenate([cos, mx.ones(rest, dtype=mx.float32)], axis=-1)
+            sin = mx.concatenate([sin, mx.zeros(rest, dtype=mx.float32)], axis=-1)
+        shape = (positions.shape[0], 1, 1, self.head_dim)
+        return cos.reshape(shape).astype(self.dtype), sin.reshape(shape).astype(self.dtype)
+
+    def __call__(self, x: mx.array, rope) -> mx.array:
+        if not self.tables:
+            if self.mscale != 1.0:
+                x = x * self.mscale
+            return mx.fast.rope(x, self.rotary_dim, traditional=False, base=None, scale=1.0, offset=rope,
+                                freqs=self.periods)
+        cos, sin = rope
+        return x * cos + (x @ self.rotate) * sin
 
 
 def rope_tables(spec: ModelSpec) -> tuple[mx.array, float]:

@@ -24,8 +24,8 @@ from metainfer.mlx.layers import (
     Embedding,
     Linear,
     QuantFormat,
+    Rotary,
     fuse_linears,
-    rope_tables,
 )
 
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
@@ -131,7 +131,7 @@ def build_dense_model(spec: ModelSpec, tensors: dict[str, mx.array], dtype, in_o
     lm_head = table if spec.tie_word_embeddings else ck.linear("lm_head", in_out=in_out)
     if spec.tie_word_embeddings:
         ck.tensors.pop("lm_head.weight", None)  # some tied checkpoints still carry it
-    freqs, mscale = rope_tables(spec)
+    rotary = Rotary(spec, tables=mx.default_device() == mx.cpu, dtype=dtype)
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -139,7 +139,7 @@ def build_dense_model(spec: ModelSpec, tensors: dict[str, mx.array], dtype, in_o
         o_proj = ck.linear(p + "self_attn.o_proj", in_out)
         q_norm = ck.take(p + "self_attn.q_norm.weight") if spec.qk_norm else None
         k_norm = ck.take(p + "self_attn.k_norm.weight") if spec.qk_norm else None
-        attn = Attention(spec, qkv, o_proj, q_norm, k_norm, freqs, mscale)
+        attn = Attention(spec, qkv, o_proj, q_norm, k_norm, rotary)
         gate_up = fuse_linears([ck.linear(p + f"mlp.{n}_proj", in_out) for n in ("gate", "up")])
         down = ck.linear(p + "mlp.down_proj", in_out)
         norms = ck.take(p + "input_layernorm.weight"), ck.take(p + "post_attention_layernorm.weight")
