@@ -394,6 +394,7 @@ def test_triton_kernels_round_where_the_refs_do(dtype):
 def test_select_ops():
     cpu_ops = select_ops("cpu")
     assert isinstance(cpu_ops, KernelOps) and cpu_ops.rms_norm is rms_norm_ref
+    assert cpu_ops.backend == "torch" and cpu_ops.pdl is False  # the references, nothing bound to PDL
     assert cpu_ops.paged_prefill_attention.__name__ == "paged_prefill_attention_ref"
     cuda_ops = select_ops(torch.device("cuda"))  # selection only: no CUDA call is made
     assert cuda_ops.rms_norm is rms_norm_triton and cuda_ops.silu_and_mul is silu_and_mul_triton
