@@ -214,6 +214,7 @@ class Rotary:
             rotate[np.arange(half), np.arange(half) + half] = 1.0
             self.rotate = mx.array(rotate, dtype=dtype)
             self.inv_freq = 1.0 / self.periods
+            mx.eval(self.rotate, self.inv_freq)  # evaluated here: a lazy array cannot run on another thread's stream
 
     def prepare(self, positions: mx.array):
         """What every layer's call needs for these positions [T]: the positions, or (cos, sin) [T, 1, 1, d]

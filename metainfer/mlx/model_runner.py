@@ -1,15 +1,15 @@
 """MLXModelRunner: the ModelRunner contract (`num_blocks`, `execute(batch) -> SampledBatch | None`) with the
 forward computed in MLX; LLMEngine builds it for `device="mlx"` and drives it like the torch runner.
 
-A step: the scheduled batch's ints packed with numpy (ids, positions, slots; per sequence its block
-table), one lazy MLX graph for the whole forward (every layer's K/V stored into the paged pool in the
-same graph, paged_kv.py), one `mx.eval` of the sampling rows' logits and the pools, then sampling. A batch
-whose every row is greedy without penalties or logprobs (min_tokens allowed: its stop ids are masked with a
-scatter) takes its argmax in MLX, as the torch path's fused sampler takes such batches; any other batch goes
-to the engine's own torch Sampler on the logits (fp32, moved through numpy without a copy), so every
-SamplingParams field behaves exactly as on the torch path. Measured here on busy cores: torch's greedy
-sample of 8 x 49,152 logits took 2-25 ms (one or two OpenMP threads), a top-k/top-p one 150-360 ms,
-against a SmolLM2 decode step of 100-200 ms; the MLX argmax is in the step's graph.
+A step: the scheduled batch's ints packed (decode: ids, positions and block tables, three small int32
+arrays; the slots, gather indices and mask are computed from them inside the graph), one lazy MLX graph for
+the whole forward (every layer's K/V stored into the paged pool in the same graph, paged_kv.py), one
+`mx.eval`. A batch whose every row is greedy without penalties or logprobs (min_tokens allowed: its stop ids
+are masked by an additive [rows, V] mask, cached per banned set) takes its argmax inside that graph, so the
+step's one eval yields the token ids; any other batch goes to the engine's own torch Sampler on the logits
+(fp32, moved through numpy without a copy), so every SamplingParams field behaves exactly as on the torch
+path. Measured here on busy cores: torch's greedy sample of 8 x 49,152 logits took 2-25 ms (one or two
+OpenMP threads), a top-k/top-p one 150-360 ms, against a SmolLM2 decode step of 100-200 ms.
 No async scheduling: the next step's inputs need this step's tokens on the host.
 
 Decode steps run one `mx.compile`d function (the whole forward: embedding to logits, the pools in and out, so
@@ -135,6 +135,7 @@ class MLXModelRunner:
         ban = self._bans.get(rows)
         if ban is None:
             ban = self._bans[rows] = mx.zeros((rows, self.spec.vocab_size), dtype=mx.float32)
+            mx.eval(ban)  # held across steps, which may run on another thread (the server's)
         return ban
 
     def _decode_graph(self, ids, positions, tables, ban, *pools):
