@@ -17,6 +17,7 @@ from metainfer.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from tests.helpers.tensors import randn
@@ -167,3 +168,16 @@ def test_column_then_row_with_real_all_reduce():
                         randn(H, 32, seed=22), randn(H, seed=23))
     for out in run_on_ranks(_mlp_over_gloo, 2):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicated_linear_is_the_full_layer_on_every_rank(tp):
+    """MLA's q_a / kv_a projections (with attention_bias) and the MoE router's base: no split and no reduce,
+    every rank loads the whole weight and computes the whole output."""
+    w, b, x = randn(12, H, seed=30), randn(12, seed=31), randn(4, H, seed=32)
+    layers = _ranks(tp, lambda: ReplicatedLinear(H, 12, bias=True, dtype=torch.float32))
+    for layer in layers:
+        assert tuple(layer.weight.shape) == (12, H) and tuple(layer.bias.shape) == (12,)
+        layer.weight.weight_loader(layer.weight, w)
+        layer.bias.weight_loader(layer.bias, b)
+        torch.testing.assert_close(layer(x), F.linear(x, w, b))
