@@ -88,9 +88,6 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # the most prompt tokens a step takes beside running decodes (None: all of max_num_batched_tokens); lower
-    # bounds the inter-token gap a new prompt causes the running streams (engine/scheduler.py)
-    max_mixed_prefill_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -161,8 +158,6 @@ class EngineConfig:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:
             raise ConfigError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
-        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 1:
-            raise ConfigError(f"max_mixed_prefill_tokens must be >= 1, got {self.max_mixed_prefill_tokens}")
         if self.max_piecewise_graph_tokens < 0:
             raise ConfigError(f"max_piecewise_graph_tokens must be >= 0, got {self.max_piecewise_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -54,16 +54,11 @@ def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_mixed_prefill_tokens: int | None = None):
-        """`max_mixed_prefill_tokens`: the most prompt tokens a step takes beside running decodes (None: the
-        whole budget). A mixed step's time is its decodes' plus its prompt tokens', and every running stream
-        waits for it: capping the second bounds the inter-token gap a new prompt causes (a step with no
-        decode row still takes the whole budget, so admission is not slowed when nothing streams)."""
+                 max_model_len: int):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -76,8 +71,6 @@ class Scheduler:
         preempted_before = self.num_preemptions
         decodes = self._schedule_decodes()
         budget = self.max_num_batched_tokens - len(decodes)
-        if decodes:
-            budget = min(budget, self.max_mixed_prefill_tokens)
         # a step that preempted a running sequence for blocks admits no prompt (it would take them back)
         admit = not decodes or self.num_preemptions == preempted_before
         prefills = self._schedule_prefills(budget) if admit else []

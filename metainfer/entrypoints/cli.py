@@ -44,9 +44,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(8192, min(max_model_len, 16384)))")
-    p.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
-                   help="most prompt tokens a step takes beside running decodes: lower bounds the inter-token "
-                        "gap new prompts cause (default: the whole --max-num-batched-tokens)")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=2048,
                    help="prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs; "
                         "0: eagerly (default 2048)")
@@ -81,7 +78,6 @@ def engine_kwargs(args) -> dict:
                 tensor_parallel_size=args.tp,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None),
                 max_piecewise_graph_tokens=getattr(args, "max_piecewise_graph_tokens", 2048),
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,

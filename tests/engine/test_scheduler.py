@@ -226,23 +226,3 @@ def test_finish_removes_the_sequence_and_frees_its_blocks():
     assert not sched.waiting and b.status == SequenceStatus.FINISHED and not b.block_table
     sched.finish(a)
     assert not sched.running and sched.block_manager.num_free_blocks == 8
-
-
-def test_max_mixed_prefill_tokens_caps_prompt_tokens_beside_decodes_only():
-    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=20,
-                      max_model_len=512, max_mixed_prefill_tokens=3)
-    a, b, c = _seqs([6, 9, 2])
-    sched.add(a)
-    batch = sched.schedule()
-    assert batch.num_tokens == 6 and not batch.is_mixed, "no decode row: the whole budget is open"
-    _step(sched, batch)
-    sched.add(b)
-    sched.add(c)
-    batch = sched.schedule()  # a decodes; b takes a 3-token chunk, c waits
-    assert batch.is_mixed and batch.seqs == [a, b] and batch.num_prefill_tokens == 3
-    _step(sched, batch)
-    for expected in (3, 3, 2):  # b's remaining 6 tokens in chunks of 3, then c
-        batch = sched.schedule()
-        assert batch.is_mixed and batch.num_prefill_tokens == expected
-        _step(sched, batch)
-    assert not sched.waiting and len(sched.running) == 3

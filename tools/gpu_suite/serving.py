@@ -78,32 +78,6 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("server not ready")
 
 
-def _bench_server(args, name: str, extra: list[str], num_prompts, input_len, output_len, concurrency) -> dict:
-    """`metainfer serve` (with `extra` options) in a subprocess, `bench serve` against it; the bench's record."""
-    port = 8311
-    log_path = os.path.join(out_dir(), f"{name}_server_log.txt")
-    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", model_dir(args), "--load-format", "dummy",
-           "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
-           "--no-access-log", "--log-level", "warning", *extra]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_ready(port, proc, timeout=180)
-            record = os.path.join(out_dir(), f"bench_{name}.json")
-            subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
-                            "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len",
-                            str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
-                            "--output-json", record], cwd=ROOT, check=True, timeout=300)
-            with open(record) as f:
-                return json.load(f)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
 def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concurrency=64) -> dict:
     from metainfer import SamplingParams
 
@@ -125,14 +99,30 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
 
     res["offline"] = on_engine(args, offline, max_num_seqs=concurrency)
     show("offline", res["offline"])
-    for cap in [int(c) for c in str(getattr(args, "serve_mixed_caps", "0")).split(",")]:
-        name = "serve" if cap == 0 else f"serve_mixed_cap_{cap}"
-        extra = [] if cap == 0 else ["--max-mixed-prefill-tokens", str(cap)]
-        res[name] = _bench_server(args, name, extra, num_prompts, input_len, output_len, concurrency)
-        res[f"{name}_over_offline"] = res[name].get("output_throughput", 0) / res["offline"]["output_tok_s"]
-        res[f"{name}_itl_p99_over_median"] = res[name].get("p99_itl_ms", 0) / max(res[name].get("median_itl_ms", 1),
-                                                                                   1e-9)
-        show(name, {k: res[k] for k in res if k.startswith(name + "_")})
+    port = 8311
+    log_path = os.path.join(out_dir(), "server_log.txt")
+    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", model_dir(args), "--load-format", "dummy",
+           "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
+           "--no-access-log", "--log-level", "warning"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(port, proc, timeout=180)
+            record = os.path.join(out_dir(), "bench_serve.json")
+            subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+                            "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len",
+                            str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
+                            "--output-json", record], cwd=ROOT, check=True, timeout=300)
+            with open(record) as f:
+                res["serve"] = json.load(f)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    serve = res["serve"]
+    res["serve_over_offline"] = serve.get("output_throughput", 0) / res["offline"]["output_tok_s"]
     return res
 
 
