@@ -24,7 +24,9 @@ def _pack(batch: ScheduledBatch) -> np.ndarray:
 
 def _check(encoder: StepEncoder, mirror: StepMirror, batch: ScheduledBatch):
     delta = encoder.encode(batch)
-    assert np.array_equal(_pack(mirror.apply(delta)), _pack(batch))
+    mirrored = mirror.apply(delta)
+    assert np.array_equal(_pack(mirrored), _pack(batch))
+    assert (mirrored.is_prefill, mirrored.num_decode_rows) == (batch.is_prefill, batch.num_decode_rows)
     return delta
 
 
@@ -43,7 +45,13 @@ def test_mirror_follows_a_run():
     a.num_scheduled_tokens, b.num_scheduled_tokens = 2, 0  # the rest of a's prompt
     delta = _check(enc, mirror, ScheduledBatch([a], True))
     assert delta.new == [] and delta.appended == []  # nothing changed but the rows
-    a.num_computed_tokens = 6
+    # a mixed step: a's first decode row beside b's re-sent prompt tail (the workers split the attention alike)
+    a.num_computed_tokens, a.num_scheduled_tokens = 6, 1
+    a.token_ids.append(6)
+    b.num_computed_tokens, b.num_scheduled_tokens = 2, 1
+    _check(enc, mirror, ScheduledBatch([a, b], True, num_decode_rows=1))
+    a.token_ids.pop()
+    a.num_computed_tokens, b.num_computed_tokens = 6, 3
     for step in range(3):  # decode: a crosses into a third block, b into a second
         for s in (a, b):
             s.token_ids.append(7 + step)

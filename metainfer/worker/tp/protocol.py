@@ -73,6 +73,7 @@ class StepDelta:
     appended: list[tuple[int, list[int]]]  # (seq id, blocks added at the end of its table)
     gone: list[int]  # seq ids the workers can forget
     rows: list[tuple[int, int, list[int], bool]]  # (seq id, first position, scheduled tokens, will_sample)
+    num_decode_rows: int = 0  # a mixed step's leading decode rows (the workers split the attention alike)
 
 
 class StepEncoder:
@@ -98,7 +99,7 @@ class StepEncoder:
         gone = [sid for sid, (seq, _, _) in self._sent.items() if sid not in scheduled and seq.is_finished]
         for sid in gone:
             del self._sent[sid]
-        return StepDelta(batch.is_prefill, new, appended, gone, rows)
+        return StepDelta(batch.is_prefill, new, appended, gone, rows, batch.num_decode_rows)
 
 
 class _TokenWindow:
@@ -146,7 +147,7 @@ class StepMirror:
             seq.num_computed_tokens, seq.num_scheduled_tokens = start, len(tokens)
             seq.token_ids, seq.will_sample = _TokenWindow(start, tokens), will_sample
             batch.append(seq)
-        return ScheduledBatch(batch, delta.is_prefill)
+        return ScheduledBatch(batch, delta.is_prefill, delta.num_decode_rows)
 
 
 class RankLink:
