@@ -330,6 +330,27 @@ def test_rotary_ref_equals_hf_apply_rotary_pos_emb(dtype):
     _bits_equal(k, k_exp)
 
 
+def test_rotary_module_equals_hf_apply_rotary_pos_emb():
+    """layers.rotary.RotaryEmbedding, the module a model holds (its cache is what the backends' fused rope
+    reads; its forward rotates q and k for standalone use), equals HF's rotation at every position."""
+    transformers = pytest.importorskip("transformers")
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from metainfer.layers.rotary import RotaryEmbedding
+
+    tokens, hq, hk, head_dim, theta, max_pos = 5, 2, 1, 64, 1e4, 4096
+    config = transformers.Qwen3Config(hidden_size=hq * head_dim, num_attention_heads=hq, num_key_value_heads=hk,
+                                      head_dim=head_dim, rope_theta=theta, max_position_embeddings=max_pos)
+    positions = torch.tensor([0, 3, 17, 1000, max_pos - 1])
+    q, k = _randn(tokens, hq * head_dim, seed=4), _randn(tokens, hk * head_dim, seed=5)
+    q_hf, k_hf = (t.view(1, tokens, -1, head_dim).transpose(1, 2) for t in (q, k))
+    cos, sin = qwen3.Qwen3RotaryEmbedding(config)(q_hf, positions[None])
+    q_exp, k_exp = (t.transpose(1, 2).reshape(tokens, -1) for t in qwen3.apply_rotary_pos_emb(q_hf, k_hf, cos, sin))
+    rotary = RotaryEmbedding(head_dim, head_dim, max_pos, theta, None, select_ops("cpu"))
+    out = rotary(positions, q, k)
+    q_got, k_got = (q, k) if out is None else out
+    torch.testing.assert_close(q_got, q_exp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_got, k_exp, rtol=1e-5, atol=1e-5)
+
 @pytest.mark.parametrize("dtype", REF_DTYPES)
 def test_silu_and_mul_ref_equals_hf_qwen3_mlp(dtype):
     transformers = pytest.importorskip("transformers")
