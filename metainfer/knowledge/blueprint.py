@@ -424,7 +424,13 @@ def locate_target(target: str) -> tuple[str, str, str]:
         fn = resolve_ref(target)
         if not inspect.isfunction(fn):
             raise ValueError("a module-level target must be a function")
-        return inspect.getsourcefile(fn), "", fn.__name__
+        # the module's own file, not the function's: a decorated function (@torch.no_grad()) reports the
+        # decorator's source file, and the mutation writes `@perturbed` above the `def` in this module
+        path = inspect.getsourcefile(importlib.import_module(module))
+        with open(path, encoding="utf-8") as f:
+            if f.read().count(f"\ndef {name}(") != 1:
+                raise ValueError(f"`def {name}(` does not occur once at the top level of {module}")
+        return path, "", name
     owner = resolve_ref(f"{module}:{owner_name}")
     if not inspect.isclass(owner):
         raise ValueError(f"{owner_name} is not a class")

@@ -62,3 +62,17 @@ def test_every_mode_runs_only_quick_tests_and_all_of_them():
     rms = next(m for m in modes if m["id"] == "perturb.rms_norm_ref")
     assert "tests/engine/test_llm_api.py::x" not in rms["stages"][0]  # a hint outside the quick tests is dropped
     assert rms["stages"][0][0] == "tests/kernels/test_elementwise.py"  # its own quick tests first
+
+
+def test_a_decorated_function_is_perturbed_in_its_own_module():
+    """fill_dummy_weights is wrapped by @torch.no_grad(), whose source file is torch's: the mutation must still
+    go into metainfer/loader/dummy.py, above its `def` (a wrong file was a harness error, not a result)."""
+    import os
+
+    from metainfer.knowledge.blueprint import locate_target
+
+    path, owner, name = locate_target("metainfer.loader.dummy:fill_dummy_weights")
+    assert path.endswith(os.path.join("metainfer", "loader", "dummy.py"))
+    assert (owner, name) == ("", "fill_dummy_weights")
+    mode = next(m for m in perturbation_modes(only=["perturb.fill_dummy_weights"]))
+    assert mode["mutation"]["file"].endswith("metainfer/loader/dummy.py")
