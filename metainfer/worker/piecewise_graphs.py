@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 
 from metainfer.attention import forward_context
+from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.worker.step_inputs import pack_step
+from metainfer.worker.warmup import BlockCycle, WarmupStep, warmup_batch
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
@@ -38,6 +40,16 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
              *range(2304, max_tokens + 1, 256)]
     out = [b for b in sizes if b < max_tokens]
     return out + [max_tokens] if max_tokens > 0 else []
+
+
+def _capture_batch(num_tokens: int, max_len: int, blocks: BlockCycle, block_size: int) -> ScheduledBatch:
+    """A throw-away prefill of `num_tokens` tokens over real KV blocks, in prompts of at most `max_len` tokens
+    (positions stay inside the rotary table)."""
+    seqs = []
+    for start in range(0, num_tokens, max_len):
+        step = WarmupStep("prefill", min(max_len, num_tokens - start))
+        seqs += warmup_batch(step, blocks, block_size).seqs
+    return ScheduledBatch(seqs, is_prefill=True)
 
 
 class _Split:
@@ -156,8 +168,8 @@ class PiecewiseGraphs:
     def covers(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
 
-    def run(self, batch) -> torch.Tensor:
-        """Hidden states [T, H] of a prefill / mixed step of T <= max_tokens tokens, and the step's rows."""
+    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [T, H] of a prefill / mixed step of T <= max_tokens tokens, and its sampled rows."""
         layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
         views = layout.views(self.staging.upload(layout.size))
         ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
@@ -176,10 +188,9 @@ class PiecewiseGraphs:
 
     # -- capture ----------------------------------------------------------------------------------
     def _capture(self, runner, max_tokens: int, pool) -> None:
-        from metainfer.worker.warmup import WarmupStep, _BlockCycle, warmup_batch
-
         self.buckets = piecewise_buckets(max_tokens)
-        blocks = _BlockCycle(runner.num_blocks)
+        blocks = BlockCycle(runner.num_blocks)
+        max_len = runner.config.max_model_len
         device = runner.device
         self._ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         split = _Split(self, pool)
@@ -187,11 +198,12 @@ class PiecewiseGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):
-                batch = warmup_batch(WarmupStep("prefill", bucket), blocks, self.block_size)
-                layout = pack_step(batch, 1, self.staging.next_host_buffer(), self.block_size)
+                batch = _capture_batch(bucket, max_len, blocks, self.block_size)
+                layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
                 views = layout.views(self.staging.upload(layout.size))
                 _, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
-                meta = self.real_backend.build_metadata(True, views, positions, bucket, ((bucket, bucket),))
+                lens = tuple((s.num_scheduled_tokens, s.num_scheduled_tokens) for s in batch.seqs)
+                meta = self.real_backend.build_metadata(True, views, positions, max(n for n, _ in lens), lens)
                 with forward_context(meta), self._split_attention(split):
                     self.num_tokens = bucket
                     self.model(self._ids[:bucket])  # probe: compiles, sizes the static buffers

@@ -86,7 +86,7 @@ def warmup_plan(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     return steps
 
 
-class _BlockCycle:
+class BlockCycle:
     """Block ids for throw-away sequences: the pool's blocks in turn (reused when the pool is small)."""
 
     def __init__(self, num_blocks: int):
@@ -98,7 +98,7 @@ class _BlockCycle:
         return out
 
 
-def _sequence(blocks: _BlockCycle, block_size: int, computed: int, scheduled: int, width: int = 0) -> Sequence:
+def _sequence(blocks: BlockCycle, block_size: int, computed: int, scheduled: int, width: int = 0) -> Sequence:
     """A sequence with `computed` tokens in its cache and `scheduled` more to run (token id 0 throughout)."""
     total = computed + scheduled
     seq = Sequence("warmup", 0, [0] * total, _GREEDY)
@@ -108,7 +108,7 @@ def _sequence(blocks: _BlockCycle, block_size: int, computed: int, scheduled: in
     return seq
 
 
-def warmup_batch(step: WarmupStep, blocks: _BlockCycle, block_size: int) -> ScheduledBatch:
+def warmup_batch(step: WarmupStep, blocks: BlockCycle, block_size: int) -> ScheduledBatch:
     """The ScheduledBatch of one warm-up step."""
     decodes = [_sequence(blocks, block_size, 1 + i % block_size, 1, step.table_width)
                for i in range(step.decode_rows)]
@@ -123,7 +123,7 @@ def warmup_batch(step: WarmupStep, blocks: _BlockCycle, block_size: int) -> Sche
 def run_warmup(runner, steps: list[WarmupStep], synchronize=None) -> float:
     """Run every step through `runner.execute` (rank 0: the workers follow); returns the seconds taken."""
     start = time.perf_counter()
-    blocks = _BlockCycle(runner.num_blocks)
+    blocks = BlockCycle(runner.num_blocks)
     for step in steps:
         batch = warmup_batch(step, blocks, runner.block_size)
         runner.execute(batch)

@@ -32,6 +32,17 @@ def test_buckets_cover_every_token_count_up_to_the_cap_with_bounded_padding():
     assert piecewise_buckets(0) == []
 
 
+def test_a_bucket_is_captured_over_prompts_no_longer_than_max_model_len():
+    from metainfer.worker.piecewise_graphs import _capture_batch
+    from metainfer.worker.warmup import BlockCycle
+
+    for tokens, max_len in ((2048, 512), (96, 4096), (100, 33)):
+        batch = _capture_batch(tokens, max_len, BlockCycle(64), 16)
+        lens = [s.num_scheduled_tokens for s in batch.seqs]
+        assert sum(lens) == tokens and max(lens) <= max_len and batch.is_prefill
+        assert all(s.num_computed_tokens == 0 and len(s.block_table) * 16 >= n for s, n in zip(batch.seqs, lens))
+
+
 class _EagerPieces(PiecewiseGraphs):
     """PiecewiseGraphs whose buckets replay the model eagerly with each attention call routed through the
     static buffers (as between captured pieces); buckets 16, 32, 64."""
