@@ -12,8 +12,10 @@ Each perturbation is a mutation for the failure-mode harness (metainfer/knowledg
 a throw-away copy of the tree: a module-level function's `def` gets the perturbing decorator; a method or
 property is replaced at the end of its class's module. The tests are the union of every phase's quick
 selection, in stages that stop at the first failing one: the test that caught it in the last run (a hint),
-the unit-level quick tests (the node's own files first), then the ones that build whole engines against
-transformers (HEAVY: minutes on a busy machine); `-x` stops at the first failure.
+the quick tests in the node's own test files (whole-engine ones included: a node whose contract only a
+whole-model test checks is decided there without the rest first), the other unit-level quick tests, then the
+ones that build whole engines against transformers (HEAVY: minutes on a busy machine); `-x` stops at the
+first failure.
 Every test run is one of the quick selections', so a failure is the quick gates' failure, and a perturbation
 that survives every stage survived them all. There is no upfront baseline (the quick tests take minutes on a
 busy machine): each test that caught a perturbation runs once unmutated at the end, and a perturbation whose
@@ -100,8 +102,8 @@ def not_cpu_path(blueprint: dict | None = None) -> list[dict]:
 def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
                        only: list[str] | None = None, hints: dict[str, list[str]] | None = None) -> list[dict]:
     """One harness mode per CPU-path target (`only`: ids or node ids to keep). Its stages together are the quick
-    selections, each without what an earlier one ran: the test that caught it before (`hints`), the unit-level
-    quick tests (the node's own files first), then the HEAVY ones."""
+    selections, each without what an earlier one ran: the test that caught it before (`hints`), the quick tests
+    of the node's own test files, the other unit-level quick tests, then the HEAVY ones."""
     blueprint = blueprint or load_blueprint()
     tests = quick_tests(blueprint)
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
@@ -115,9 +117,10 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
         ordered = _ordered(tests, own)
         hinted = [t for t in (hints or {}).get(mode_id, []) if in_selection(t, tests)]
+        mine = [t for t in ordered if t.split("::", 1)[0] in own]  # the node's own files, heavy ones included
         cheap = [t for t in ordered if not t.startswith(HEAVY)]
         stages, seen = [], set()
-        for stage in (hinted, cheap, ordered):  # each: what the earlier ones left
+        for stage in (hinted, mine, cheap, ordered):  # each: what the earlier ones left
             stage = [t for t in dict.fromkeys(stage) if t not in seen]
             seen.update(stage)
             if stage:
