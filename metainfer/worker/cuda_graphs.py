@@ -34,7 +34,6 @@ class DecodeGraphs:
         self.block_size, self.table_width = runner.block_size, runner.max_blocks_per_seq
         self.max_num_seqs = runner.config.max_num_seqs
         self.max_batch = 0
-        self.pool = None  # the graphs' memory pool (the piecewise graphs share it)
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -63,7 +62,6 @@ class DecodeGraphs:
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
-        self.pool = pool
         self.max_batch = self.batch_sizes[-1]
         self._bucket_of = [next(b for b in self.batch_sizes if b >= n) for n in range(self.max_batch + 1)]
 

@@ -76,9 +76,9 @@ class ModelRunner:
             self.sampler = Sampler(self.spec.vocab_size, tuple(eos_token_ids), self.device, fused=fused,
                                    seed=config.seed)
             self._sample = self._sample_rows
-        self._capture = self.device.type == "cuda" and not config.enforce_eager
-        self.graphs = DecodeGraphs(self, capture=self._capture)
-        self.piecewise = PiecewiseGraphs(self, config.max_piecewise_graph_tokens, self._capture, self.graphs.pool)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs = DecodeGraphs(self, capture=graphs)
+        self.piecewise = PiecewiseGraphs(self, config.max_piecewise_graph_tokens, graphs)
         # one step of every shape class, so every Triton variant is compiled before serving (worker/warmup.py);
         # rank 0 drives it (the workers run what it publishes); the torch references compile nothing
         self.warmup_steps = warmup_plan(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs,
@@ -150,8 +150,7 @@ class ModelRunner:
             if hasattr(module, "bind_ops"):
                 module.bind_ops(ops)
         self.graphs = DecodeGraphs(self, capture=bool(self.graphs.max_batch))
-        self.piecewise = PiecewiseGraphs(self, self.piecewise.max_tokens, bool(self.piecewise.max_tokens),
-                                         self.graphs.pool)
+        self.piecewise = PiecewiseGraphs(self, self.piecewise.max_tokens, bool(self.piecewise.max_tokens))
 
     # -- the KV pool ----------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:

@@ -14,13 +14,18 @@ everything else only depends on the token count, so each bucket of T_b tokens ho
 Between pieces the attention layer's inputs are copied (inside the piece) into static buffers shared by every
 layer and bucket; `backend.forward` runs eagerly on their first T rows under the step's metadata (K/V store,
 prefill / decode kernels); its output is copied into one static buffer the next piece reads. Rows T..T_b are
-padding: their ids are 0 and their attention output is whatever the buffer held (rows never mix outside
-attention, so they cannot reach the real rows, and the logits are taken at the real rows only).
+padding: their ids are stale (valid) ids of earlier steps and their attention output whatever the buffer held
+(zeros at first); rows never mix outside attention, so they cannot reach the real rows, and the logits are
+taken at the real rows only.
 
-Memory: the pieces share the decode graphs' pool; a tensor crossing from piece i to i+1 inside the graphs
-(the residual stream) is freed after piece i+1's capture and may be reused by later pieces, which is safe
-because a bucket's pieces always replay in capture order. Capture runs a throw-away prefill of T_b tokens
-over real KV blocks (worker/warmup.py's), largest bucket first.
+Memory: the pieces have a pool of their own. A tensor made in piece i and read in piece i+1 (a layer's MLP
+output) is released after piece i+1's capture and may be reused by later pieces, which is safe because a
+bucket's pieces always replay in capture order, one bucket at a time. Each bucket keeps its final `hidden`
+[T_b, H] (sum of the buckets' rows x H: ~186 MiB at Qwen3-8B dims in bf16). Capture runs a throw-away prefill
+of T_b tokens over real KV blocks (worker/warmup.py's) that stores nothing (slots -1: a re-capture on a serving
+engine, `ModelRunner.swap_kernels`, must not overwrite cached K/V), largest bucket first.
+Multi-GPU TP inside the pieces (its all-reduces captured; NCCL above the custom all-reduce's size) has not run on
+a GPU yet.
 """
 
 from __future__ import annotations
@@ -53,29 +58,31 @@ def _capture_batch(num_tokens: int, max_len: int, blocks: BlockCycle, block_size
 
 
 class _Split:
-    """Stands in for the attention backend while a bucket is captured: ends the current piece at each
-    attention call, runs the real backend eagerly on the static copies and starts the next piece."""
+    """Stands in for the attention backend while a bucket is captured: at each attention call, copies the
+    arguments into the static buffers (inside the current piece), ends the piece, runs the attention segment
+    eagerly (recording it for the replays) and begins the next piece. `probing`: the uncaptured run before a
+    bucket's capture (compiles; sizes the static buffers), which calls the backend directly."""
 
-    def __init__(self, owner: PiecewiseGraphs, pool):
-        self.owner, self.pool = owner, pool
-        self.capturing = False
+    def __init__(self, owner: PiecewiseGraphs):
+        self.owner = owner
+        self.probing = False
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool = None
 
     def begin(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.graph.capture_begin(pool=self.pool)
-        self.capturing = True
 
-    def end(self) -> torch.cuda.CUDAGraph:
+    def end(self):
+        """End the current piece; what a replay calls to run it."""
         self.graph.capture_end()
-        self.capturing = False
         if self.pool is None:
             self.pool = self.graph.pool()
-        return self.graph
+        return self.graph.replay
 
     def forward(self, layer, *args):
         owner = self.owner
-        if not self.capturing:  # the probe run: size the static buffers outside any capture
+        if self.probing:
             out = owner.real_backend.forward(layer, *args)
             owner.static_inputs(args)
             owner.static_output(out.shape, out.dtype)
@@ -83,31 +90,37 @@ class _Split:
         statics, copies = owner.static_inputs(args)
         for static, source in copies:
             static.copy_(source)
-        owner.segments.append(self.end().replay)
-        out = owner.real_backend.forward(layer, *statics)  # recorded values are not computed: shapes only
-        static_out = owner.static_output(out.shape, out.dtype)
-        owner.segments.append(_EagerAttention(owner, layer, statics, static_out))
+        owner.segments.append(self.end())
+        attention = _EagerAttention(owner, layer, statics)
+        attention()  # at capture the statics hold earlier values (the piece was recorded, not run): shapes only
+        owner.segments.append(attention)
         self.begin()
-        return static_out
+        return attention.static_out
 
 
 class _EagerAttention:
-    """One attention call between two pieces at replay: the backend on the static inputs' first T rows."""
+    """One attention call between two pieces: the backend on the static inputs' first T rows (the step's
+    real tokens, `owner.num_tokens`), its output copied into the shared static output's first T rows."""
 
-    def __init__(self, owner: PiecewiseGraphs, layer, statics, static_out):
-        self.owner, self.layer, self.statics, self.static_out = owner, layer, statics, static_out
+    def __init__(self, owner: PiecewiseGraphs, layer, statics):
+        self.owner, self.layer, self.statics = owner, layer, statics
+        self.rows = next(s.shape[0] for s in statics if s is not None)
+        self.static_out: torch.Tensor | None = None
 
     def __call__(self) -> None:
         n = self.owner.num_tokens
-        args = [None if s is None else s[:n] for s in self.statics]
-        self.static_out[:n].copy_(self.owner.real_backend.forward(self.layer, *args))
+        out = self.owner.real_backend.forward(self.layer, *[None if s is None else s[:n] for s in self.statics])
+        if self.static_out is None:
+            self.static_out = self.owner.static_output(torch.Size((self.rows, *out.shape[1:])), out.dtype)
+        self.static_out[:n].copy_(out)
 
 
 class PiecewiseGraphs:
-    def __init__(self, runner, max_tokens: int, capture: bool, pool=None):
-        """`runner`: the ModelRunner (its model, backend, staging, step_inputs and KV blocks are read, not
-        kept). Steps of up to `max_tokens` tokens that no decode graph takes run here; none without
-        `capture` (CPU, enforce_eager, max_tokens 0)."""
+    def __init__(self, runner, max_tokens: int, capture: bool):
+        """`runner`: the ModelRunner whose model, backend, staging, step_inputs and sampled ids this keeps (the
+        runner itself is not kept: no reference cycle). Steps of up to `max_tokens` tokens (capped by the token
+        budget and by what max_num_seqs prompts of max_model_len can hold) that no decode graph takes run here;
+        none without `capture` (CPU, enforce_eager, max_tokens 0)."""
         self.model, self.step_inputs = runner.model, runner.ops.step_inputs
         self.real_backend, self.staging = runner.attn_backend, runner.staging
         self.sampled_ids, self.block_size = runner.sampled_ids, runner.block_size
@@ -121,8 +134,10 @@ class PiecewiseGraphs:
         self._out: torch.Tensor | None = None
         self._ids = torch.zeros(0, dtype=torch.long)
         self.segments: list = []
+        cfg = runner.config
+        max_tokens = min(max_tokens, cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         if capture and max_tokens > 0:
-            self._capture(runner, min(max_tokens, runner.config.max_num_batched_tokens), pool)
+            self._capture(runner, max_tokens)
 
     # -- static buffers shared by every layer and bucket (sized by the largest bucket, captured first) --
     def static_inputs(self, args) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -150,7 +165,7 @@ class PiecewiseGraphs:
             key = (index, first.dtype)
             buf = self._statics.get(key)
             if buf is None or buf.numel() < rows * width:
-                buf = self._statics[key] = torch.empty(rows * width, dtype=first.dtype, device=first.device)
+                buf = self._statics[key] = torch.zeros(rows * width, dtype=first.dtype, device=first.device)
             static = buf[: rows * width].view(rows, width)
             copies.append((static, source))
             for p, a in zip(positions, members):
@@ -161,7 +176,7 @@ class PiecewiseGraphs:
         """The one output buffer every attention call writes (piece i+1 has read it before call i+1 runs)."""
         numel = shape.numel()
         if self._out is None or self._out.numel() < numel or self._out.dtype != dtype:
-            self._out = torch.empty(numel, dtype=dtype, device=self._ids.device)
+            self._out = torch.zeros(numel, dtype=dtype, device=self._ids.device)
         return self._out[:numel].view(shape)
 
     # -- replay -----------------------------------------------------------------------------------
@@ -169,7 +184,8 @@ class PiecewiseGraphs:
         return num_tokens <= self.max_tokens
 
     def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [T, H] of a prefill / mixed step of T <= max_tokens tokens, and its sampled rows."""
+        """Hidden states [T, H] of a step of T <= max_tokens tokens (prefill, mixed, or a decode batch above the
+        largest decode graph), and its sampled rows."""
         layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
         views = layout.views(self.staging.upload(layout.size))
         ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
@@ -187,35 +203,36 @@ class PiecewiseGraphs:
         return self.hidden[bucket][:n], views["rows"]
 
     # -- capture ----------------------------------------------------------------------------------
-    def _capture(self, runner, max_tokens: int, pool) -> None:
+    def _capture(self, runner, max_tokens: int) -> None:
         self.buckets = piecewise_buckets(max_tokens)
         blocks = BlockCycle(runner.num_blocks)
         max_len = runner.config.max_model_len
         device = runner.device
         self._ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
-        split = _Split(self, pool)
+        split = _Split(self)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with torch.inference_mode(), torch.cuda.stream(stream), self._split_attention(split):
             for bucket in reversed(self.buckets):
                 batch = _capture_batch(bucket, max_len, blocks, self.block_size)
                 layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
                 views = layout.views(self.staging.upload(layout.size))
+                views["slots"].fill_(-1)  # store nothing: the blocks may hold a serving engine's K/V
                 _, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
                 lens = tuple((s.num_scheduled_tokens, s.num_scheduled_tokens) for s in batch.seqs)
                 meta = self.real_backend.build_metadata(True, views, positions, max(n for n, _ in lens), lens)
-                with forward_context(meta), self._split_attention(split):
-                    self.num_tokens = bucket
-                    self.model(self._ids[:bucket])  # probe: compiles, sizes the static buffers
+                self.num_tokens = bucket
+                with forward_context(meta):
+                    split.probing = True
+                    self.model(self._ids[:bucket])
+                    split.probing = False
                     self.segments = []
                     split.begin()
-                    hidden = self.model(self._ids[:bucket])
-                    self.segments.append(split.end().replay)
-                self.pieces[bucket], self.hidden[bucket] = self.segments, hidden
-                self.segments = []
+                    self.hidden[bucket] = self.model(self._ids[:bucket])
+                    self.segments.append(split.end())
+                self.pieces[bucket], self.segments = self.segments, []
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
-        self.pool = split.pool
         self.max_tokens = self.buckets[-1]
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.max_tokens + 1)]
 

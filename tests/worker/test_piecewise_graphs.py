@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from metainfer.worker.piecewise_graphs import PiecewiseGraphs, piecewise_buckets
+from metainfer.worker.piecewise_graphs import PiecewiseGraphs, _Split, piecewise_buckets
 from tests.helpers.engine_checks import assert_drained, generate_ids
 from tests.helpers.tiny_models import assert_matches_hf, hf_reference
 
@@ -43,11 +43,47 @@ def test_a_bucket_is_captured_over_prompts_no_longer_than_max_model_len():
         assert all(s.num_computed_tokens == 0 and len(s.block_table) * 16 >= n for s, n in zip(batch.seqs, lens))
 
 
-class _EagerPieces(PiecewiseGraphs):
-    """PiecewiseGraphs whose buckets replay the model eagerly with each attention call routed through the
-    static buffers (as between captured pieces); buckets 16, 32, 64."""
+def _layouts(rows: int):
+    packed = torch.randn(rows, 4 * 8 + 2 * 2 * 8)  # paged: q | k | v column slices of one projection
+    q, k, v = packed.split([32, 16, 16], dim=-1)
+    fused = torch.randn(rows, 4 * 24 + 40)  # MLA without q-LoRA: q | latent of one projection, q viewed [T, H, D]
+    mla_q, mla_latent = fused.split([96, 40], dim=-1)
+    lora = torch.randn(rows, 12 + 40)  # MLA with q-LoRA: q from its own projection, the latent a sliced tail
+    return {"paged": (q, k, v), "mla": (mla_q.view(rows, 4, 24), mla_latent, None),
+            "mla_q_lora": (torch.randn(rows, 4, 24), lora[:, 12:], None)}
 
-    def _capture(self, runner, max_tokens, pool) -> None:
+
+@pytest.mark.parametrize("layout", ["paged", "mla", "mla_q_lora"])
+def test_static_inputs_copy_the_arguments_with_their_offsets_and_strides(tmp_path, layout):
+    hf_reference(str(tmp_path), "qwen3", [4], 1)
+    runner = LLM(str(tmp_path), device="cpu").llm_engine.runner
+    pieces = PiecewiseGraphs(runner, 0, capture=False)
+    pieces.static_inputs(_layouts(64)[layout])  # the largest bucket sizes the buffers
+    for rows in (64, 16):
+        args = _layouts(rows)[layout]
+        statics, copies = pieces.static_inputs(args)
+        for static, source in copies:
+            static.copy_(source)
+        first = statics[0]
+        for static, arg in zip(statics, args):
+            if arg is None:
+                assert static is None
+                continue
+            assert static.shape == arg.shape and static.stride()[1:] == arg.stride()[1:]
+            assert torch.equal(static, arg)
+            if arg.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+                assert static.data_ptr() - first.data_ptr() == arg.data_ptr() - args[0].data_ptr()
+            assert torch.equal(static[:5], arg[:5])  # a replay's first T rows
+
+
+class _EagerPieces(PiecewiseGraphs):
+    """PiecewiseGraphs whose buckets (16, 32, 64) replay by running the model with the capture's own `_Split`
+    in place of the backend, its graph capture stubbed out (on the CPU the "captured" copies just run): the
+    attention arguments go through the shared statics, the attention segment runs on their first T rows and
+    its output comes back through the shared static output, as between captured pieces. The statics' and the
+    output's padded rows are set to NaN before each use, so a row that leaks shows."""
+
+    def _capture(self, runner, max_tokens) -> None:
         self.buckets, self.replays = [16, 32, 64], []
         self._ids = torch.zeros(64, dtype=torch.long)
         for bucket in self.buckets:
@@ -58,25 +94,27 @@ class _EagerPieces(PiecewiseGraphs):
 
     def _replay_eagerly(self, bucket: int) -> None:
         self.replays.append((bucket, self.num_tokens))
-        with self._split_attention(_ThroughStatics(self)):
+        with self._split_attention(_NoCapture(self)):
             self.hidden[bucket].copy_(self.model(self._ids[:bucket]))
+        self.segments = []
 
 
-class _ThroughStatics:
-    def __init__(self, owner):
-        self.owner = owner
+class _NoCapture(_Split):
+    def begin(self) -> None:
+        pass
+
+    def end(self):
+        return None
 
     def forward(self, layer, *args):
-        owner, n = self.owner, self.owner.num_tokens
-        statics, copies = owner.static_inputs(args)
-        for static, source in copies:
-            static.copy_(source)
-            static[n:] = float("nan")  # padded rows: their values must not reach the real rows
-        out = owner.real_backend.forward(layer, *[None if s is None else s[:n] for s in statics])
-        static_out = owner.static_output(torch.Size((args[0].shape[0], *out.shape[1:])), out.dtype)
-        static_out[:n].copy_(out)
-        static_out[n:] = float("nan")
-        return static_out
+        n = self.owner.num_tokens
+        for buf in self.owner._statics.values():
+            buf.fill_(float("nan"))  # the copies below must fill every row the attention reads
+        if self.owner._out is not None:
+            self.owner._out.fill_(float("nan"))
+        out = super().forward(layer, *args)
+        assert out.shape[0] == args[0].shape[0] and not out[:n].isnan().any()
+        return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "qwen3_moe"])
