@@ -106,3 +106,23 @@ def test_min_tokens_with_stop_ids_outside_the_vocabulary(llm):
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[100_000])
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) >= 3
+
+
+def test_incremental_detokenizer_returns_the_text_it_appends(llm):
+    """IncrementalDetokenizer.update appends the newly decodable text to seq.output_text and returns exactly that
+    delta (the stop-string check and streaming read the text it grew); token by token, the deltas and the final
+    flush add up to the one-shot decode of the output."""
+    from metainfer.engine.sequence import Sequence
+
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    detokenizer = llm.llm_engine.detokenizer
+    seq = Sequence("detok", 0, list(out.prompt_token_ids), SamplingParams())
+    deltas = []
+    for token in ids:
+        before = seq.output_text
+        seq.token_ids.append(token)
+        deltas.append(detokenizer.update(seq))
+        assert seq.output_text == before + deltas[-1]
+    deltas.append(detokenizer.flush(seq))
+    assert "".join(deltas) == seq.output_text == llm.get_tokenizer().decode(ids, skip_special_tokens=True)
