@@ -1,17 +1,23 @@
-"""The CPU build's rope (`Rotary` with cos/sin tables made once a step and a signed-permutation matmul) against
-`mx.fast.rope`, MLX's own kernel (what Metal runs), on the same frequencies: full and partial rotary dims, yarn's
-magnitude scale, llama3 scaling, fp32 and bf16, several positions a step."""
+"""Both forms of `Rotary` against an independent reference: HF transformers' rope init (`ROPE_INIT_FUNCTIONS`,
+`attention_scaling`) and its `apply_rotary_pos_emb` on the rotary dims. The `mx.fast.rope` form is what Metal
+runs; the CPU build's form (cos/sin tables made once a step and a signed-permutation matmul) is what runs here.
+Full and partial rotary dims, yarn's magnitude scale, llama3 scaling, fp32 and bf16, several positions a step."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'mlx[cpu]')")
 
 from metainfer.config import ModelSpec  # noqa: E402
 from metainfer.mlx.layers import Rotary  # noqa: E402
 from tests.helpers.tiny_models import LLAMA3_ROPE, YARN_ROPE  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 
 def _spec(rope: dict, partial: float = 1.0) -> ModelSpec:
@@ -21,10 +27,26 @@ def _spec(rope: dict, partial: float = 1.0) -> ModelSpec:
                                 "rope_parameters": rope})
 
 
-def _reference(x: mx.array, spec: ModelSpec, positions: mx.array, mscale: float, periods: mx.array) -> mx.array:
-    """mx.fast.rope as the Metal form calls it, in fp32."""
-    x = x.astype(mx.float32) * mscale
-    return mx.fast.rope(x, spec.rotary_dim, traditional=False, base=None, scale=1.0, offset=positions, freqs=periods)
+def _hf_reference(x: mx.array, rope: dict, partial: float, positions: mx.array) -> np.ndarray:
+    """HF's rope on x [T, heads, 1, d] at `positions` [T], in fp32: inv_freq and the magnitude scale from HF's
+    init for the scaled types (the textbook 1 / theta^(2i/rd) for default), cos/sin as HF's rotary embedding
+    makes them, `apply_rotary_pos_emb` on the first rotary dims, the rest passed through."""
+    head_dim = x.shape[-1]
+    rotary_dim = int(head_dim * partial)
+    if rope["rope_type"] == "default":
+        inv_freq = 1.0 / rope["rope_theta"] ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        scale = 1.0
+    else:
+        config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=head_dim,
+                                          max_position_embeddings=4096, partial_rotary_factor=partial,
+                                          rope_parameters=dict(rope))
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+    angles = torch.tensor(np.array(positions), dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]  # [T, 1, rd]: HF's [batch, seq, dim], batch = token
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    q = torch.tensor(np.array(x.astype(mx.float32)))  # [T, heads, 1, d]: HF's [batch, heads, seq, dim]
+    rotated, _ = apply_rotary_pos_emb(q[..., :rotary_dim], q[..., :rotary_dim], cos, sin, unsqueeze_dim=1)
+    return torch.cat([rotated, q[..., rotary_dim:]], dim=-1).numpy()
 
 
 @pytest.mark.parametrize("rope, partial", [({"rope_type": "default", "rope_theta": 1e4}, 1.0),
@@ -36,17 +58,15 @@ def test_tables_rope_equals_mx_fast_rope(rope, partial):
     rng = np.random.default_rng(0)
     positions = mx.array([0, 1, 7, 300, 1023], dtype=mx.int32)
     x = mx.array(rng.standard_normal((5, 4, 1, spec.head_dim)).astype(np.float32))
-    fast = Rotary(spec, tables=False)
-    expected = _reference(x, spec, positions, fast.mscale, fast.periods)
-    assert np.allclose(np.array(fast(x, fast.prepare(positions))), np.array(expected), atol=1e-6)
+    expected = _hf_reference(x, rope, partial, positions)
+    fast = Rotary(spec, tables=False)  # the Metal form: mx.fast.rope
+    np.testing.assert_allclose(np.array(fast(x, fast.prepare(positions))), expected, atol=2e-5, rtol=1e-5)
     tables = Rotary(spec, tables=True)
     got = tables(x, tables.prepare(positions))
     assert got.dtype == mx.float32
-    np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.array(got), expected, atol=2e-5, rtol=1e-5)
     if partial < 1.0:  # the dims past rotary_dim pass through unchanged
         assert np.array_equal(np.array(got)[..., spec.rotary_dim:], np.array(x)[..., spec.rotary_dim:])
-    if fast.mscale != 1.0:
-        assert not np.allclose(np.array(got), np.array(_reference(x, spec, positions, 1.0, fast.periods)), atol=1e-3)
 
 
 def test_tables_rope_in_bf16_stays_close():
@@ -56,5 +76,5 @@ def test_tables_rope_in_bf16_stays_close():
     rotary = Rotary(spec, tables=True, dtype=mx.bfloat16)
     got = rotary(x.astype(mx.bfloat16), rotary.prepare(positions))
     assert got.dtype == mx.bfloat16
-    expected = _reference(x, spec, positions, 1.0, rotary.periods)
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(expected), atol=5e-2)
+    expected = _hf_reference(x, {"rope_type": "default", "rope_theta": 1e6}, 1.0, positions)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), expected, atol=5e-2)
