@@ -8,16 +8,16 @@ the whole forward (every layer's K/V stored into the paged pool in the same grap
 are masked by an additive [rows, V] mask, cached per banned set) takes its argmax inside that graph, so the
 step's one eval yields the token ids; any other batch goes to the engine's own torch Sampler on the logits
 (fp32, moved through numpy without a copy), so every SamplingParams field behaves exactly as on the torch
-path. Measured here on busy cores: torch's greedy sample of 8 x 49,152 logits took 2-25 ms (one or two
-OpenMP threads), a top-k/top-p one 150-360 ms, against a SmolLM2 decode step of 100-200 ms.
+path (the greedy rows stay in MLX because torch's sampler runs on OpenMP threads that contend with other
+processes for a shared CPU).
 No async scheduling: the next step's inputs need this step's tokens on the host.
 
 Decode steps run one `mx.compile`d function (the whole forward: embedding to logits, the pools in and out, so
 the K/V stores stay in the graph and in place) traced once per (batch rows, table-width bucket): tables are
-padded to a power-of-two width, so a sequence growing to 1,024 tokens retraces 7 times, not 64. It halved
-a tiny model's decode step here (0.74 -> 0.38 ms). `enforce_eager=True` (the CUDA-graph switch's meaning:
-no captured/compiled step) runs the same forward eagerly. Prefill and mixed steps run eagerly (their
-shapes change every step).
+padded to a power-of-two width, so a sequence growing to 1,024 tokens retraces 7 times, not 64. A tiny
+model's decode step, profiled end to end: docs/results/mlx_decode_profile.json. `enforce_eager=True` (the
+CUDA-graph switch's meaning: no captured/compiled step) runs the same forward eagerly. Prefill and mixed
+steps run eagerly (their shapes change every step).
 """
 
 from __future__ import annotations
