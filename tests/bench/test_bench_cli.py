@@ -113,3 +113,12 @@ def test_bench_rejects_a_single_output_token_before_loading(model_dir, capsys, b
     """--output-len 1 leaves no token to time TPOT over: one error line, before any model is loaded."""
     assert cli.main(["bench", bench, "--model", model_dir, "--device", "cpu", "--output-len", "1"]) == 2
     assert "--output-len must be >= 2" in capsys.readouterr().err
+
+
+def test_bench_baseline_refuses_device_mlx_in_one_line(model_dir, capsys):
+    """The HF baseline is HF transformers in torch: --device mlx would silently time torch on the CPU, so it is
+    refused with one line naming the option, before any model is loaded."""
+    assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "mlx", "--output-len", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("metainfer: error: --device mlx: the HF baseline runs HF transformers in torch, not MLX; "
+                           "pass --device cpu or cuda"), err
