@@ -226,12 +226,18 @@ def run_mode(copy: Path, mode: dict, timeout_s: float, deselect: tuple[str, ...]
     if len(stages) > 1:
         result["stage"] = stage
     if status == "caught":  # which test caught it (the evidence names it)
-        failed = [line.split(" ", 1)[1].split(" - ", 1)[0] for line in output.splitlines()
-                  if line.startswith(("FAILED ", "ERROR "))]
-        result["caught_by"] = failed[:1]
+        result["caught_by"] = _failed_tests(output)[:1]
     else:
         result["detail"] = output
     return result
+
+
+def _failed_tests(output: str) -> list[str]:
+    """The test ids of pytest's short summary ("FAILED tests/x.py::test - why", "ERROR tests/x.py"); a captured
+    log line that starts with ERROR ("ERROR    metainfer:llm_engine.py:285 ...") is not one."""
+    ids = [line.split(" ", 1)[1].split(" - ", 1)[0].strip() for line in output.splitlines()
+           if line.startswith(("FAILED ", "ERROR "))]
+    return [i for i in ids if i.split("::", 1)[0].endswith(".py")]
 
 
 def _verify_catchers(copy: Path, results: dict[str, dict], timeout_s: float, deselect: tuple[str, ...]) -> dict:
@@ -248,8 +254,7 @@ def _verify_catchers(copy: Path, results: dict[str, dict], timeout_s: float, des
         code, text = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired:
         code, text = None, ""
-    failing = {line.split(" ", 1)[1].split(" - ", 1)[0] for line in text.splitlines()
-               if line.startswith(("FAILED ", "ERROR "))}
+    failing = set(_failed_tests(text))
     for result in results.values():
         if result["status"] == "caught" and (code is None or set(result.get("caught_by", [])) & failing):
             result["status"] = "unverified"

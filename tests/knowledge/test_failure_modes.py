@@ -124,3 +124,14 @@ def test_the_sop_calls_the_quick_gate_time_a_target():
     sop = " ".join((ROOT / "docs" / "SOP.md").read_text(encoding="utf-8").split())
     assert "stays within 3 minutes" not in sop
     assert "The target for the whole `gate all --quick` is 3 minutes on 2 cores; it is not shown yet" in sop
+
+
+def test_a_captured_error_log_line_is_not_a_failed_test():
+    """caught_by names pytest's FAILED / ERROR summary entries only: an engine log line captured in the output
+    ("ERROR    metainfer:llm_engine.py:285 ...") once became a 'test id' and broke the catchers' baseline."""
+    from metainfer.knowledge.mutants import _failed_tests
+
+    output = ("ERROR    metainfer:llm_engine.py:285 request offline-0 failed a step\n"
+              "FAILED tests/engine/test_x.py::test_a[1] - AssertionError: no\n"
+              "ERROR tests/engine/test_y.py - ImportError\n")
+    assert _failed_tests(output) == ["tests/engine/test_x.py::test_a[1]", "tests/engine/test_y.py"]
