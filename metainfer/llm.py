@@ -106,6 +106,9 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                if len(done) < len(ids) and not engine.has_unfinished_requests():  # never spin on an idle engine
+                    lost = [i for i in ids if i not in done]
+                    raise RuntimeError(f"the engine holds no request but never reported {lost[:3]} finished")
         except BaseException:
             for request_id in ids:
                 engine.abort_request(request_id)

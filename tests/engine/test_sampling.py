@@ -126,3 +126,12 @@ def test_incremental_detokenizer_returns_the_text_it_appends(llm):
         assert seq.output_text == before + deltas[-1]
     deltas.append(detokenizer.flush(seq))
     assert "".join(deltas) == seq.output_text == llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def test_generate_raises_instead_of_spinning_when_a_finished_request_is_never_reported(llm, monkeypatch):
+    """LLM.generate waits for every request's final output; an engine that holds no request any more but never
+    reported one finished (an output lost) is an error, not an endless loop of empty steps."""
+    real_step = llm.llm_engine.step
+    monkeypatch.setattr(llm.llm_engine, "step", lambda: [o for o in real_step() if not o.finished])
+    with pytest.raises(RuntimeError, match="never reported"):
+        llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
