@@ -79,9 +79,10 @@ def run(args) -> int:
     if args.mutants:
         from metainfer.knowledge import mutants
 
+        origin = provenance(command_line(args), REPO_ROOT, committed=args.committed)  # HEAD as the copy is made
         report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None,
                                      deselect=tuple(args.deselect))
-        report.update(provenance(command_line(args), REPO_ROOT, committed=args.committed))
+        report.update(origin)
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
@@ -100,6 +101,7 @@ def run(args) -> int:
                 progress.write(json.dumps(result) + "\n")
                 progress.flush()
 
+        origin = provenance(command_line(args), REPO_ROOT, committed=args.committed)  # HEAD as the copies are made
         report = mutants.run_mutants(modes, REPO_ROOT, log=lambda msg: print(msg, file=sys.stderr, flush=True),
                                      commit="HEAD" if args.committed else None,
                                      deselect=tuple(args.deselect) + perturb.NOT_CONTRACTS,
@@ -107,7 +109,7 @@ def run(args) -> int:
         for mode, result in zip(modes, report["modes"]):
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
-        report.update(provenance(command_line(args), REPO_ROOT, committed=args.committed))
+        report.update(origin)
         print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates "
               f"({len(report['not_cpu_path'])} refs exempt as not on the CPU path, with reasons)"
               + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))
