@@ -210,6 +210,24 @@ def check_links(blueprint: dict) -> list[str]:
     return errors
 
 
+def in_selection(test_id: str, selection: list[str]) -> bool:
+    """Whether a pytest node id is one of the tests a selection runs (an entry, a test of a file or folder
+    entry, a parametrization of a function entry)."""
+    file = test_id.split("::", 1)[0]
+    for entry in selection:
+        if test_id == entry or test_id.startswith(entry + "[") or test_id.startswith(entry + "::"):
+            return True
+        if "::" not in entry and (file == entry or file.startswith(entry.rstrip("/") + "/")):
+            return True
+    return False
+
+
+def check_phase_selections(blueprint: dict) -> list[str]:
+    """A phase's full selection runs everything its quick one does (the quick tier is a subset, never extra)."""
+    return [f"{p['id']}: quick test {t!r} is not in the phase's full selection"
+            for p in blueprint["phases"] for t in p["quick"] if not in_selection(t, p["full"])]
+
+
 def _anchors(path: str) -> set[str]:
     """GitHub-style anchors of a markdown file's headings (lowercase, punctuation dropped, spaces -> -); a
     `#` line inside a fenced code block is a comment, not a heading."""
@@ -448,6 +466,7 @@ def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dic
         return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
     errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root) + check_perturb_fields(blueprint)
+    errors += check_phase_selections(blueprint)
     errors += check_node_coverage(blueprint, root)
     formula_errors, compared = check_formulas(blueprint, root)
     return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}

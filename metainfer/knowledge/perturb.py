@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from metainfer.knowledge.blueprint import load_blueprint, locate_target
+from metainfer.knowledge.blueprint import in_selection, load_blueprint, locate_target
 
 RUNTIME = "__import__('metainfer.knowledge.perturb_runtime', fromlist=['perturbed'])"
 # left out of every perturbation run: the mutation itself adds a line or two to a module, and the module-size
@@ -50,18 +50,6 @@ def quick_tests(blueprint: dict | None = None) -> list[str]:
 def _ordered(tests: list[str], first_files: set[str]) -> list[str]:
     """The same selection, the entries in the node's own test files first (a caught perturbation fails early)."""
     return sorted(tests, key=lambda t: t.split("::", 1)[0] not in first_files)
-
-
-def in_selection(test_id: str, selection: list[str]) -> bool:
-    """Whether a pytest node id is one of the tests a selection runs (an entry, a test of a file or folder
-    entry, a parametrization of a function entry)."""
-    file = test_id.split("::", 1)[0]
-    for entry in selection:
-        if test_id == entry or test_id.startswith(entry + "[") or test_id.startswith(entry + "::"):
-            return True
-        if "::" not in entry and (file == entry or file.startswith(entry.rstrip("/") + "/")):
-            return True
-    return False
 
 
 # quick tests that build whole engines and transformers references (seconds each, minutes on a busy machine):

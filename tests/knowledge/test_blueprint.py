@@ -209,3 +209,11 @@ def test_every_sampler_feature_has_its_node(blueprint):
     features = {"greedy", "temperature", "top_k", "top_p", "min_p", "penalties", "min_tokens", "seed", "logprobs",
                 "stop_strings", "stop_ids_and_length", "n"}
     assert {f"sampler.{f}" for f in features} <= ids
+
+
+def test_a_quick_test_outside_its_full_selection_is_drift(blueprint):
+    doc = copy.deepcopy(blueprint)
+    phase = next(p for p in doc["phases"] if p["id"] == "P7")
+    phase["full"] = [t for t in phase["full"] if t != "tests/engine/test_request_budget.py"]
+    assert "P7: quick test 'tests/engine/test_request_budget.py' is not in the phase's full selection" in \
+        check_blueprint(doc)["errors"]

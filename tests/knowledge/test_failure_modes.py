@@ -119,11 +119,11 @@ def test_exemptions_citing_mutations_name_a_mode_that_mutates_that_module():
 
 
 def test_the_sop_calls_the_quick_gate_time_a_target():
-    """The 3-minute quick-gate time is a target until measured on unloaded cores: the SOP must not state it
-    as a fact."""
+    """The 3-minute quick-gate time is a target; the SOP states it with the figure measured on quiet cores
+    (docs/results/gates/), never as a promise that holds on a loaded machine."""
     sop = " ".join((ROOT / "docs" / "SOP.md").read_text(encoding="utf-8").split())
     assert "stays within 3 minutes" not in sop
-    assert "The target for the whole `gate all --quick` is 3 minutes on 2 cores; it is not shown yet" in sop
+    assert "The target for the whole `gate all --quick` is 3 minutes on 2 cores: measured 94.8 s on quiet cores" in sop
 
 
 def test_a_captured_error_log_line_is_not_a_failed_test():
