@@ -15,6 +15,8 @@ engine).
   dataclass / plain object  every field perturbed (a batch, a step layout, a sampler output)
   None                      the function's tensor, module and list arguments perturbed in place (what it
                             wrote into them)
+  a check (annotated `-> None`) that raises: its decision flipped, the error swallowed (a rejection let
+                            through; the bad-input tests that expect it must fail)
 This module imports nothing of the engine, so a mutated engine module can import it while it loads.
 """
 
@@ -103,12 +105,24 @@ def _perturb_arguments(args, kwargs) -> None:
             del arg[-1]
 
 
+def _returns_none(fn) -> bool:
+    """Annotated `-> None` (a check that raises or returns nothing, or a store): its raise is its output."""
+    return getattr(fn, "__annotations__", {}).get("return", "") in (None, "None")
+
+
 def perturbed(fn):
     """`fn` with its output perturbed (a function that returns None: its arguments, what it wrote into)."""
 
+    check = _returns_none(fn)
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except Exception:
+            if not check:
+                raise
+            return None  # the check's decision flipped: what it rejects goes through
         if out is None:
             _perturb_arguments(args, kwargs)
             return out

@@ -4,6 +4,7 @@ selections."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from metainfer.knowledge.blueprint import load_blueprint
@@ -76,3 +77,21 @@ def test_a_decorated_function_is_perturbed_in_its_own_module():
     assert (owner, name) == ("", "fill_dummy_weights")
     mode = next(m for m in perturbation_modes(only=["perturb.fill_dummy_weights"]))
     assert mode["mutation"]["file"].endswith("metainfer/loader/dummy.py")
+
+
+def test_a_check_that_raises_has_its_decision_flipped():
+    """A check's output is its decision: perturbed, what it rejects goes through (annotated -> None only: a
+    function that returns a value keeps its error)."""
+
+    def check(x: int) -> None:
+        if x < 0:
+            raise ValueError("x must be >= 0")
+
+    def parse(x: int) -> int:
+        if x < 0:
+            raise ValueError("x must be >= 0")
+        return x
+
+    assert perturbed(check)(-1) is None and perturbed(check)(1) is None
+    with pytest.raises(ValueError):
+        perturbed(parse)(-1)
