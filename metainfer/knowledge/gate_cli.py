@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import sys
+import time
 
 
 def add_parser(sub) -> None:
@@ -48,7 +49,33 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _load_1min() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # no load average on this platform
+        return None
+
+
+def _clock(start: float, load_start: float | None) -> dict:
+    """The run's wall time so far, its start (UTC) and the 1-minute load average at its start and now: on shared
+    cores a duration means nothing without the load it ran under."""
+    now = time.time()
+    return {"run_started_utc": _utc(start), "run_wall_s": round(now - start, 1), "run_ended_utc": _utc(now),
+            "load_1min_start": load_start, "load_1min_end": _load_1min()}
+
+
+def _write(evidence: str, name: str, record: dict, start: float, load_start: float | None) -> None:
+    os.makedirs(evidence, exist_ok=True)
+    with open(os.path.join(evidence, name), "w") as f:
+        json.dump({**record, **_clock(start, load_start)}, f, indent=1)
+
+
 def run(args) -> int:
+    start, load_start = time.time(), _load_1min()
     from metainfer.knowledge.blueprint import REPO_ROOT, load_blueprint
     from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, provenance, run_gate
 
@@ -72,10 +99,8 @@ def run(args) -> int:
         failed += not result["passed"]
         print(f"{phase_id} {'PASS' if result['passed'] else 'FAIL'} {result['seconds']:.1f}s "
               f"{result.get('pytest', {}).get('summary', '')} " + "; ".join(result["errors"]), flush=True)
-        if args.evidence:
-            os.makedirs(args.evidence, exist_ok=True)
-            with open(os.path.join(args.evidence, f"gate_{phase_id}.json"), "w") as f:
-                json.dump(result, f, indent=1)
+        if args.evidence:  # run_*: the whole command so far (this gate's own time is "seconds")
+            _write(args.evidence, f"gate_{phase_id}.json", result, start, load_start)
     if args.mutants:
         from metainfer.knowledge import mutants
 
@@ -86,8 +111,7 @@ def run(args) -> int:
         print(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
-            with open(os.path.join(args.evidence, "mutants.json"), "w") as f:
-                json.dump(report, f, indent=1)
+            _write(args.evidence, "mutants.json", report, start, load_start)
     if args.perturb:
         from metainfer.knowledge import mutants, perturb
 
@@ -115,7 +139,9 @@ def run(args) -> int:
               + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))
         failed += report["caught"] != report["total"]
         if args.evidence:
-            with open(os.path.join(args.evidence, "perturb.json"), "w") as f:
-                json.dump(report, f, indent=1)
+            _write(args.evidence, "perturb.json", report, start, load_start)
+    if args.evidence:
+        _write(args.evidence, "run.json", {"command": command_line(args), "phases": ids, "failed": failed},
+               start, load_start)
     return 1 if failed else 0
 

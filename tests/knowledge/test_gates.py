@@ -140,6 +140,11 @@ def test_gate_and_mutants_evidence_name_the_command(tmp_path, monkeypatch):
         record = json.loads((evidence / name).read_text())
         assert record["command"] == command, name
         assert len(record["commit"]) == 40 and isinstance(record["dirty"], bool) and record["environment"]["torch"]
+    for name in ("gate_P0.json", "mutants.json", "run.json"):  # the run's clock and load, beside any figure
+        record = json.loads((evidence / name).read_text())
+        assert record["run_started_utc"].endswith("Z") and record["run_wall_s"] >= 0, name
+        assert isinstance(record["load_1min_start"], float) and isinstance(record["load_1min_end"], float), name
+    assert json.loads((evidence / "run.json").read_text())["command"] == command
 
 
 def test_the_mutants_cli_json_names_the_command(tmp_path, monkeypatch):
