@@ -97,9 +97,12 @@ def perturbation_modes(blueprint: dict | None = None, root: str | None = None,
     nodes: dict[str, list[dict]] = {}  # a target named by several nodes is perturbed once
     for node, target in cpu_path_targets(blueprint):
         nodes.setdefault(target, []).append(node)
+    names = [t.partition(":")[2] for t in nodes]
     modes = []
     for target, owners in nodes.items():
-        mode_id = f"perturb.{target.partition(':')[2]}"
+        module, _, name = target.partition(":")
+        # a qualname two modules share (communication.identity, custom_all_reduce.identity) is named by its module
+        mode_id = f"perturb.{name}" if names.count(name) == 1 else f"perturb.{module.rpartition('.')[2]}.{name}"
         if only and mode_id not in only and not {n["id"] for n in owners} & set(only):
             continue
         own = {t.split("::", 1)[0] for n in owners for t in n["tests"]}
