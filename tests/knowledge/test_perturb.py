@@ -102,4 +102,9 @@ def test_every_perturbation_has_its_own_id():
     --perturb-only could not name either alone."""
     ids = [m["id"] for m in perturbation_modes(load_blueprint())]
     assert len(ids) == len(set(ids))
-    assert {"perturb.communication.identity", "perturb.custom_all_reduce.identity"} <= set(ids)
+    blueprint = load_blueprint()
+    twins = [{"id": f"n{i}", "tests": [], "perturb": {"targets": [f"metainfer.distributed.{m}:identity"]}}
+             for i, m in enumerate(("communication", "custom_all_reduce"))]
+    modes = perturbation_modes({**blueprint, "nodes": twins})
+    assert [m["id"] for m in modes] == ["perturb.communication.identity", "perturb.custom_all_reduce.identity"]
+    assert modes[0]["mutation"]["file"] != modes[1]["mutation"]["file"]
