@@ -117,7 +117,8 @@ class _NoCapture(_Split):
         return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("deepseek_v2", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])  # the MoE ones: ~20-30 s
 def test_steps_through_the_static_buffers_give_hf_greedy(tmp_path, arch):
     model, prompts, expected = hf_reference(str(tmp_path), arch, LENGTHS, NEW_TOKENS)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48,
