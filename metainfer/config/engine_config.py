@@ -66,7 +66,10 @@ def resolve_device(device: str) -> torch.device:
 
         require_mlx()
         return torch.device("cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:  # torch's own message lists every device type it knows
+        raise ConfigError(f"device must be auto, cpu, cuda or mlx; got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
