@@ -29,18 +29,19 @@ def _summary(doc: dict) -> str:
 
 def run(args) -> int:
     from metainfer.knowledge.blueprint import BLUEPRINT_PATH, check_blueprint, load_blueprint
+    from metainfer.knowledge.cli import emit
 
     doc = load_blueprint(args.file or BLUEPRINT_PATH)
     if args.action != "check":
-        print(json.dumps(doc, indent=1) if args.json else _summary(doc))
+        emit(json.dumps(doc, indent=1) if args.json else _summary(doc))
         return 0
     result = check_blueprint(doc)
     if args.json:
-        print(json.dumps(result, indent=1))
+        emit(json.dumps(result, indent=1))
     for error in result["errors"]:
         print(f"drift: {error}", file=sys.stderr)
     if not args.json:
         state = "ok" if not result["errors"] else f"{len(result['errors'])} error(s)"
-        print(f"blueprint check: {state}: {result['nodes']} nodes, {result['shapes_compared']} per-rank shapes "
-              "compared (3 families and 3 variants x tp 1, 2, 4, 8)")
+        emit(f"blueprint check: {state}: {result['nodes']} nodes, {result['shapes_compared']} per-rank shapes "
+             "compared (3 families and 3 variants x tp 1, 2, 4, 8)")
     return 1 if result["errors"] else 0

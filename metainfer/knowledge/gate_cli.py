@@ -77,6 +77,7 @@ def _write(evidence: str, name: str, record: dict, start: float, load_start: flo
 def run(args) -> int:
     start, load_start = time.time(), _load_1min()
     from metainfer.knowledge.blueprint import REPO_ROOT, load_blueprint
+    from metainfer.knowledge.cli import emit
     from metainfer.knowledge.gates import MANIFEST_PATH, build_manifest, provenance, run_gate
 
     blueprint = load_blueprint()
@@ -84,7 +85,7 @@ def run(args) -> int:
         with open(MANIFEST_PATH, "w") as f:
             json.dump(build_manifest(blueprint), f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"wrote {os.path.relpath(MANIFEST_PATH)}")
+        emit(f"wrote {os.path.relpath(MANIFEST_PATH)}")
         return 0
     ids = [p["id"] for p in blueprint["phases"]] if args.phases == ["all"] else args.phases
     unknown = [i for i in ids if i not in {p["id"] for p in blueprint["phases"]}]
@@ -97,8 +98,8 @@ def run(args) -> int:
         result = run_gate(phase_id, args.quick, blueprint, regression=not every, l0=i == 0,
                           command=command_line(args))
         failed += not result["passed"]
-        print(f"{phase_id} {'PASS' if result['passed'] else 'FAIL'} {result['seconds']:.1f}s "
-              f"{result.get('pytest', {}).get('summary', '')} " + "; ".join(result["errors"]), flush=True)
+        emit(f"{phase_id} {'PASS' if result['passed'] else 'FAIL'} {result['seconds']:.1f}s "
+              f"{result.get('pytest', {}).get('summary', '')} " + "; ".join(result["errors"]))
         if args.evidence:  # run_*: the whole command so far (this gate's own time is "seconds")
             _write(args.evidence, f"gate_{phase_id}.json", result, start, load_start)
     if args.mutants:
@@ -108,7 +109,7 @@ def run(args) -> int:
         report = mutants.run_mutants(mutants.load_failure_modes(), REPO_ROOT, commit="HEAD" if args.committed else None,
                                      deselect=tuple(args.deselect))
         report.update(origin)
-        print(f"mutants: {report['caught']}/{report['total']} caught")
+        emit(f"mutants: {report['caught']}/{report['total']} caught")
         failed += report["caught"] != report["total"]
         if args.evidence:
             _write(args.evidence, "mutants.json", report, start, load_start)
@@ -134,7 +135,7 @@ def run(args) -> int:
             result["nodes"] = mode["nodes"]
         report["not_cpu_path"] = perturb.not_cpu_path(blueprint)
         report.update(origin)
-        print(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates "
+        emit(f"perturbations: {report['caught']}/{report['total']} caught by the quick gates "
               f"({len(report['not_cpu_path'])} refs exempt as not on the CPU path, with reasons)"
               + (f"; survived: {', '.join(report['survivors'])}" if report.get("survivors") else ""))
         failed += report["caught"] != report["total"]

@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
 
 def cmd_spec(args) -> int:
     from metainfer.config import ConfigError
+    from metainfer.knowledge.cli import emit
     from metainfer.knowledge.spec_report import build_report, load_config, to_json, to_yaml
 
     model = args.model
@@ -52,13 +53,13 @@ def cmd_spec(args) -> int:
         print(f"metainfer spec: error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(to_json(report))
+        emit(to_json(report))
     elif args.output:
         with open(args.output, "w") as f:
             f.write(to_json(report) + "\n" if args.output.endswith(".json") else to_yaml(report))
-        print(f"wrote {args.output}")
+        emit(f"wrote {args.output}")
     else:
-        print(summary(report, args.tp))
+        emit(summary(report, args.tp))
     if report["violations"]:  # one line, every violated node in it
         print("metainfer spec: error: " + "; ".join(f"{v['node']}: {v['message']}" for v in report["violations"]),
               file=sys.stderr)

@@ -347,3 +347,19 @@ def test_spec_takes_a_config_json_path_and_refuses_a_bad_tp_as_usage(folders, ca
     broken.write_text("{not json")
     assert main(["spec", str(broken)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["spec", "deepseek-v2-lite", "--json"], ["blueprint", "--json"]])
+def test_a_reader_that_closes_early_ends_the_output_quietly(folders, argv):
+    """`metainfer spec ... | head -1`: the reader closes after one line while the command still writes (the JSON
+    is far larger than a pipe's buffer, so the write meets the closed pipe); no BrokenPipeError traceback, and
+    the command's own exit status."""
+    argv = [folders[a] if a in folders else a for a in argv]
+    proc = subprocess.Popen([sys.executable, "-m", "metainfer.entrypoints.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert first.strip() == b"{"
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
