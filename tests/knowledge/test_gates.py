@@ -158,3 +158,45 @@ def test_the_mutants_cli_json_names_the_command(tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert record["command"] == f"python -m metainfer.knowledge.mutants --only {mode} --json {out}"
     assert len(record["commit"]) == 40 and isinstance(record["dirty"], bool) and record["environment"]["python"]
+
+
+def _recording_gates(monkeypatch, tmp_path) -> list[list[str]]:
+    """Stub pytest, L0 and the committed manifest (one built from the tree): what each gate would run."""
+    from metainfer.knowledge import gates
+
+    runs: list[list[str]] = []
+
+    def fake_pytest(test_ids, root=None, timeout_s=None):
+        runs.append(list(test_ids))
+        return {"command": "pytest", "returncode": 0, "summary": "stub", "counts": {}, "failing": [], "seconds": 0}
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(build_manifest(load_blueprint())))
+    monkeypatch.setattr(gates, "run_pytest", fake_pytest)
+    monkeypatch.setattr(gates, "MANIFEST_PATH", str(manifest))
+    monkeypatch.setattr(gates, "l0_violations", lambda: [])
+    monkeypatch.setattr(gates, "static_import_violations", lambda: [])
+    return runs
+
+
+def test_a_phase_gate_runs_every_earlier_phase_quick_selection(monkeypatch, tmp_path):
+    """Regression (issue 22 item 5): a phase's gate runs the earlier phases' quick selections, then its own
+    selection, for every phase, through run_gate and through `metainfer gate PHASE`."""
+    from metainfer.entrypoints.cli import main
+
+    runs = _recording_gates(monkeypatch, tmp_path)
+    phases = load_blueprint()["phases"]
+    for i, phase in enumerate(phases):
+        for quick in (True, False):
+            runs.clear()
+            result = run_gate(phase["id"], quick=quick, l0=False)
+            assert result["passed"], result["errors"]
+            assert result["regression_phases"] == [p["id"] for p in phases[:i]]
+            (ran,) = runs
+            missing = [t for p in phases[:i] for t in p["quick"] if t not in ran]
+            assert missing == [], f"{phase['id']} leaves out earlier quick tests: {missing}"
+            assert [t for t in phase["quick" if quick else "full"] if t not in ran] == []
+    runs.clear()
+    assert main(["gate", "P8"]) == 0
+    assert len(runs) == 1 and all(t in runs[0] for p in phases[:8] for t in p["quick"])
+    assert all(t in runs[0] for t in phases[8]["full"])
