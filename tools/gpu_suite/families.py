@@ -147,10 +147,36 @@ def family_agreement(args, name: str) -> dict:
     return res
 
 
-def moe_families(args, results) -> dict:
-    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement."""
+def down_ab(args, name: str) -> dict:
+    """In one engine, bs1 decode (10 timed iterations each) with the fused MoE's decode down GEMV (the
+    default), with the grouped down GEMM + sum kernel instead (down_gemv=None, the path before it), then the
+    default again (the run's own noise): the A/B the decode down GEMV is kept or deleted by."""
+    import functools
+    from dataclasses import replace
+
+    from metainfer.bench.latency import run_latency
+
+    llm = _engine(family_dir(args, name))
+    runner = llm.llm_engine.runner
+    default = runner.ops
+    grouped = replace(default, fused_moe=functools.partial(default.fused_moe, down_gemv=None))
     res = {}
-    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement}
+    try:
+        for variant, ops in (("down_gemv", default), ("grouped_down", grouped), ("down_gemv_again", default)):
+            runner.swap_kernels(ops)
+            r = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
+            res[variant] = {k: r[k] for k in ("decode_tok_s", "tpot_ms")}
+            print(f"{name} down_ab {variant}", round(r["decode_tok_s"], 1), flush=True)
+    finally:
+        del runner, llm
+        release()
+    return res
+
+
+def moe_families(args, results) -> dict:
+    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, down_ab."""
+    res = {}
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "down_ab": down_ab}
     for name in args.moe_models.split(","):
         res[name] = {}
         for part in args.moe_parts.split(","):
