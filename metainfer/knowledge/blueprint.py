@@ -12,12 +12,14 @@ beside it), and the check that keeps it from drifting from the code.
   perturb   every ref_code is a perturbation target on the CPU path or exempt with a reason (gate --perturb);
   tests     every pytest node id names an existing file and test function;
   formulas  every per-rank shape formula, evaluated from each supported family's real config
-            (benchmarks/configs/) and variants of them (Qwen2-style qkv bias, tied Llama, q-LoRA MLA) at
-            tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
+            (benchmarks/configs/) and variants of them (Qwen2-style qkv bias, tied Llama, q-LoRA MLA,
+            Qwen2.5-7B's dimensions) at tp 1, 2, 4 and 8, equals the shape of the parameter in the model the
             engine builds on the meta device under that tp; and every parameter of those models is covered
-            by some formula (a layer added without its node is drift too).
+            by some formula (a layer added without its node is drift too). A split the engine refuses is
+            skipped and reported (`splits_skipped`), and the refusal must be the one the constraint nodes'
+            `requires` conditions give, evaluated here: a wrong refusal cannot hide drift.
 Formulas are expressions over the ModelSpec fields, `tp` and the blueprint's `definitions`, evaluated by a
-small arithmetic evaluator (+ - * //, comparisons, and/or, `x if c else y`, max, min, cdiv): no eval().
+small arithmetic evaluator (+ - * // %, comparisons, and/or, `x if c else y`, max, min, cdiv): no eval().
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ CONFIG_VARIANTS = (
     ("llama-tied", "qwen3-8b", {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                 "tie_word_embeddings": True}),
     ("deepseek-v2-qlora", "deepseek-v2-lite", {"q_lora_rank": 1536}),
+    # Qwen2.5-7B's attention and MLP dimensions (28 heads, 4 KV heads): tp 8 is refused (28 % 8), a skip
+    # the check reports and explains (constraint.tp_divides_heads' requires)
+    ("qwen2.5-7b-dims", "qwen3-8b", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                                     "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+                                     "intermediate_size": 18944, "num_hidden_layers": 28, "vocab_size": 152064}),
 )
 
 
@@ -60,7 +67,8 @@ def load_schema() -> dict:
 
 # ------------------------------------------------------------------------------------------------ formulas
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge}
 _FUNCTIONS = {"max": max, "min": min, "cdiv": lambda a, b: -(-a // b)}
@@ -112,15 +120,10 @@ def spec_symbols(spec, tp: int, definitions: dict[str, str]) -> dict[str, int]:
     return symbols
 
 
-def _family_models(root: str) -> Iterable[tuple[str, str, int, object, dict[str, tuple[int, ...]]]]:
-    """(family, config name, tp, spec, {parameter name: per-rank shape}) of the engine's model built on the
-    meta device, for every family config and every tp it can be split into (the spec's own constraints)."""
-    import torch
-
+def _family_grid(root: str) -> Iterable[tuple[str, int, object, str | None]]:
+    """(config name, tp, spec, refusal) for every family config and variant at every tp of TP_SIZES; refusal
+    is the engine's own build-time error (validate_tp_config, the check LLMEngine runs) or None."""
     from metainfer.config import ConfigError, ModelSpec
-    from metainfer.distributed.parallel_state import tp_state
-    from metainfer.kernels import REF_OPS
-    from metainfer.models.registry import model_class
     from metainfer.models.shape_contract import validate_tp_config
 
     def load(name: str) -> dict:
@@ -134,11 +137,48 @@ def _family_models(root: str) -> Iterable[tuple[str, str, int, object, dict[str,
         for tp in TP_SIZES:
             try:
                 validate_tp_config(spec, tp)
-            except ConfigError:
+            except ConfigError as err:
+                yield name, tp, spec, str(err)
                 continue
-            with tp_state(0, tp), torch.device("meta"):
-                model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
-            yield spec.family, name, tp, spec, {n: tuple(p.shape) for n, p in model.named_parameters()}
+            yield name, tp, spec, None
+
+
+def built_shapes(spec, tp: int) -> dict[str, tuple[int, ...]]:
+    """{parameter name: per-rank shape} of the engine's model for `spec`, built on the meta device as one rank of
+    a tp-way group."""
+    import torch
+
+    from metainfer.distributed.parallel_state import tp_state
+    from metainfer.kernels import REF_OPS
+    from metainfer.models.registry import model_class
+
+    with tp_state(0, tp), torch.device("meta"):
+        model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def check_refusal(blueprint: dict, name: str, tp: int, symbols: dict[str, int], refusal: str | None) -> list[str]:
+    """The engine's refusal of (config, tp) against the constraint nodes' `requires` conditions, evaluated here
+    independently: a split is refused exactly when some condition is false, by that node. A refusal no
+    condition explains would hide the drift of every formula at that split (check_formulas skips it), so it
+    is an error, and so is a split the engine builds though a condition says it cannot."""
+    failing = []
+    for node in blueprint["nodes"]:
+        if node.get("requires"):
+            try:
+                if not evaluate(node["requires"], symbols):
+                    failing.append(node["id"])
+            except (ValueError, ZeroDivisionError) as exc:
+                return [f"{node['id']}: {name} tp={tp}: requires error: {exc}"]
+    if refusal is None:
+        return [f"{n}: {name} tp={tp}: the engine builds this split though the node's requires is false"
+                for n in failing]
+    refused_by = refusal.partition(":")[0]
+    if refused_by not in failing:
+        because = f"the false conditions are {', '.join(failing)}" if failing else "every constraint's requires holds"
+        return [f"{name} tp={tp}: the engine refuses it ({refusal}) but {because}: a wrong refusal would hide "
+                "formula drift at this split"]
+    return []
 
 
 def _layer_indices(selection: str, spec) -> Iterable[int]:
@@ -151,13 +191,24 @@ def _layer_indices(selection: str, spec) -> Iterable[int]:
     return [None]
 
 
-def check_formulas(blueprint: dict, root: str = REPO_ROOT) -> tuple[list[str], int]:
-    """Drift errors between the formulas and the built models, and how many shapes were compared."""
-    errors, compared = [], 0
+def check_formulas(blueprint: dict, root: str = REPO_ROOT) -> tuple[list[str], int, list[str]]:
+    """Drift errors between the formulas and the built models, how many shapes were compared, and the
+    (config, tp) splits skipped because the engine refuses them ("name tp=N: node"), each refusal checked
+    against the constraint nodes' `requires` (check_refusal) so that a wrong one cannot hide drift."""
+    errors, compared, skipped = [], 0, []
     definitions = blueprint.get("definitions", {})
     formula_nodes = [n for n in blueprint["nodes"] if n.get("formula")]
-    for family, name, tp, spec, shapes in _family_models(root):
-        symbols = spec_symbols(spec, tp, definitions)
+    for name, tp, spec, refusal in _family_grid(root):
+        try:
+            symbols = spec_symbols(spec, tp, definitions)
+        except (ValueError, ZeroDivisionError) as exc:
+            errors.append(f"definitions: {name} tp={tp}: {exc}")
+            continue
+        errors += check_refusal(blueprint, name, tp, symbols, refusal)
+        if refusal is not None:
+            skipped.append(f"{name} tp={tp}: {refusal.partition(':')[0]}")
+            continue
+        family, shapes = spec.family, built_shapes(spec, tp)
         covered: set[str] = set()
         for node in formula_nodes:
             formula = node["formula"]
@@ -181,7 +232,7 @@ def check_formulas(blueprint: dict, root: str = REPO_ROOT) -> tuple[list[str], i
                 errors.append(f"{node['id']}: {name} tp={tp}: formula error: {exc}")
         for param in sorted(set(shapes) - covered):
             errors.append(f"{name} tp={tp}: parameter {param!r} has no blueprint formula")
-    return errors, compared
+    return errors, compared, skipped
 
 
 # ------------------------------------------------------------------------------------------------ links
@@ -459,14 +510,16 @@ def locate_target(target: str) -> tuple[str, str, str]:
 
 
 def check_blueprint(blueprint: dict | None = None, root: str = REPO_ROOT) -> dict:
-    """Every check; {"errors": [...], "nodes": n, "shapes_compared": m}."""
+    """Every check; {"errors": [...], "nodes": n, "shapes_compared": m, "splits_skipped": ["name tp=N: node"]}."""
     blueprint = load_blueprint() if blueprint is None else blueprint
     errors = check_schema(blueprint)
     if errors:  # the other checks read the structure the schema guarantees
-        return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0}
+        return {"errors": errors, "nodes": len(blueprint.get("nodes", [])), "shapes_compared": 0,
+                "splits_skipped": []}
     errors += check_links(blueprint) + check_refs(blueprint) + check_tests(blueprint, root)
     errors += check_kernel_coverage(blueprint) + check_docs(blueprint, root) + check_perturb_fields(blueprint)
     errors += check_phase_selections(blueprint)
     errors += check_node_coverage(blueprint, root)
-    formula_errors, compared = check_formulas(blueprint, root)
-    return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared}
+    formula_errors, compared, skipped = check_formulas(blueprint, root)
+    return {"errors": errors + formula_errors, "nodes": len(blueprint["nodes"]), "shapes_compared": compared,
+            "splits_skipped": skipped}

@@ -28,7 +28,13 @@ def _summary(doc: dict) -> str:
 
 
 def run(args) -> int:
-    from metainfer.knowledge.blueprint import BLUEPRINT_PATH, check_blueprint, load_blueprint
+    from metainfer.knowledge.blueprint import (
+        BLUEPRINT_PATH,
+        CONFIG_VARIANTS,
+        TP_SIZES,
+        check_blueprint,
+        load_blueprint,
+    )
     from metainfer.knowledge.cli import emit
 
     doc = load_blueprint(args.file or BLUEPRINT_PATH)
@@ -42,6 +48,9 @@ def run(args) -> int:
         print(f"drift: {error}", file=sys.stderr)
     if not args.json:
         state = "ok" if not result["errors"] else f"{len(result['errors'])} error(s)"
+        skipped = result["splits_skipped"]
         emit(f"blueprint check: {state}: {result['nodes']} nodes, {result['shapes_compared']} per-rank shapes "
-             "compared (3 families and 3 variants x tp 1, 2, 4, 8)")
+             f"compared (3 families and {len(CONFIG_VARIANTS)} variants x tp {', '.join(map(str, TP_SIZES))}); "
+             f"{len(skipped)} split(s) skipped, refused by the engine as their constraint node's requires says"
+             + "".join(f"\n  skipped: {s}" for s in skipped))
     return 1 if result["errors"] else 0

@@ -217,3 +217,49 @@ def test_a_quick_test_outside_its_full_selection_is_drift(blueprint):
     phase["full"] = [t for t in phase["full"] if t != "tests/engine/test_request_budget.py"]
     assert "P7: quick test 'tests/engine/test_request_budget.py' is not in the phase's full selection" in \
         check_blueprint(doc)["errors"]
+
+
+def test_a_refused_split_is_reported_and_explained(blueprint):
+    """A (config, tp) the engine refuses is skipped by the formula check, visibly: named with the node that
+    refuses it (Qwen2.5-7B's 28 heads at tp 8), in the check's result and the CLI's summary."""
+    from metainfer.knowledge.blueprint import check_formulas
+
+    errors, compared, skipped = check_formulas(blueprint)
+    assert errors == [] and compared > 1000
+    assert skipped == ["qwen2.5-7b-dims tp=8: constraint.tp_divides_heads"]
+    run = subprocess.run([sys.executable, "-m", "metainfer.entrypoints.cli", "blueprint", "check"],
+                         capture_output=True, text=True, timeout=300)
+    assert "1 split(s) skipped" in run.stdout and "skipped: qwen2.5-7b-dims tp=8: constraint.tp_divides_heads" \
+        in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_a_wrong_refusal_cannot_hide_drift(blueprint, monkeypatch):
+    """A refusal the constraint nodes' `requires` do not explain is drift, not a silent skip: a spec_violations
+    bug that checks the KV heads against tp * tp (refusing qwen3-8b's 8 KV heads at tp 4 and 8) would otherwise
+    leave every formula unchecked at those splits. The converse too: a split the engine builds although a
+    condition says it cannot."""
+    from metainfer.knowledge import spec_report
+    from metainfer.knowledge.blueprint import check_formulas
+    from metainfer.models import shape_contract
+
+    real = spec_report.spec_violations
+
+    def buggy(spec, tp, kv_cache_dtype="auto"):
+        found = real(spec, tp, kv_cache_dtype)
+        if spec.num_kv_heads % (tp * tp) and not found:
+            found = [{"node": "constraint.tp_kv_heads", "message": "num_key_value_heads is not divisible"}]
+        return found
+
+    monkeypatch.setattr(shape_contract, "spec_violations", buggy)
+    errors, _, skipped = check_formulas(blueprint)
+    assert "qwen3-8b tp=4: constraint.tp_kv_heads" in skipped
+    assert any(e.startswith("qwen3-8b tp=4: the engine refuses it") and "every constraint's requires holds" in e
+               for e in errors), errors
+    monkeypatch.setattr(shape_contract, "spec_violations", real)
+    doc = copy.deepcopy(blueprint)
+    del _node(doc, "constraint.tp_divides_heads")["requires"]  # the real refusal is unexplained now
+    assert any(e.startswith("qwen2.5-7b-dims tp=8: the engine refuses it") for e in check_formulas(doc)[0])
+    _node(doc, "constraint.tp_divides_heads")["requires"] = "num_heads % (2 * tp) == 0"  # too strict
+    errors = check_formulas(doc)[0]
+    assert any(e.startswith("constraint.tp_divides_heads: qwen2.5-7b-dims tp=4: the engine builds this split")
+               for e in errors), errors
