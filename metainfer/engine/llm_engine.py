@@ -16,6 +16,7 @@ step with a running penalised sequence first reads back what is in flight.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from metainfer.engine.request_validation import (
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from metainfer.knowledge.spec_report import model_spec
 from metainfer.loader.gguf import gguf_config
 from metainfer.models.shape_contract import validate_tp_config
 from metainfer.outputs import CompletionOutput, RequestOutput
@@ -455,6 +457,9 @@ def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:
+    """Through the check `metainfer spec` runs (spec_report.model_spec): an unsupported architecture is refused
+    naming constraint.supported_architecture before anything is loaded."""
     if config.gguf_file is not None:
-        return ModelSpec.from_dict(gguf_config(config.gguf_file))
-    return ModelSpec.from_file(os.path.join(config.model_dir, "config.json"))
+        return model_spec(gguf_config(config.gguf_file))
+    with open(os.path.join(config.model_dir, "config.json")) as f:
+        return model_spec(json.load(f))

@@ -34,6 +34,7 @@ import os
 import re
 
 from metainfer.config import KV_CACHE_DTYPES, ConfigError, ModelSpec
+from metainfer.config.model_spec import _route_architecture
 
 NODES = ("constraint.supported_architecture", "constraint.tp_divides_heads", "constraint.tp_kv_heads",
          "constraint.tp_divides_intermediate", "constraint.tp_divides_moe_intermediate",
@@ -45,6 +46,31 @@ _TP_NODES = NODES[1:5]
 
 
 # -- constraints ---------------------------------------------------------------------------------------
+class ConstraintViolation(ConfigError):
+    """A config the engine refuses, naming the blueprint node of the constraint it breaks."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"{node}: {message}")
+        self.node, self.message = node, message
+
+
+def model_spec(config: dict) -> ModelSpec:
+    """The ModelSpec of an HF-style config, or ConstraintViolation: an architecture the engine does not route
+    (constraint.supported_architecture), or a routing it does not implement (scoring_func, topk_method, n_group:
+    constraint.supported_features). The engine reads its spec through this (LLMEngine), the report too, so an
+    unsupported model is refused by the same node in both, before any weight is read."""
+    try:
+        _route_architecture(config)
+    except ConfigError as err:
+        raise ConstraintViolation("constraint.supported_architecture", str(err)) from None
+    try:
+        return ModelSpec.from_dict(config)
+    except ConstraintViolation:
+        raise
+    except ConfigError as err:
+        raise ConstraintViolation("constraint.supported_features", str(err)) from None
+
+
 def spec_violations(spec: ModelSpec, tp: int, kv_cache_dtype="auto") -> list[dict]:
     """Every constraint that (spec, tp, kv_cache_dtype) breaks, as [{"node", "message"}]; [] when the
     engine can build it. The engine raises the first one (shape_contract.validate_tp_config)."""
@@ -339,9 +365,9 @@ def build_report(config: dict, tp: int = 1, dtype: str = "bfloat16", kv_cache_dt
               "per_rank_shapes": None, "weight_bytes_per_rank": None, "kv_bytes_per_token": None, "memory": None,
               "violations": []}
     try:
-        spec = ModelSpec.from_dict(config)
-    except ConfigError as err:
-        report["violations"].append({"node": "constraint.supported_architecture", "message": str(err)})
+        spec = model_spec(config)
+    except ConstraintViolation as err:
+        report["violations"].append({"node": err.node, "message": err.message})
         return report
     violations = spec_violations(spec, tp, kv_cache_dtype)
     report.update(architecture=spec.architecture, family=spec.family, features=features(spec),

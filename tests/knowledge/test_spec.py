@@ -363,3 +363,31 @@ def test_a_reader_that_closes_early_ends_the_output_quietly(folders, argv):
     assert proc.wait(timeout=120) == 0, err
     assert first.strip() == b"{"
     assert "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("overrides,node,message", [
+    ({"architectures": ["MixtralForCausalLM"]}, "constraint.supported_architecture",
+     "unsupported architecture ['MixtralForCausalLM']"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "kv_lora_rank": 512,
+      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 8,
+      "scoring_func": "sigmoid"}, "constraint.supported_features", "scoring_func 'sigmoid' is not supported"),
+])
+def test_an_unsupported_model_is_refused_by_node_in_spec_and_engine(folders, tmp_path, no_weights, capsys,
+                                                                     overrides, node, message):
+    """An architecture the engine does not route (Mixtral) or a routing it does not implement: `metainfer spec`
+    reports the node (exit 1) and the engine refuses the same config with the same node and message (the one
+    path, spec_report.model_spec), before the tokenizer or any weight."""
+    from metainfer import LLM
+    from metainfer.entrypoints.cli import main
+
+    config = {**load_config(folders["qwen3-8b"]), **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = build_report(config, tp=2)
+    assert [v["node"] for v in report["violations"]] == [node] and message in report["violations"][0]["message"]
+    assert report["per_rank_shapes"] is None
+    assert main(["spec", str(tmp_path), "--tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{node}: {message}" in err
+    with pytest.raises(ConfigError) as caught:
+        LLM(str(tmp_path), device="cpu")
+    assert str(caught.value) == f"{node}: {report['violations'][0]['message']}"
