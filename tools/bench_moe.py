@@ -13,9 +13,9 @@ sm_90). For each shape of tools/tune_moe.SHAPES and T in --tokens it times:
   torch._grouped_mm(offs = cumsum of counts, int32), SiLU*up, weighted index_add (bf16, sm_90;
   recorded as an error where torch lacks it or refuses the shapes), in a CUDA graph;
 - `ref`: fused_moe_ref (a loop over experts with host syncs), eagerly with CUDA events.
-Where T*K <= PAIR_BLOCKS_MAX_PAIRS (decode) the A/B of the down half: `triton` (the decode down GEMV, its
-default launch), `triton_grouped_down` (down_gemv=None: the grouped down GEMM + the sum kernel, the path
-before it) and `down_gemv_h{block_h}_k{block_k}_w{num_warps}` for each launch of DOWN_GEMV_SWEEP.
+Where T*K <= PAIR_BLOCKS_MAX_PAIRS (decode) the A/B of the down half: `triton` (the grouped down GEMM + the
+sum kernel, the engine's path) against `down_gemv_h{block_h}_k{block_k}_w{num_warps}`, the decode down GEMV
+at each launch of DOWN_GEMV_SWEEP (DEFAULT_DOWN_GEMV among them).
 Each launch in a graph gets its own routing (softmax top-k of random logits), as in tools/tune_moe.
 Reported: microseconds a call, GB/s against the byte floor (the distinct experts the routing selects,
 3*N*H elements each, plus x and y), % of the measured device-to-device copy bandwidth at that floor,
@@ -46,7 +46,6 @@ def _backends(num_pairs: int, table) -> dict:
     """name -> fn(x, w13, w2, weights, ids) for one T (see the module docstring)."""
     out = {"triton": lambda *a: fused_moe_triton(*a, table=table), "grouped_mm": grouped_mm_moe}
     if num_pairs <= PAIR_BLOCKS_MAX_PAIRS:
-        out["triton_grouped_down"] = lambda *a: fused_moe_triton(*a, table=table, down_gemv=None)
         for cfg in DOWN_GEMV_SWEEP:
             name = f"down_gemv_h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}"
             out[name] = lambda *a, cfg=cfg: fused_moe_triton(*a, table=table, down_gemv=cfg)

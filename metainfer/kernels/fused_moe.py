@@ -38,8 +38,9 @@ dependent launch):
    GEMV over each token's K experts (a program owns block_h hidden rows of one token and walks its K
    experts' w2 rows with elementwise fp32 FMAs, the dense GEMV's loop), each expert's dot rounded and
    weighted, the K terms summed in registers and rounded once: no fp32 [T*K, H] round trip, one
-   launch fewer, and no 16-row MMA tile of which one row is real. `down_gemv=None` keeps 4 + 5 at
-   every size (the A/B baseline: tools/bench_moe --down-gemv).
+   launch fewer, and no 16-row MMA tile of which one row is real. Opt-in (`down_gemv=DEFAULT_DOWN_GEMV`)
+   until its A/B on the H200 (tools/bench_moe, gpu_suite moe_families part down_ab): written in a
+   session without a GPU, so the engine keeps the measured 4 + 5 until then; the A/B keeps one of the two.
 Grids are sized from P_max (host-known); programs whose block starts at or past
 num_tokens_post_padded return at once. GROUP_M swizzles the (m, n) program order so blocks of one
 expert reuse weight tiles from the L2 at large T.
@@ -453,12 +454,12 @@ def _moe_down_gemv_kernel(inter_ptr, w2_ptr, y_ptr, weights_ptr, ids_ptr, H, N, 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, table: Mapping | None = None, pdl: bool = False,
                      config: MoeConfig | None = None,
-                     down_gemv: DownGemvConfig | None = DEFAULT_DOWN_GEMV) -> torch.Tensor:
+                     down_gemv: DownGemvConfig | None = None) -> torch.Tensor:
     """fused_moe_ref's y[T, H] in x's dtype (see the module docstring). `config` forces a launch
     config; otherwise `table` (the `moe` section, raw or parsed) by (E, N, H) and T, else
     default_moe_config(T). `pdl`: every launch under programmatic dependent launch (sm_90+).
-    `down_gemv`: the decode-sized down GEMV's launch (T*K <= PAIR_BLOCKS_MAX_PAIRS); None runs the
-    grouped down GEMM and the sum kernel there too."""
+    `down_gemv`: where T*K <= PAIR_BLOCKS_MAX_PAIRS, the decode down GEMV with this launch replaces the
+    grouped down GEMM and the sum kernel (None: the grouped path at every size)."""
     require_triton()
     num_experts, n2, hidden = w13.shape if w13.dim() == 3 else (0, 0, 0)
     n = n2 // 2

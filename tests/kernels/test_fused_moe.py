@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from metainfer.kernels.fused_moe import (
+    DEFAULT_DOWN_GEMV,
     TOKEN_BUCKETS,
     DownGemvConfig,
     MoeConfig,
@@ -138,6 +139,7 @@ def _check_moe(args, dtype, **kwargs):
 @pytest.mark.parametrize("n", [32, 48])  # 48: N off the 32-column tile
 def test_fused_moe_matches_ref(dtype, num_tokens, n):
     _check_moe(_moe_inputs(num_tokens, 8, n, 64, 2, dtype), dtype, config=SMALL)
+    _check_moe(_moe_inputs(num_tokens, 8, n, 64, 2, dtype), dtype, config=SMALL, down_gemv=DEFAULT_DOWN_GEMV)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -173,7 +175,7 @@ def test_fused_moe_decode_down_gemv_matches_ref(dtype, num_tokens, top_k, n):
     # H = 70: off the 4-row block; a tiny block_k so the loop runs several steps
     args = _moe_inputs(num_tokens, 10, n, 70, top_k, dtype, seed=num_tokens + top_k)
     y = _check_moe(args, dtype, config=SMALL, down_gemv=DownGemvConfig(block_h=4, block_k=32, num_warps=4))
-    grouped = _check_moe(args, dtype, config=SMALL, down_gemv=None)  # the A/B baseline: grouped GEMM + sum
+    grouped = _check_moe(args, dtype, config=SMALL)  # the engine's path: the grouped down GEMM + the sum kernel
     if dtype == torch.float32:
         torch.testing.assert_close(y, grouped, rtol=1e-5, atol=1e-6)
 
@@ -384,12 +386,11 @@ def _aot_main() -> int:
               (128, 768, 8, 512, bf16, MoeConfig(128, 128, 64, 8, 8, 3), False),
               (8, 48, 2, 3, torch.float32, None, False)]
     # the decode down GEMV: its default and the bench's sweep (tools/bench_moe DOWN_GEMV_SWEEP), both shapes,
-    # T = 1 and 2; the grouped baseline at T = 1 (down_gemv=None)
+    # T = 1 and 2 (the grouped path at T = 1 is among `cases`)
     from tools.bench_moe import DOWN_GEMV_SWEEP
 
     gemv_cases = [(66, 1408, 8, 1, gemv, True) for gemv in DOWN_GEMV_SWEEP]
-    gemv_cases += [(128, 768, 8, 2, fm.DEFAULT_DOWN_GEMV, True), (66, 704, 8, 1, fm.DEFAULT_DOWN_GEMV, False),
-                   (64, 1408, 6, 1, None, True)]
+    gemv_cases += [(128, 768, 8, 2, fm.DEFAULT_DOWN_GEMV, True), (66, 704, 8, 1, fm.DEFAULT_DOWN_GEMV, False)]
     try:
         for num_experts, n, top_k, num_tokens, dtype, cfg, pdl in cases:
             hidden = 2048 if dtype == bf16 else 80

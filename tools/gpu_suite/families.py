@@ -148,21 +148,22 @@ def family_agreement(args, name: str) -> dict:
 
 
 def down_ab(args, name: str) -> dict:
-    """In one engine, bs1 decode (10 timed iterations each) with the fused MoE's decode down GEMV (the
-    default), with the grouped down GEMM + sum kernel instead (down_gemv=None, the path before it), then the
-    default again (the run's own noise): the A/B the decode down GEMV is kept or deleted by."""
+    """In one engine, bs1 decode (10 timed iterations each) with the fused MoE's grouped down GEMM + sum
+    kernel (the engine's path), with the decode down GEMV (DEFAULT_DOWN_GEMV) instead, then the default
+    again (the run's own noise): the A/B the decode down GEMV is adopted or deleted by."""
     import functools
     from dataclasses import replace
 
     from metainfer.bench.latency import run_latency
+    from metainfer.kernels.fused_moe import DEFAULT_DOWN_GEMV
 
     llm = _engine(family_dir(args, name))
     runner = llm.llm_engine.runner
     default = runner.ops
-    grouped = replace(default, fused_moe=functools.partial(default.fused_moe, down_gemv=None))
+    gemv = replace(default, fused_moe=functools.partial(default.fused_moe, down_gemv=DEFAULT_DOWN_GEMV))
     res = {}
     try:
-        for variant, ops in (("down_gemv", default), ("grouped_down", grouped), ("down_gemv_again", default)):
+        for variant, ops in (("grouped_down", default), ("down_gemv", gemv), ("grouped_down_again", default)):
             runner.swap_kernels(ops)
             r = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
             res[variant] = {k: r[k] for k in ("decode_tok_s", "tpot_ms")}
