@@ -5,11 +5,45 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from typing import NoReturn
 
-# the CLI options of the SamplingParams fields whose names differ
+# the CLI options of the SamplingParams and EngineConfig fields whose names differ
 _OPTION_OF_FIELD = {"seed": "--sample-seed"}
+_OPTION_OF_ENGINE_FIELD = {"tensor_parallel_size": "--tp", "enable_prefix_caching": "--no-prefix-caching"}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's usage errors (a value of the wrong type, an unknown option) as one line naming the
+    option, exit status 2, instead of the usage block first; `--help` prints the usage. Subcommands
+    inherit the class (add_subparsers makes its parsers of the parent's type)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of the parser and its subcommands."""
+    found = set()
+    for action in parser._actions:
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options(sub)
+    return found
+
+
+def with_option_name(message: str, parser: argparse.ArgumentParser) -> str:
+    """An EngineConfig error (it names the field, e.g. "max_num_seqs must be >= 1") prefixed with the CLI
+    option that sets that field ("--max-num-seqs: ..."): the first field the message names that has one."""
+    options = _options(parser)
+    for word in re.findall(r"[a-z][a-z0-9_]*", message):
+        option = _OPTION_OF_ENGINE_FIELD.get(word, "--" + word.replace("_", "-"))
+        if option in options:
+            return f"{option}: {message}"
+    return message
 
 
 def usage_error(message: str) -> NoReturn:
@@ -181,7 +215,7 @@ def cmd_chat(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="metainfer", description=__doc__)
+    parser = OneLineErrorParser(prog="metainfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts")
@@ -202,13 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from metainfer.config import ConfigError  # after parsing: --help stays free of the torch import
 
     try:
         return args.func(args)
-    except ConfigError as err:  # a bad option (e.g. --kv-cache-dtype int4): one line naming the field
-        print(f"metainfer: error: {err}", file=sys.stderr)
+    except ConfigError as err:  # a bad option (e.g. --kv-cache-dtype int4): one line naming the option
+        print(f"metainfer: error: {with_option_name(str(err), parser)}", file=sys.stderr)
         return 2
     except ValueError as err:  # a bad request value found after the model loaded (a prompt over the context)
         print(f"metainfer: error: {err}", file=sys.stderr)

@@ -50,6 +50,30 @@ def test_bad_engine_option_is_one_line(capsys, model_dir):
     assert MISSING in line
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs"), (["--tp", "0"], "--tp: tensor_parallel_size"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: kv_cache_dtype"),
+    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: gpu_memory_utilization"),
+    (["--max-piecewise-graph-tokens", "-1"], "--max-piecewise-graph-tokens: max_piecewise_graph_tokens"),
+])
+def test_engine_option_errors_name_the_cli_option(capsys, model_dir, argv, option):
+    line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", *argv])
+    assert line.startswith(f"metainfer: error: {option}"), line
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["generate", "--max-tokens", "abc"], "--max-tokens"), (["chat", "--top-p", "x"], "--top-p"),
+    (["generate", "--no-such-option"], "--no-such-option"), (["generate", "--dtype"], "--dtype"),
+])
+def test_argparse_errors_are_one_line_without_the_usage_block(capsys, argv, option):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.err + captured.out).splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert option in lines[0] and "--help" in lines[0] and "usage:" not in lines[0], lines
+
+
 def test_empty_prompt_is_one_line(capsys):
     assert "prompt" in _one_line_error(capsys, ["generate", "", "--model", MISSING])
 
