@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moe_families: comma list of benchmarks/configs names")
     p.add_argument("--moe-parts", default="engine,hf,agreement",
                    help="moe_families: comma list of engine, hf, agreement, down_ab")
+    p.add_argument("--moe-bench-tokens", default="",
+                   help="bench_moe: comma list of token counts (default: the tool's; 1,2 for the decode down A/B)")
     p.add_argument("--moe-tune-shapes", default="",
                    help="tune_moe: comma list of tools/tune_moe.py shape names (default: all)")
     p.add_argument("--graph-family", default="qwen3", choices=("qwen3", "deepseek_v2", "qwen3_moe"),

@@ -222,8 +222,10 @@ def tune_moe(args, results) -> dict:
 
 
 def bench_moe(args, results) -> dict:
-    """Triton fused MoE vs torch._grouped_mm vs the reference at both shapes (tools/bench_moe.py)."""
-    return _tool("tools.bench_moe", [], "bench_moe.json")
+    """Triton fused MoE vs torch._grouped_mm vs the reference at both shapes (tools/bench_moe.py), at the token
+    counts of --moe-bench-tokens (all of the tool's by default)."""
+    tokens = [t for t in args.moe_bench_tokens.split(",") if t]
+    return _tool("tools.bench_moe", ["--tokens", *tokens] if tokens else [], "bench_moe.json")
 
 
 def bench_mla(args, results) -> dict:
