@@ -12,7 +12,9 @@ engine).
   generator                 every item it yields perturbed (a checkpoint's (name, tensor) pairs)
   nn.Module                 every parameter perturbed in place
   dict                      every value perturbed
-  dataclass / plain object  every field perturbed (a batch, a step layout, a sampler output)
+  dataclass                 every field perturbed (a batch, a step layout, a sampler output)
+  an object of the engine's own classes, returned itself (a built runner, a started heartbeat): every
+                            attribute perturbed by these rules, one level (objects inside it are left as they are)
   None                      the function's tensor, module and list arguments perturbed in place (what it
                             wrote into them)
   a check (annotated `-> None`) that raises: its decision flipped, the error swallowed (a rejection let
@@ -66,6 +68,10 @@ def perturb_value(x, depth: int = 0):
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         for field in dataclasses.fields(x):
             object.__setattr__(x, field.name, perturb_value(getattr(x, field.name), depth + 1))
+        return x
+    if depth == 0 and type(x).__module__.startswith("metainfer.") and hasattr(x, "__dict__"):
+        for name, value in list(vars(x).items()):
+            object.__setattr__(x, name, perturb_value(value, depth + 1))
         return x
     return x
 

@@ -25,6 +25,22 @@ def test_each_kind_of_output_is_perturbed():
     assert pairs[0] == ("", 2) and torch.equal(pairs[1][1], torch.full((1,), 1.01))
 
 
+def test_an_engine_object_returned_has_its_attributes_perturbed_one_level():
+    """A built runner or a started heartbeat (an object of the engine's own classes, returned itself): its
+    attributes; an object inside it, and an object of another package, are left as they are."""
+    class Built:
+        def __init__(self, inner=None):
+            self.rank, self.prefix, self.weights, self.inner = 1, "beat", torch.ones(2), inner
+
+    Built.__module__ = "metainfer.fake"
+    inner = Built()
+    out = perturb_value(Built(inner))
+    assert (out.rank, out.prefix, out.inner) == (2, "bea", inner) and torch.equal(out.weights, torch.full((2,), 1.01))
+    assert inner.rank == 1  # one level only
+    Built.__module__ = "elsewhere"
+    assert perturb_value(Built()).rank == 1
+
+
 def test_a_function_returning_nothing_has_its_arguments_perturbed():
     def store(dst: torch.Tensor, slots: list) -> None:
         dst.fill_(2.0)

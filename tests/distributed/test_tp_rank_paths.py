@@ -1,0 +1,98 @@
+"""Tensor parallelism's rank processes in the quick gates (CPU, gloo, fp32, seconds): a tiny Qwen3 at TP=2 with
+rank 1 a spawned worker (TPDriver, worker_main, build_rank_runner), against HF: greedy ids equal, logprobs equal to
+fp32 noise along them (a 1% change of one rank's weights moves them where it moves no greedy token), and every rank
+holding exactly the requested `num_kv_blocks`. (test_tp_launched_pair.py starts the ranks as a launcher does.)
+Also the rank-side pieces that otherwise run only inside rank processes, checked here: a group of one (its
+all-reduce is the identity; a second join is refused), the heartbeat's lost-rank answer, the launch fingerprint's
+weight files and mismatch message."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from metainfer import LLM
+from metainfer.config import EngineConfig, ModelSpec
+from metainfer.distributed.external_launcher import first_mismatch, weight_files
+from metainfer.distributed.heartbeat import Heartbeat
+from metainfer.distributed.parallel_state import create_store, destroy_tp_group, get_group_all_reduce, init_tp_group
+from metainfer.worker.tp.launched import follow_rank0
+from tests.helpers.processes import alive
+from tests.helpers.tp_reference import assert_logprobs_match_hf, hf_reference, run
+
+pytestmark = pytest.mark.tp
+
+NUM_BLOCKS = 16  # requested exactly: every rank must allocate this many
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tp-rank-paths"))
+    return folder, *hf_reference(folder)
+
+
+def test_spawned_ranks_equal_hf(reference):
+    """LLM(tensor_parallel_size=2): rank 0 in this process, rank 1 a spawned worker; no worker outlives close().
+    A spawned engine is no launched follower: follow_rank0 returns False and leaves it open."""
+    folder, prompts, ids, logprobs = reference
+    llm = LLM(folder, device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=NUM_BLOCKS)
+    try:
+        pids = llm.llm_engine.tp_driver.worker_pids
+        assert len(pids) == 1 and alive(pids[0])
+        assert llm.llm_engine.runner.num_blocks == NUM_BLOCKS
+        assert follow_rank0(llm) is False
+        got_ids, got_logprobs = run(llm, prompts)
+    finally:
+        llm.close()
+    assert not alive(pids[0]), "the worker outlived close()"
+    assert got_ids == ids
+    assert_logprobs_match_hf(got_logprobs, logprobs)
+
+
+def test_a_group_of_one_reduces_to_its_input_and_is_joined_once():
+    """The all-reduce a rank gets on joining a group of one is the identity (a sum over one rank); a process
+    joins one group: a second join is refused."""
+    store = create_store(1)
+    init_tp_group(0, 1, store, torch.device("cpu"))
+    try:
+        x = torch.randn(3, 5)
+        assert torch.equal(get_group_all_reduce()(x.clone()), x)
+        with pytest.raises(ValueError, match="twice"):
+            init_tp_group(0, 1, store, torch.device("cpu"))
+    finally:
+        destroy_tp_group()
+    assert not dist.is_initialized()
+
+
+def test_the_heartbeat_names_the_rank_that_does_not_beat():
+    """Of three ranks, rank 1 beats and rank 2 never did (nor closed): rank 0 is told that rank 2 is gone."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    # dead_after_s is long: rank 1's thread would end this process if ranks 0 and 2 stayed silent that long
+    watcher, beating = (Heartbeat("127.0.0.1", master.port, rank, 3, "hb", dead_after_s=60.0) for rank in (0, 1))
+    beating.start()
+    try:
+        assert watcher.lost_ranks() == [2]
+    finally:
+        beating.stop()
+
+
+def test_the_launch_fingerprint_lists_the_weight_files_and_words_a_mismatch(reference):
+    """Every *.safetensors file of the folder with its size and a 16-hex-digit digest; a mismatch is one message
+    naming the field, both values and both ranks."""
+    folder = reference[0]
+    config = EngineConfig(folder, device="cpu")
+    config.model_dir, config.gguf_file = folder, None
+    config.finalize(ModelSpec.from_file(os.path.join(folder, "config.json")))
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    listed = weight_files(config)
+    assert [(name, size) for name, size, _ in listed] == [(f, os.path.getsize(os.path.join(folder, f))) for f in files]
+    assert all(len(digest) == 16 and int(digest, 16) >= 0 for _, _, digest in listed)
+    assert first_mismatch([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}]) is None
+    assert first_mismatch([{"a": "1", "b": "2"}, {"a": "1", "b": "3"}]) == (
+        "ranks disagree on b: 3 on rank 1, 2 on rank 0; every rank must be started with the same model and engine "
+        "options")
