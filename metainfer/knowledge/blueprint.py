@@ -274,9 +274,16 @@ def in_selection(test_id: str, selection: list[str]) -> bool:
 
 
 def check_phase_selections(blueprint: dict) -> list[str]:
-    """A phase's full selection runs everything its quick one does (the quick tier is a subset, never extra)."""
-    return [f"{p['id']}: quick test {t!r} is not in the phase's full selection"
-            for p in blueprint["phases"] for t in p["quick"] if not in_selection(t, p["full"])]
+    """A phase's full selection runs everything its quick one does (the quick tier is a subset, never extra), and
+    every test a node or failure mode names is in some phase's full selection (a contract test no gate runs
+    cannot hold the contract)."""
+    errors = [f"{p['id']}: quick test {t!r} is not in the phase's full selection"
+              for p in blueprint["phases"] for t in p["quick"] if not in_selection(t, p["full"])]
+    fulls = [p["full"] for p in blueprint["phases"]]
+    pairs = [(n["id"], t) for n in blueprint["nodes"] for t in n["tests"]]
+    pairs += [(m["id"], t) for m in blueprint.get("failure_modes", []) for t in m["tests"]]
+    return errors + [f"{owner}: test {t!r} is in no phase's full selection (no gate runs it)"
+                     for owner, t in pairs if not any(in_selection(t, full) for full in fulls)]
 
 
 def _anchors(path: str) -> set[str]:

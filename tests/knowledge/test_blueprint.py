@@ -263,3 +263,21 @@ def test_a_wrong_refusal_cannot_hide_drift(blueprint, monkeypatch):
     errors = check_formulas(doc)[0]
     assert any(e.startswith("constraint.tp_divides_heads: qwen2.5-7b-dims tp=4: the engine builds this split")
                for e in errors), errors
+
+
+def test_a_node_test_no_gate_runs_is_drift(blueprint):
+    """Every test a node names is in some phase's full selection: the warm-up's tests (P7) taken out of P7's full
+    selection are reported; the custom all-reduce tests run in their nodes' phase (P2)."""
+    from metainfer.knowledge.blueprint import check_phase_selections, in_selection
+
+    assert check_phase_selections(blueprint) == []
+    phases = {p["id"]: p for p in blueprint["phases"]}
+    for node_id in ("comm.custom_all_reduce", "comm.all_reduce_selection"):
+        node = _node(blueprint, node_id)
+        assert all(in_selection(t, phases[node["phase"]]["full"]) for t in node["tests"]), node_id
+    doc = copy.deepcopy(blueprint)
+    p7 = next(p for p in doc["phases"] if p["id"] == "P7")
+    p7["full"].remove("tests/worker/test_warmup.py")
+    errors = check_phase_selections(doc)
+    assert errors and all(e.startswith("assembly.warmup: test 'tests/worker/test_warmup.py::") for e in errors)
+    assert all(e.endswith("is in no phase's full selection (no gate runs it)") for e in errors)
