@@ -6,9 +6,9 @@ one vector per token for all heads, so DeepSeek-V2-Lite keeps 27 x 576 x 2 = 31,
 
 A step: `store` normalises c (kv_a_layernorm), rotates q_pe and k_pe (interleaved pairs) and writes
 [c, k_pe] at the slots, one fused launch (kernels/mla_prep.py). `decode` runs absorbed: q_lat = q_nope @
-W_UK per head (a batched GEMM), attention of [q_lat, q_pe] over the cached [c, k_pe] with values c
-(kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head (a batched GEMM) ->
-[T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
+W_UK per head (ops.mla_absorb, kernels/mla_absorb.py), attention of [q_lat, q_pe] over the cached
+[c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head
+(ops.mla_value_up) -> [T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
 tools/bench_mla.py): absorbed below `expanded_min_q` new tokens (512: 171 vs 244 us a layer), expanded
 from there (1,024: 247 vs 349 us; 8,192: 0.93 vs 12.0 ms) when every sequence of the step is a plain
 prefill (`_expanded_wins`): each sequence's context latents gathered
@@ -27,17 +27,6 @@ from metainfer.attention.backend import AttentionBackend
 
 # prefill steps whose longest sequence has at least this many new tokens take the expanded form
 EXPANDED_MIN_Q = 1024
-
-
-def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [T, H, Dn] @ w_uk [H, Dn, L] per head -> q_lat [T, H, L] (a strided view of [H, T, L])."""
-    return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-
-
-def value_up(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [T, H, L] @ w_uv [H, Dv, L]^T per head -> [T, H * Dv]."""
-    out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, Dv]
-    return out.transpose(0, 1).reshape(o_lat.shape[0], -1)
 
 
 class MLABackend(AttentionBackend):
@@ -62,6 +51,7 @@ class MLABackend(AttentionBackend):
         self._prep = ops.mla_latent_prep
         self._prefill = ops.mla_prefill_attention
         self._decode = ops.mla_decode_attention
+        self._absorb, self._value_up = ops.mla_absorb, ops.mla_value_up
         if ops.backend == "triton":
             if self.decode_workspace is None:
                 numel = ops.mla_decode_workspace_numel(self._max_num_seqs, self.num_heads, self.kv_lora_rank,
@@ -94,16 +84,16 @@ class MLABackend(AttentionBackend):
     def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
         if self._expanded_wins(meta):
             return self._prefill_expanded(layer, q, meta)
-        q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
+        q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
                               meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
-        return value_up(o_lat, layer.w_uv)
+        return self._value_up(o_lat, layer.w_uv)
 
     def decode(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
-        q_lat = absorb_query(q[..., : self.nope_dim], layer.w_uk)
+        q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
                              meta.context_lens, layer.scale)
-        return value_up(o_lat, layer.w_uv)
+        return self._value_up(o_lat, layer.w_uv)
 
     def _expanded_wins(self, meta) -> bool:
         """The expanded form where it was measured faster: a step of plain prefills (no cached prefix, no

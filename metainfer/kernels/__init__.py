@@ -30,6 +30,7 @@ from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
 from .fused_moe import fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
+from .mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
 from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
 from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
 from .mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref
@@ -69,6 +70,9 @@ class KernelOps:
     mla_decode_attention: Callable = mla_decode_attention_ref
     mla_prefill_attention: Callable = mla_prefill_attention_ref
     mla_decode_workspace_numel: Callable | None = None
+    # the absorbed form's per-head K-up of the query and V-up of the output (kernels/mla_absorb.py)
+    mla_absorb: Callable = mla_absorb_ref
+    mla_value_up: Callable = mla_value_up_ref
     linear: Callable = linear_ref
     backend: str = "torch"
     pdl: bool = False  # Triton kernels launched under programmatic dependent launch (_triton.pdl_enter)
@@ -121,6 +125,8 @@ TRITON_OPS = with_linear(KernelOps(
     mla_decode_attention=mla_decode_attention_triton,
     mla_prefill_attention=mla_prefill_attention_triton,
     mla_decode_workspace_numel=mla_decode_workspace_numel,
+    mla_absorb=mla_absorb_triton,
+    mla_value_up=mla_value_up_triton,
     backend="triton",
     gumbel_sampler=GumbelSampler,
 ))  # the GEMM: cuBLAS; on CUDA, select_ops picks the Triton GEMV where this GPU has a tuned table

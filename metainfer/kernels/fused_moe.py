@@ -39,7 +39,7 @@ dependent launch):
    experts' w2 rows with elementwise fp32 FMAs, the dense GEMV's loop), each expert's dot rounded and
    weighted, the K terms summed in registers and rounded once: no fp32 [T*K, H] round trip, one
    launch fewer, and no 16-row MMA tile of which one row is real. Opt-in (`down_gemv=DEFAULT_DOWN_GEMV`)
-   until its A/B on the H200 (tools/bench_moe, gpu_suite moe_families part down_ab): written in a
+   until its A/B on the H200 (tools/bench_moe, gpu_suite moe_families part decode_ab): written in a
    session without a GPU, so the engine keeps the measured 4 + 5 until then; the A/B keeps one of the two.
 Grids are sized from P_max (host-known); programs whose block starts at or past
 num_tokens_post_padded return at once. GROUP_M swizzles the (m, n) program order so blocks of one

@@ -324,8 +324,8 @@ def aot_compile_mla() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
 
+    from metainfer.kernels import mla_absorb, mla_prep
     from metainfer.kernels import mla_attention as mla
-    from metainfer.kernels import mla_prep
     from tools import aot_check
 
     target = GPUTarget("cuda", 90, 32)
@@ -335,7 +335,7 @@ def aot_compile_mla() -> int:
         return 2
     backend = make_backend(target)
     kernels = [mla._mla_decode_kernel, mla._mla_prefill_kernel,
-               mla_prep._mla_latent_prep_kernel]
+               mla_prep._mla_latent_prep_kernel, mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel]
     captured = []
     for kernel in kernels:
         kernel.run = lambda *a, grid, warmup, _k=kernel, **kw: captured.append((_k, a, kw))
@@ -358,6 +358,12 @@ def aot_compile_mla() -> int:
                                                 torch.zeros(3, dtype=torch.int64),
                                                 torch.zeros(3, heads, 192, dtype=bf16)[..., 128:],
                                                 torch.zeros(8, 64), cache, lens, pdl=True)
+            kv_b = torch.zeros(heads, 256, 512, dtype=bf16)  # kv_b_proj's weight per head: [Dn + Dv, L]
+            for rows, pdl in ((1, True), (mla_absorb.MAX_ROWS, False)):
+                q = torch.zeros(rows, heads, 192, dtype=bf16)
+                mla_absorb.mla_absorb_triton(q[..., :128], kv_b[:, :128], pdl=pdl, max_rows=mla_absorb.MAX_ROWS)
+                mla_absorb.mla_value_up_triton(torch.zeros(rows, heads, 512, dtype=bf16), kv_b[:, 128:], pdl=pdl,
+                                               max_rows=mla_absorb.MAX_ROWS)
     finally:
         for kernel in kernels:
             del kernel.run

@@ -182,6 +182,33 @@ def test_triton_kernels_in_the_engine_match_hf(reference):
     assert got == [e[:8] for e in expected[:4]]
 
 
+@pytest.mark.slow  # ~15 s a family here: the kernels' own tests (tests/kernels) hold the fast tier
+@BOTH_FAMILIES
+def test_decode_ab_candidates_in_the_engine_match_hf(reference):
+    """The kernels awaiting their H200 A/B (gpu_suite moe_families part decode_ab), bound into a running engine
+    as that A/B binds them: the fused MoE's decode down GEMV and MLA's Triton K-up / V-up (interpreted on the
+    CPU): still HF's tokens."""
+    import dataclasses
+    import functools
+
+    from metainfer.kernels import REF_OPS, TRITON_OPS, mla_absorb
+    from metainfer.kernels.fused_moe import DEFAULT_DOWN_GEMV
+
+    folder, prompts, expected, model = reference
+    rows = mla_absorb.MAX_ROWS
+    ops = dataclasses.replace(
+        REF_OPS, backend="triton", route_topk=TRITON_OPS.route_topk,
+        fused_moe=functools.partial(TRITON_OPS.fused_moe, down_gemv=DEFAULT_DOWN_GEMV),
+        mla_absorb=functools.partial(TRITON_OPS.mla_absorb, max_rows=rows),
+        mla_value_up=functools.partial(TRITON_OPS.mla_value_up, max_rows=rows),
+        **{n: getattr(TRITON_OPS, n) for n in ("mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
+                                               "mla_decode_workspace_numel")})
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
+    llm.llm_engine.runner.swap_kernels(ops)
+    got = generate_ids(llm, prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert got == [e[:8] for e in expected[:4]]
+
+
 @pytest.mark.parametrize("reference", ["deepseek_v2-plain"], indirect=True)
 def test_expanded_prefill_form_matches_hf(reference, monkeypatch):
     """MLA's expanded prefill (per-sequence K/V up-projected from the cached latents, causal SDPA), taken for

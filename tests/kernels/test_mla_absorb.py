@@ -1,0 +1,77 @@
+"""MLA's per-head K-up / V-up (kernels/mla_absorb.py): the torch references against a direct einsum, the
+Triton kernels against the references (interpreted on the CPU in fp32/fp16, compiled in bf16 on the GPU) over
+the strided views the backend passes (q_nope a slice of q, w_uk / w_uv slices of kv_b_proj's weight), sizes
+off the tiles, and the row limit that sends larger batches to the reference. The sm_90 compile check:
+tests/kernels/test_mla_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metainfer.kernels.mla_absorb import (
+    MAX_ROWS,
+    mla_absorb_ref,
+    mla_absorb_triton,
+    mla_value_up_ref,
+    mla_value_up_triton,
+)
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
+
+pytest.importorskip("triton")
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(tokens, heads, dn, dv, lat, rope, dtype, device, seed=0):
+    """q [T, H, Dn + R] (q_nope is its first Dn columns), kv_b [H * (Dn + Dv), L] viewed per head, o_lat."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dn + rope, generator=g).to(device=device, dtype=dtype)
+    kv_b = (torch.randn(heads * (dn + dv), lat, generator=g) / lat ** 0.5).to(device=device, dtype=dtype)
+    per_head = kv_b.view(heads, dn + dv, lat)
+    o_lat = torch.randn(tokens, heads, lat, generator=g).to(device=device, dtype=dtype)
+    return q[..., :dn], per_head[:, :dn], per_head[:, dn:], o_lat
+
+
+def _close(got, ref, dtype):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    err = (got.double() - ref.double()).abs().max().item() / max(ref.double().abs().max().item(), 1e-6)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", REF_DTYPES)
+def test_references_match_a_direct_computation(dtype):
+    q_nope, w_uk, w_uv, o_lat = _inputs(5, 4, 24, 20, 48, 8, dtype, "cpu")
+    _close(mla_absorb_ref(q_nope, w_uk), torch.einsum("thd,hdl->thl", q_nope.double(), w_uk.double()).to(dtype),
+           dtype)
+    direct = torch.einsum("thl,hvl->thv", o_lat.double(), w_uv.double()).reshape(5, -1).to(dtype)
+    _close(mla_value_up_ref(o_lat, w_uv), direct, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("dims", [(4, 32, 32, 64, 16), (3, 24, 20, 80, 8)])  # (H, Dn, Dv, L, R); 2nd off the tiles
+def test_triton_matches_reference(dtype, tokens, dims):
+    heads, dn, dv, lat, rope = dims
+    q_nope, w_uk, w_uv, o_lat = _inputs(tokens, heads, dn, dv, lat, rope, dtype, DEVICE, seed=tokens)
+    q_lat = mla_absorb_triton(q_nope, w_uk, max_rows=MAX_ROWS)
+    assert q_lat.is_contiguous()
+    _close(q_lat, mla_absorb_ref(q_nope, w_uk), dtype)
+    _close(mla_value_up_triton(o_lat, w_uv, max_rows=MAX_ROWS), mla_value_up_ref(o_lat, w_uv), dtype)
+
+
+def test_rows_over_the_limit_take_the_reference():
+    q_nope, w_uk, w_uv, o_lat = _inputs(6, 2, 16, 16, 32, 8, torch.float32, DEVICE)
+    # the engine's default (max_rows=0) and a batch over the limit: exactly the batched GEMM
+    for rows in (0, 5):
+        assert torch.equal(mla_absorb_triton(q_nope, w_uk, max_rows=rows), mla_absorb_ref(q_nope, w_uk))
+        assert torch.equal(mla_value_up_triton(o_lat, w_uv, max_rows=rows), mla_value_up_ref(o_lat, w_uv))
+    assert mla_absorb_triton(q_nope[:0], w_uk, max_rows=MAX_ROWS).shape == (0, 2, 32)
+
+
+def test_bad_shapes_raise():
+    q_nope, w_uk, w_uv, o_lat = _inputs(2, 2, 16, 16, 32, 8, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="mla_absorb_triton"):
+        mla_absorb_triton(q_nope, w_uk[:1], max_rows=MAX_ROWS)  # heads differ
+    with pytest.raises(ValueError, match="mla_value_up_triton"):
+        mla_value_up_triton(o_lat, w_uv.half(), max_rows=MAX_ROWS)  # dtypes differ
