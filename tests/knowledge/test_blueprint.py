@@ -281,3 +281,23 @@ def test_a_node_test_no_gate_runs_is_drift(blueprint):
     errors = check_phase_selections(doc)
     assert errors and all(e.startswith("assembly.warmup: test 'tests/worker/test_warmup.py::") for e in errors)
     assert all(e.endswith("is in no phase's full selection (no gate runs it)") for e in errors)
+
+
+def test_coverage_reaches_the_engine_entry_points(blueprint):
+    """Node completeness covers the engine loop, sequences, tokenizer, sampling params, config, the LLM entry,
+    outputs, the CLI and the server (issue 22: every assembly step and sampler feature): their modules are in
+    coverage.scope, and a feature whose node is dropped (the server's request validation, SamplingParams) is
+    reported."""
+    from metainfer.knowledge.blueprint import check_node_coverage
+
+    scope = set(blueprint["coverage"]["scope"])
+    assert {"metainfer.engine.llm_engine", "metainfer.engine.sequence", "metainfer.engine.tokenizer",
+            "metainfer.sampling_params", "metainfer.config", "metainfer.llm", "metainfer.outputs",
+            "metainfer.entrypoints"} <= scope
+    assert check_node_coverage(blueprint) == []
+    doc = copy.deepcopy(blueprint)
+    doc["nodes"] = [n for n in doc["nodes"] if n["id"] not in ("serve.request_validation", "sampler.sampling_params")]
+    errors = check_node_coverage(doc)
+    for ref in ("metainfer.entrypoints.openai.protocol:parse_request", "metainfer.entrypoints.openai.protocol:usage",
+                "metainfer.sampling_params:SamplingParams"):
+        assert f"coverage: {ref} has no blueprint node (add one, or list it in coverage.exempt with why)" in errors

@@ -1,0 +1,80 @@
+"""The OpenAI server's request handling without a server: a body's fields reach SamplingParams as OpenAI and
+vLLM define them, chat messages become the template's dicts, the model name is checked, and every error has
+OpenAI's body and status. The references are written by hand from the OpenAI API reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from metainfer.engine.request_validation import InvalidRequestError
+from metainfer.entrypoints.openai.api_server import default_served_name
+from metainfer.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    engine_dead,
+    engine_failed,
+    from_engine_error,
+)
+from metainfer.entrypoints.openai.metrics import ServerMetrics
+from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from metainfer.entrypoints.openai.serving_base import check_model
+from metainfer.sampling_params import SamplingParams
+
+
+def _parse(model, body: dict):
+    return parse_request(json.dumps(body).encode(), model)
+
+
+def test_body_fields_become_sampling_params():
+    body = {"prompt": "x", "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3,
+            "stop": ["a", "b"], "stop_token_ids": [5], "presence_penalty": 0.25, "frequency_penalty": 0.5,
+            "repetition_penalty": 1.25, "ignore_eos": True, "min_tokens": 1, "skip_special_tokens": False,
+            "include_stop_str_in_output": True}
+    got = _parse(CompletionRequest, body).sampling_params(12, 2)
+    assert got == SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, max_tokens=12,
+                                 min_tokens=1, stop=["a", "b"], stop_token_ids=[5], ignore_eos=True, logprobs=2,
+                                 presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=1.25,
+                                 skip_special_tokens=False, include_stop_str_in_output=True)
+    assert _parse(CompletionRequest, {"prompt": "x"}).sampling_params(16, None) == SamplingParams(max_tokens=16)
+
+
+def test_chat_messages_become_template_dicts():
+    req = _parse(ChatCompletionRequest, {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"},
+        {"role": "assistant", "content": None}]})
+    assert req.conversation() == [{"role": "system", "content": "be brief"},
+                                  {"role": "user", "content": "a\nb", "name": "u"},
+                                  {"role": "assistant", "content": ""}]
+    assert _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                          "max_tokens": 9}).max_new_tokens == 9
+
+
+def test_model_names():
+    assert check_model(["m1", "m2"], None) == "m1" and check_model(["m1", "m2"], "m2") == "m2"
+    with pytest.raises(OpenAIError) as e:
+        check_model(["m1"], "other")
+    assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
+    assert default_served_name("/models/Qwen3-8B/") == "Qwen3-8B"
+    assert default_served_name("/gguf/SmolLM2-135M.Q8_0.gguf") == "SmolLM2-135M.Q8_0"
+
+
+def test_errors_have_openai_bodies_and_statuses():
+    err = bad_request("temperature must be >= 0", "temperature")
+    assert err.status == 400 and err.body() == {"error": {
+        "message": "temperature must be >= 0", "type": "invalid_request_error", "param": "temperature", "code": None}}
+    assert (engine_dead().status, engine_dead().code, engine_dead().type) == (503, "engine_dead", "server_error")
+    failed = engine_failed(RuntimeError("boom"))
+    assert (failed.status, failed.message, failed.code) == (500, "boom", "engine_error")
+    mapped = from_engine_error(InvalidRequestError("top_p", "top_p must be in (0, 1], got 2.0"))
+    assert (mapped.status, mapped.param, mapped.type) == (400, "top_p", "invalid_request_error")
+    internal = from_engine_error(RuntimeError("bug"))
+    assert (internal.status, internal.code) == (500, "internal_error")
+
+
+def test_metrics_text_is_prometheus_lines():
+    text = ServerMetrics().render("m")
+    assert text.endswith("\n") and not text.endswith("\n\n")  # the exposition format ends every line
+    assert all(line.startswith("# ") or line.startswith("metainfer:") for line in text.splitlines())
