@@ -216,6 +216,21 @@ def test_fused_moe_real_shapes_gpu(num_experts, n, top_k, num_tokens):
     _check_moe(args, torch.bfloat16)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the real shapes run compiled on the GPU (METAINFER_TEST_GPU=1)")
+@pytest.mark.parametrize("num_experts, n, top_k", [(66, 1408, 8), (66, 704, 8), (128, 768, 8)])
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fused_moe_decode_down_gemv_real_shapes_gpu(num_experts, n, top_k, num_tokens):
+    """The decode down GEMV (its default launch, under PDL and in a CUDA graph) at DeepSeek-V2-Lite's (tp 1 and
+    2) and Qwen3-30B-A3B's shapes against the reference."""
+    args = _moe_inputs(num_tokens, num_experts, n, 2048, top_k, torch.bfloat16, seed=num_tokens)
+    expected = _check_moe(args, torch.bfloat16, down_gemv=DEFAULT_DOWN_GEMV, pdl=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe_triton(*args, down_gemv=DEFAULT_DOWN_GEMV, pdl=True)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="host syncs, PDL and graph capture need CUDA (METAINFER_TEST_GPU=1)")
 def test_fused_moe_no_host_sync_and_graph_replay_gpu():
     args = _moe_inputs(8, 64, 704, 2048, 6, torch.bfloat16, seed=5)

@@ -16,7 +16,7 @@ from metainfer.kernels.mla_absorb import (
     mla_value_up_ref,
     mla_value_up_triton,
 )
-from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, REF_DTYPES
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
 pytest.importorskip("triton")
 
@@ -75,3 +75,19 @@ def test_bad_shapes_raise():
         mla_absorb_triton(q_nope, w_uk[:1], max_rows=MAX_ROWS)  # heads differ
     with pytest.raises(ValueError, match="mla_value_up_triton"):
         mla_value_up_triton(o_lat, w_uv.half(), max_rows=MAX_ROWS)  # dtypes differ
+
+
+@pytest.mark.skipif(not ON_GPU, reason="PDL and graph capture need CUDA (METAINFER_TEST_GPU=1)")
+@pytest.mark.parametrize("heads", [16, 8])  # DeepSeek-V2-Lite at tp 1 and 2
+@pytest.mark.parametrize("tokens", [1, 4, MAX_ROWS])
+def test_real_shapes_under_pdl_and_graphs_gpu(heads, tokens):
+    q_nope, w_uk, w_uv, o_lat = _inputs(tokens, heads, 128, 128, 512, 64, torch.bfloat16, DEVICE, seed=heads)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    _close(mla_absorb_triton(q_nope, w_uk, max_rows=MAX_ROWS, pdl=pdl), mla_absorb_ref(q_nope, w_uk), torch.bfloat16)
+    expected = mla_value_up_triton(o_lat, w_uv, max_rows=MAX_ROWS, pdl=pdl)
+    _close(expected, mla_value_up_ref(o_lat, w_uv), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mla_value_up_triton(o_lat, w_uv, max_rows=MAX_ROWS, pdl=pdl)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)
