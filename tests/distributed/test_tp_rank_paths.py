@@ -3,13 +3,15 @@ rank 1 a spawned worker (TPDriver, worker_main, build_rank_runner), against HF: 
 fp32 noise along them (a 1% change of one rank's weights moves them where it moves no greedy token), and every rank
 holding exactly the requested `num_kv_blocks`. (test_tp_launched_pair.py starts the ranks as a launcher does.)
 Also the rank-side pieces that otherwise run only inside rank processes, checked here: a group of one (its
-all-reduce is the identity; a second join is refused), the heartbeat's lost-rank answer, the launch fingerprint's
-weight files and mismatch message."""
+all-reduce is the identity; a second join is refused), the pipe's send, the heartbeat's lost-rank answer, the launch
+fingerprint's weight files and mismatch message."""
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
+import pickle
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from metainfer.distributed.external_launcher import first_mismatch, weight_files
 from metainfer.distributed.heartbeat import Heartbeat
 from metainfer.distributed.parallel_state import create_store, destroy_tp_group, get_group_all_reduce, init_tp_group
 from metainfer.worker.tp.launched import follow_rank0
+from metainfer.worker.tp.protocol import send, try_send
 from tests.helpers.processes import alive
 from tests.helpers.tp_reference import assert_logprobs_match_hf, hf_reference, run
 
@@ -66,6 +69,19 @@ def test_a_group_of_one_reduces_to_its_input_and_is_joined_once():
     finally:
         destroy_tp_group()
     assert not dist.is_initialized()
+
+
+def test_send_delivers_the_message_and_fails_when_the_peer_is_gone():
+    """A message arrives as sent; a send to a worker whose end is closed raises (rank 0 learns the worker is gone),
+    where try_send, the send of the error paths, goes on."""
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    send(ours, ("step", [1, 2]))
+    assert pickle.loads(theirs.recv_bytes()) == ("step", [1, 2])
+    theirs.close()
+    with pytest.raises(OSError):
+        send(ours, ("close",))
+    try_send(ours, ("close",))
+    ours.close()
 
 
 def test_the_heartbeat_names_the_rank_that_does_not_beat():
