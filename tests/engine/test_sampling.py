@@ -135,3 +135,20 @@ def test_generate_raises_instead_of_spinning_when_a_finished_request_is_never_re
     monkeypatch.setattr(llm.llm_engine, "step", lambda: [o for o in real_step() if not o.finished])
     with pytest.raises(RuntimeError, match="never reported"):
         llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+
+
+def test_a_sample_is_finished_exactly_when_it_has_a_finish_reason(llm):
+    """vLLM's CompletionOutput.finished: True once the sample has a finish_reason, False while it runs (an
+    engine step's streamed outputs before the end, and the final ones)."""
+    from metainfer.outputs import CompletionOutput
+
+    assert not CompletionOutput(0, "", [1], finish_reason=None).finished
+    assert CompletionOutput(0, "", [1], finish_reason="stop").finished
+    engine = llm.llm_engine
+    engine.add_request("finished-check", PROMPTS[0]["prompt_token_ids"],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [c for out in engine.step() for c in out.outputs]
+    assert [c.finished for c in seen] == [c.finish_reason is not None for c in seen]
+    assert seen[-1].finished and seen[-1].finish_reason == "length"
