@@ -144,10 +144,11 @@ class LLMEngine:
         self._queue(self._prepare(request_id, prompt, params, stream))
 
     def add_request_group(self, items: list[tuple[str, str | list[int] | dict, SamplingParams]],
-                          stream: bool = True) -> None:
+                          stream: bool = True, detokenize: bool = True) -> None:
         """Queue the engine requests of one client request, all or none: together they may ask for at most
         max_n choices (prompts x n) and their samples must fit in the KV pool together (one request's token
-        budget, `request_validation.check_group_budget`)."""
+        budget, `request_validation.check_group_budget`). `detokenize=False`: the caller decodes the streamed
+        tokens itself (the server's HTTP process); the engine decodes only what stop strings need."""
         limits = self.request_limits()
         if len(items) > 1:  # before tokenizing them all (a single prompt's n is check_request's)
             params = [p or SamplingParams() for _, _, p in items]
@@ -155,14 +156,15 @@ class LLMEngine:
                 if isinstance(p, SamplingParams):
                     p.validate()
             check_fan_out(len(items), [p.n if isinstance(p, SamplingParams) else 1 for p in params], limits.max_n)
-        requests = [self._prepare(rid, prompt, params, stream) for rid, prompt, params in items]
+        requests = [self._prepare(rid, prompt, params, stream, detokenize) for rid, prompt, params in items]
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids of a group must differ")
         check_group_budget([kv_tokens_needed(r.params, len(r.prompt_token_ids), limits) for r in requests], limits)
         for request in requests:
             self._queue(request)
 
-    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool) -> Request:
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool,
+                 detokenize: bool = True) -> Request:
         """Tokenize and check a request (raise ValueError naming the field); queue nothing."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "sampling_params must be a SamplingParams, got "
@@ -175,7 +177,7 @@ class LLMEngine:
         check_request(params, ids, self.spec.vocab_size, self.request_limits())  # engine/request_validation.py
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         for seq in seqs:
-            seq.incremental_detokenize = stream or bool(params.stop_strings)
+            seq.incremental_detokenize = (stream and detokenize) or bool(params.stop_strings)
         return Request(request_id, text, ids, params, seqs, stream=stream)
 
     def _queue(self, request: Request) -> None:
@@ -195,30 +197,7 @@ class LLMEngine:
                              shared_prompt=c.enable_prefix_caching)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, ids) of a prompt: a string, a list of token ids or a dict with `prompt_token_ids` or `prompt`.
-        The ids are checked with the rest of the request (check_prompt_ids: one check for every caller)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise InvalidRequestError("prompt", f"prompt must be a string, got {type(text).__name__}")
-                return text, check_prompt_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise InvalidRequestError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-            if isinstance(prompt, dict):
-                raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids, got dict")
-        if isinstance(prompt, (list, tuple)):
-            return None, check_prompt_ids(prompt)
-        if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
-                                                f"{type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("prompt", "prompt must not be empty")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
-        return prompt, ids
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -445,6 +424,34 @@ class LLMEngine:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+
+
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(text, ids) of a prompt: a string, a list of token ids or a dict with `prompt_token_ids` or `prompt`.
+    The ids are checked with the rest of the request (check_prompt_ids: one check for every caller). The engine
+    and the server's HTTP process (which tokenizes for the engine process) both call it."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError("prompt", f"prompt must be a string, got {type(text).__name__}")
+            return text, check_prompt_ids(prompt["prompt_token_ids"])
+        if "prompt" not in prompt:
+            raise InvalidRequestError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
+        prompt = prompt["prompt"]
+        if isinstance(prompt, dict):
+            raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids, got dict")
+    if isinstance(prompt, (list, tuple)):
+        return None, check_prompt_ids(prompt)
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
+                                            f"{type(prompt).__name__}")
+    if not prompt:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    if not ids:
+        raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
+    return prompt, ids
 
 
 def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
