@@ -144,11 +144,10 @@ class LLMEngine:
         self._queue(self._prepare(request_id, prompt, params, stream))
 
     def add_request_group(self, items: list[tuple[str, str | list[int] | dict, SamplingParams]],
-                          stream: bool = True, detokenize: bool = True) -> None:
+                          stream: bool = True) -> None:
         """Queue the engine requests of one client request, all or none: together they may ask for at most
         max_n choices (prompts x n) and their samples must fit in the KV pool together (one request's token
-        budget, `request_validation.check_group_budget`). `detokenize=False`: the caller decodes the streamed
-        tokens itself (the server's HTTP process); the engine decodes only what stop strings need."""
+        budget, `request_validation.check_group_budget`)."""
         limits = self.request_limits()
         if len(items) > 1:  # before tokenizing them all (a single prompt's n is check_request's)
             params = [p or SamplingParams() for _, _, p in items]
@@ -156,15 +155,14 @@ class LLMEngine:
                 if isinstance(p, SamplingParams):
                     p.validate()
             check_fan_out(len(items), [p.n if isinstance(p, SamplingParams) else 1 for p in params], limits.max_n)
-        requests = [self._prepare(rid, prompt, params, stream, detokenize) for rid, prompt, params in items]
+        requests = [self._prepare(rid, prompt, params, stream) for rid, prompt, params in items]
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids of a group must differ")
         check_group_budget([kv_tokens_needed(r.params, len(r.prompt_token_ids), limits) for r in requests], limits)
         for request in requests:
             self._queue(request)
 
-    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool,
-                 detokenize: bool = True) -> Request:
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool) -> Request:
         """Tokenize and check a request (raise ValueError naming the field); queue nothing."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "sampling_params must be a SamplingParams, got "
@@ -177,7 +175,7 @@ class LLMEngine:
         check_request(params, ids, self.spec.vocab_size, self.request_limits())  # engine/request_validation.py
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
         for seq in seqs:
-            seq.incremental_detokenize = (stream and detokenize) or bool(params.stop_strings)
+            seq.incremental_detokenize = stream or bool(params.stop_strings)
         return Request(request_id, text, ids, params, seqs, stream=stream)
 
     def _queue(self, request: Request) -> None:

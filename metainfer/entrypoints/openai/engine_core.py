@@ -5,7 +5,7 @@ event loop) holds the GIL the step loop needs (vLLM V1's EngineCore, SGLang's sc
 The core talks to the server over two one-way `multiprocessing` pipes (pickled tuples; no text crosses them
 but prompts-as-ids and the final text of a request cut at a stop string):
 
-  in  ("add", group_id, [(request_id, {"prompt": text | None, "prompt_token_ids": ids}, SamplingParams), ...])
+  in  ("add", group_id, [(request_id, {"prompt_token_ids": ids}, SamplingParams), ...])
       ("abort", [request_id, ...])        ("stop",)
   out ("ready", info) | ("build_error", "Type: message")        once, first
       ("added", [(group_id, None | (kind, message, param)), ...])  kind "invalid" (a 400) or "internal" (a 500)
@@ -97,7 +97,9 @@ class EngineCore:
     def _add(self, items: list[tuple[str, dict, SamplingParams]]):
         """Add one client request's engine requests, all or none; None, or why not (kind, message, param)."""
         try:
-            self.engine.add_request_group(items, stream=True, detokenize=False)
+            # stream=False: step() builds no cumulative RequestOutput per token (the core reads the new tokens
+            # itself, `_progress`) and decodes only what stop strings need
+            self.engine.add_request_group(items, stream=False)
         except Exception as exc:
             if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):
                 return ("invalid", str(exc) or type(exc).__name__, getattr(exc, "param", None))
@@ -121,24 +123,53 @@ class EngineCore:
             self._stop_strings.clear()
             self.outputs.send(("step_failed", f"engine step failed: {type(exc).__name__}: {exc}", self.stats(0)))
             return
+        finished = {out.request_id: out for out in outputs}
         deltas = []
-        sent, cut = self._sent, self._stop_strings
-        for out in outputs:
-            counts = sent.pop(out.request_id, None) if out.finished else sent.get(out.request_id)
-            if counts is None:
-                continue  # aborted by the server after this step was launched
-            seqs = []
-            for c in out.outputs:
-                start = counts[c.index]
-                ids = c.token_ids[start:]
-                counts[c.index] = start + len(ids)
-                text = c.text if c.finish_reason is not None and out.request_id in cut else None
-                seqs.append((ids, c.logprobs[start:] if c.logprobs is not None else None, c.cumulative_logprob,
-                             c.finish_reason, c.stop_reason, text))
-            if out.finished:
-                cut.discard(out.request_id)
-            deltas.append((out.request_id, out.finished, out.num_cached_tokens, out.error, seqs))
-        self.outputs.send(("step", deltas, self.stats(len(outputs))))
+        requests, cut = self.engine.requests, self._stop_strings
+        for request_id, counts in self._sent.items():
+            out = finished.get(request_id)
+            if out is not None:
+                deltas.append(self._final(out, counts, request_id in cut))
+            else:
+                request = requests.get(request_id)
+                delta = self._progress(request, counts) if request is not None else None
+                if delta is not None:
+                    deltas.append(delta)
+        for request_id in finished:
+            self._sent.pop(request_id, None)
+            cut.discard(request_id)
+        if deltas:  # a step that read nothing back (the first of a burst, under async scheduling) says nothing
+            self.outputs.send(("step", deltas, self.stats(len(deltas))))
+
+    @staticmethod
+    def _progress(request, counts: list[int]):
+        """The Delta of an unfinished request: the tokens its choices' sequences read back since the last one,
+        None when there are none (the engine's own fields, not a RequestOutput built for every token)."""
+        seqs, new = [], False
+        want_logprobs = request.params.logprobs is not None
+        for seq in request.seqs:
+            start, known, base = counts[seq.index], seq.num_known_output_tokens, seq.num_prompt_tokens
+            if known > start:
+                new = True
+                counts[seq.index] = known
+            seqs.append((seq.token_ids[base + start:base + known],
+                         seq.output_logprobs[start:known] if want_logprobs else None,
+                         seq.cumulative_logprob if want_logprobs else None, seq.finish_reason, seq.stop_reason, None))
+        if not new:
+            return None
+        return (request.request_id, False, request.seqs[0].num_cached_prompt_tokens, None, seqs)
+
+    @staticmethod
+    def _final(out, counts: list[int], cut_at_stop_strings: bool):
+        """The Delta of a finished request (its RequestOutput): what is left, and the engine's text of a choice
+        cut at a stop string."""
+        seqs = []
+        for c in out.outputs:
+            start = counts[c.index]
+            seqs.append((c.token_ids[start:], c.logprobs[start:] if c.logprobs is not None else None,
+                         c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                         c.text if cut_at_stop_strings else None))
+        return (out.request_id, True, out.num_cached_tokens, out.error, seqs)
 
     def stats(self, batch_size: int) -> tuple:
         e = self.engine

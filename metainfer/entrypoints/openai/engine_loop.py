@@ -241,7 +241,7 @@ class EngineLoop:
         future = self._loop.create_future()
         self._adds[group_id] = future
         try:
-            self._send(("add", group_id, [(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+            self._send(("add", group_id, [(rid, {"prompt_token_ids": ids}, params)
                                           for rid, text, ids, params in prepared]))
             error = await future
         except asyncio.CancelledError:
