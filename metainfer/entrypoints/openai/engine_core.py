@@ -183,7 +183,10 @@ class EngineCore:
 def engine_process_main(engine_kwargs: dict, requests, outputs) -> None:
     """The engine process: build the engine (CUDA graphs and warm-up included), say "ready" (or send the
     build's error as one line), then serve the pipes; close the engine (and its TP ranks) at the end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server decides when to stop
+    # Ctrl-C (and a SIGTERM to the process group) reach this process too: the server decides when the engine stops
+    # ("stop" after its drain), and a server that dies closes the input pipe, which ends this process as well
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("METAINFER_ENGINE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from metainfer.llm import LLM
@@ -235,8 +238,8 @@ class EngineProcess:
         if self.process is not None:
             self.process.join(timeout)
             if self.process.is_alive():
-                log.warning("the engine process did not stop in %g s; terminating it", timeout)
-                self.process.terminate()
+                log.warning("the engine process did not stop in %g s; killing it", timeout)
+                self.process.kill()  # it ignores SIGTERM
                 self.process.join(5)
         elif self.thread is not None and self.thread.ident is not None:
             self.thread.join(timeout)
