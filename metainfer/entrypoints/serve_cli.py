@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import sys
 
 SERVER_PACKAGES = ("fastapi", "uvicorn")
 
@@ -73,7 +74,13 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
                    access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout,
                    trust_request_chat_template=args.trust_request_chat_template)
     if kwargs.get("distributed_executor_backend") != "external_launcher":
-        serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve
+        from metainfer.entrypoints.openai.engine_core import EngineStartError
+
+        try:
+            serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve
+        except EngineStartError as err:  # its traceback, if any, was logged by the engine process
+            print(f"metainfer: error: {err}", file=sys.stderr)
+            return 1
         logging.getLogger("metainfer.server").info("engine closed; exiting")
         return 0
     # under torchrun this process is a rank: the engine cannot move to another process, so rank 0 serves it from a

@@ -194,7 +194,10 @@ def engine_process_main(engine_kwargs: dict, requests, outputs) -> None:
     try:
         llm = LLM(**engine_kwargs)
     except BaseException as exc:
-        log.debug("engine build failed", exc_info=True)
+        from metainfer.config import ConfigError
+
+        if not isinstance(exc, ConfigError):  # a bad option is the user's one line; anything else may be a bug
+            log.exception("the engine failed to build")
         outputs.send(("build_error", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
         return
     try:
