@@ -3,11 +3,14 @@
     python -m tools.serve_overhead --streams 64 --prompt-len 64 --max-tokens 128 [--profile DIR] [--json F]
 
 One tiny random Qwen3 (2 layers, hidden 64, vocabulary 512, the real Qwen3 tokenizer; fp32 on the CPU, so the
-forward is cheap and the host's bookkeeping shows) serves the same N token-id prompts three ways, each a fresh
+forward is cheap and the host's bookkeeping shows) serves the same N token-id prompts four ways, each a fresh
 engine in a fresh process, all N at once (one batch):
   offline   LLM.generate (outputs only when finished, text decoded once);
   stream    the engine's streaming path alone: add_request(stream=True) and step() until done (a cumulative
             RequestOutput per token, incremental detokenization);
+  core      the engine process's loop alone (`EngineCore` in this process, all N added at once over its input
+            pipe; a minimal reader in another process takes its output messages): its per-token CPU against
+            offline's, without an HTTP process competing for the cores;
   server    the OpenAI server as `metainfer serve` runs it: uvicorn in this process (the HTTP process) and the
             engine core in the engine process it spawns; N concurrent streaming /v1/completions from a client in
             another process (its CPU is not counted).
@@ -109,6 +112,39 @@ def run_stream(args) -> dict:
     return _result(cpu, wall, tokens)
 
 
+def _core_reader(outputs, requests, num_requests: int) -> None:
+    """The other end of the core's pipes: count finished requests, then say "stop"."""
+    done = 0
+    while done < num_requests:
+        msg = outputs.recv()
+        if msg[0] == "step":
+            done += sum(1 for delta in msg[1] if delta[1])
+    requests.send(("stop",))
+
+
+def run_core(args) -> dict:
+    import multiprocessing as mp
+
+    from metainfer.entrypoints.openai.engine_core import EngineCore
+
+    llm = _llm(args)
+    reqs = [{"prompt_token_ids": p} for p in prompts(args.streams, args.prompt_len)]
+    llm.generate(reqs[:2], _params(args), use_tqdm=False)  # warm
+    ctx = mp.get_context("spawn")
+    req_r, req_w = ctx.Pipe(duplex=False)
+    out_r, out_w = ctx.Pipe(duplex=False)
+    reader = ctx.Process(target=_core_reader, args=(out_r, req_w, args.streams))
+    reader.start()
+    for i, prompt in enumerate(reqs):
+        req_w.send(("add", i, [(str(i), prompt, _params(args))]))
+    core = EngineCore(llm.llm_engine, req_r, out_w)
+    cpu, wall = time.process_time(), time.perf_counter()
+    core.run()
+    result = _result(cpu, wall, args.streams * args.max_tokens)  # run() returns once every request finished
+    reader.join(30)
+    return result
+
+
 def _result(cpu: float, wall: float, tokens: int) -> dict:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     return {"tokens": tokens, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
@@ -196,7 +232,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="a model folder (default: a tiny random Qwen3 built here)")
-    p.add_argument("--only", choices=["offline", "stream", "server"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["offline", "stream", "core", "server"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--profile", default=None, help="folder for cProfile stats of the server's HTTP event loop")
     p.add_argument("--json", default=None)
@@ -206,14 +242,14 @@ def main(argv=None) -> None:
         print(json.dumps({"tokens": tokens}))
         return
     if args.only is not None:
-        result = {"offline": run_offline, "stream": run_stream, "server": run_server}[args.only](args)
+        result = {"offline": run_offline, "stream": run_stream, "core": run_core, "server": run_server}[args.only](args)
         print(json.dumps(result))
         return
     model = args.model or tempfile.mkdtemp(prefix="serve-overhead-")
     if args.model is None:
         build_model(model)
     results = {}
-    for mode in ("offline", "stream", "server"):
+    for mode in ("offline", "stream", "core", "server"):
         cmd = [sys.executable, "-m", "tools.serve_overhead", "--only", mode, "--model", model,
                "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--max-tokens",
                str(args.max_tokens)] + (["--profile", args.profile] if args.profile and mode == "server" else [])
@@ -225,6 +261,7 @@ def main(argv=None) -> None:
     base = results["offline"]["cpu_us_per_token"]
     results["server_minus_offline_cpu_us_per_token"] = round(results["server"]["cpu_us_per_token"] - base, 1)
     results["stream_minus_offline_cpu_us_per_token"] = round(results["stream"]["cpu_us_per_token"] - base, 1)
+    results["core_minus_offline_cpu_us_per_token"] = round(results["core"]["cpu_us_per_token"] - base, 1)
     results["engine_process_minus_offline_cpu_us_per_token"] = round(
         results["server"]["engine_cpu_us_per_token"] - base, 1)
     print(json.dumps({k: v for k, v in results.items() if k.endswith("per_token")}))
