@@ -99,7 +99,7 @@ def test_sends_while_a_flush_is_pending_schedule_no_second_wake_up():
         assert group.queue.qsize() == 3 and not Handle.outputs.poll() and not loop._requests
         outs = [o async for o in group.outputs()]
         assert [(o.outputs[0].text, o.finished) for o in outs] == [("abc", True)]
-        assert tokenizer.calls == 1  # the finished choice: one full decode, no per-token decodes
+        assert tokenizer.calls == 1  # the finished choice: its one full decode, no per-token decodes
         assert loop.metrics.itl.count == 2 and loop.metrics.ttft.count == 1
 
     asyncio.run(run())

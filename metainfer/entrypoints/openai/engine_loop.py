@@ -116,8 +116,8 @@ class RequestState:
             if c.finish_reason is not None:
                 if c.final_text is not None:
                     c.output_text = c.final_text
-                elif c.detok_read_offset < len(c.token_ids) or not c.output_text:
-                    detokenizer.flush(c)  # the full decode is authoritative (held-back characters)
+                else:
+                    detokenizer.flush(c)  # the full decode is authoritative (held-back characters), as in the engine
                     c.detok_read_offset = len(c.token_ids)
             elif c.detok_read_offset < len(c.token_ids):
                 detokenizer.update(c)
