@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import signal
 import threading
-import time
 
 from metainfer.sampling_params import SamplingParams
 
@@ -39,7 +38,6 @@ log = logging.getLogger("metainfer.server")
 STATS_FIELDS = ("running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "preemptions",
                 "failed_requests", "failed_steps", "prefix_cache_queries", "prefix_cache_hits", "engine_errors",
                 "batch_size")
-READY_TIMEOUT_S = float(os.environ.get("METAINFER_ENGINE_READY_TIMEOUT", 3600))  # a cold GPU build compiles
 
 
 class EngineCore:
@@ -180,15 +178,14 @@ class EngineCore:
                 batch_size)
 
 
-def engine_process_main(engine_kwargs: dict, requests, outputs) -> None:
+def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int = logging.INFO) -> None:
     """The engine process: build the engine (CUDA graphs and warm-up included), say "ready" (or send the
     build's error as one line), then serve the pipes; close the engine (and its TP ranks) at the end."""
     # Ctrl-C (and a SIGTERM to the process group) reach this process too: the server decides when the engine stops
     # ("stop" after its drain), and a server that dies closes the input pipe, which ends this process as well
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("METAINFER_ENGINE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     from metainfer.llm import LLM
 
     try:
@@ -259,8 +256,9 @@ def start_engine_process(engine_kwargs: dict) -> EngineProcess:
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; the process spawns TP ranks itself, so not a daemon
     req_r, req_w = ctx.Pipe(duplex=False)
     out_r, out_w = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=engine_process_main, args=(engine_kwargs, req_r, out_w), name="metainfer-engine",
-                          daemon=False)
+    log_level = logging.getLogger("metainfer").getEffectiveLevel()  # the server's --log-level
+    process = ctx.Process(target=engine_process_main, args=(engine_kwargs, req_r, out_w, log_level),
+                          name="metainfer-engine", daemon=False)
     process.start()
     req_r.close()  # the child holds these ends: closing ours lets each side see EOF when the other dies
     out_w.close()
@@ -296,12 +294,10 @@ def start_engine_thread(llm) -> EngineProcess:
 
 
 def _wait_ready(outputs, process) -> dict:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    """The engine's "ready" info; no time limit (a cold GPU build compiles for minutes), only its death ends it."""
     while not outputs.poll(0.2):
         if process is not None and not process.is_alive():
             raise EngineStartError(f"the engine process exited with code {process.exitcode} before it was ready")
-        if time.monotonic() > deadline:
-            raise EngineStartError(f"the engine was not ready within {READY_TIMEOUT_S:g} s")
     try:
         msg = outputs.recv()
     except EOFError:
