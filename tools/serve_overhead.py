@@ -3,16 +3,22 @@
     python -m tools.serve_overhead --streams 64 --prompt-len 64 --max-tokens 128 [--profile DIR] [--json F]
 
 One tiny random Qwen3 (2 layers, hidden 64, vocabulary 512, the real Qwen3 tokenizer; fp32 on the CPU, so the
-forward is cheap and the host's bookkeeping shows) serves the same N token-id prompts three ways, each a fresh
+forward is cheap and the host's bookkeeping shows) serves the same N token-id prompts four ways, each a fresh
 engine in a fresh process, all N at once (one batch):
   offline   LLM.generate (outputs only when finished, text decoded once);
   stream    the engine's streaming path alone: add_request(stream=True) and step() until done (a cumulative
             RequestOutput per token, incremental detokenization);
-  server    the OpenAI server in this process (uvicorn thread + engine thread), N concurrent streaming
-            /v1/completions from a client in another process (its CPU is not counted).
-Torch runs one thread. Each reports the process CPU seconds (time.process_time over the run: every thread) per
-output token, and the wall time. server - offline is what the server adds per token. `--profile DIR` writes
-cProfile stats of the server's engine thread and event-loop thread (pstats files) and prints their top entries.
+  core      the engine process's loop alone (`EngineCore` in this process, all N added at once over its input
+            pipe; a minimal reader in another process takes its output messages): its per-token CPU against
+            offline's, without an HTTP process competing for the cores;
+  server    the OpenAI server as `metainfer serve` runs it: uvicorn in this process (the HTTP process) and the
+            engine core in the engine process it spawns; N concurrent streaming /v1/completions from a client in
+            another process (its CPU is not counted).
+Torch runs one thread. Each reports the CPU seconds over the run (every thread) per output token, and the wall
+time; server counts both of its processes and reports them apart (http_cpu_us_per_token, engine_cpu_us_per_token;
+the engine process's from /proc, 10 ms ticks). server - offline is what the server adds per token; engine -
+offline is what the engine process still spends beyond the offline engine. `--profile DIR` writes cProfile stats
+of the HTTP process's event loop (a pstats file) and prints its top entries.
 """
 
 from __future__ import annotations
@@ -54,15 +60,26 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(512) for _ in range(length)] for _ in range(n)]
 
 
+def _engine_kwargs(args) -> dict:
+    return dict(model=args.model, device="cpu", dtype="float32", max_num_seqs=args.streams,
+                max_num_batched_tokens=max(args.streams * args.prompt_len, 256),
+                max_model_len=args.prompt_len + args.max_tokens)
+
+
 def _llm(args):
     import torch
 
     from metainfer import LLM
 
     torch.set_num_threads(1)  # CPU seconds comparable across modes (no OpenMP spinning on a shared machine)
-    return LLM(args.model, device="cpu", dtype="float32", max_num_seqs=args.streams,
-               max_num_batched_tokens=max(args.streams * args.prompt_len, 256),
-               max_model_len=args.prompt_len + args.max_tokens)
+    return LLM(**_engine_kwargs(args))
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process, every thread (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _params(args):
@@ -95,6 +112,39 @@ def run_stream(args) -> dict:
     return _result(cpu, wall, tokens)
 
 
+def _core_reader(outputs, requests, num_requests: int) -> None:
+    """The other end of the core's pipes: count finished requests, then say "stop"."""
+    done = 0
+    while done < num_requests:
+        msg = outputs.recv()
+        if msg[0] == "step":
+            done += sum(1 for delta in msg[1] if delta[1])
+    requests.send(("stop",))
+
+
+def run_core(args) -> dict:
+    import multiprocessing as mp
+
+    from metainfer.entrypoints.openai.engine_core import EngineCore
+
+    llm = _llm(args)
+    reqs = [{"prompt_token_ids": p} for p in prompts(args.streams, args.prompt_len)]
+    llm.generate(reqs[:2], _params(args), use_tqdm=False)  # warm
+    ctx = mp.get_context("spawn")
+    req_r, req_w = ctx.Pipe(duplex=False)
+    out_r, out_w = ctx.Pipe(duplex=False)
+    reader = ctx.Process(target=_core_reader, args=(out_r, req_w, args.streams))
+    reader.start()
+    for i, prompt in enumerate(reqs):
+        req_w.send(("add", i, [(str(i), prompt, _params(args))]))
+    core = EngineCore(llm.llm_engine, req_r, out_w)
+    cpu, wall = time.process_time(), time.perf_counter()
+    core.run()
+    result = _result(cpu, wall, args.streams * args.max_tokens)  # run() returns once every request finished
+    reader.join(30)
+    return result
+
+
 def _result(cpu: float, wall: float, tokens: int) -> dict:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     return {"tokens": tokens, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
@@ -108,29 +158,21 @@ def run_server(args) -> dict:
 
     import uvicorn
 
-    from metainfer.entrypoints.openai import engine_loop
     from metainfer.entrypoints.openai.api_server import build_app
 
-    profiles = {}
-    if args.profile:
-        run = engine_loop.EngineLoop._run
-
-        def profiled_run(self):
-            profiles["engine"] = cProfile.Profile()
-            profiles["engine"].runcall(run, self)
-
-        engine_loop.EngineLoop._run = profiled_run
-    llm = _llm(args)
-    app = build_app(llm, served_model_names=["tiny"])
+    os.environ["OMP_NUM_THREADS"] = "1"  # the engine process's torch: one thread, as _llm sets for the others
+    app = build_app(_engine_kwargs(args), served_model_names=["tiny"])
+    engine_pid = app.state.server.handle.pid
+    assert engine_pid != os.getpid(), "the engine must run in its own process"
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False))
+    profile = cProfile.Profile() if args.profile else None
 
     def serve():
-        if args.profile:
-            profiles["loop"] = cProfile.Profile()
-            profiles["loop"].runcall(server.run, sockets=[sock])
+        if profile is not None:
+            profile.runcall(server.run, sockets=[sock])
         else:
             server.run(sockets=[sock])
 
@@ -141,20 +183,28 @@ def run_server(args) -> dict:
     client = [sys.executable, "-m", "tools.serve_overhead", "--client", str(port), "--streams", str(args.streams),
               "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
     subprocess.run(client + ["--streams", "2"], check=True, capture_output=True)  # warm
-    cpu, wall = time.process_time(), time.perf_counter()
+    cpu, wall, engine_cpu = time.process_time(), time.perf_counter(), _process_cpu_s(engine_pid)
     done = subprocess.run(client, check=True, capture_output=True, text=True)
-    result = _result(cpu, wall, json.loads(done.stdout.strip().splitlines()[-1])["tokens"])
+    wall = time.perf_counter() - wall
+    engine_cpu = _process_cpu_s(engine_pid) - engine_cpu
+    http_cpu = time.process_time() - cpu
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])["tokens"]
+    total = http_cpu + engine_cpu
+    result = {"tokens": tokens, "cpu_s": round(total, 3), "wall_s": round(wall, 3),
+              "cpu_us_per_token": round(total / tokens * 1e6, 1), "wall_us_per_token": round(wall / tokens * 1e6, 1)}
+    result.update(http_cpu_s=round(http_cpu, 3), engine_cpu_s=round(engine_cpu, 3),
+                  http_cpu_us_per_token=round(http_cpu / tokens * 1e6, 1),
+                  engine_cpu_us_per_token=round(engine_cpu / tokens * 1e6, 1))
     server.should_exit = True
     thread.join(30)
-    if args.profile:
+    if profile is not None:
         import pstats
 
         os.makedirs(args.profile, exist_ok=True)
-        for name, prof in profiles.items():
-            path = os.path.join(args.profile, f"server_{name}.pstats")
-            prof.dump_stats(path)
-            print(f"--- {name} thread (cumulative, top 25): {path}")
-            pstats.Stats(path).sort_stats("tottime").print_stats(25)
+        path = os.path.join(args.profile, "server_http.pstats")
+        profile.dump_stats(path)
+        print(f"--- HTTP process event loop (tottime, top 25): {path}")
+        pstats.Stats(path).sort_stats("tottime").print_stats(25)
     return result
 
 
@@ -182,9 +232,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="a model folder (default: a tiny random Qwen3 built here)")
-    p.add_argument("--only", choices=["offline", "stream", "server"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["offline", "stream", "core", "server"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--client", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--profile", default=None, help="folder for cProfile stats of the server's two threads")
+    p.add_argument("--profile", default=None, help="folder for cProfile stats of the server's HTTP event loop")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.client is not None:
@@ -192,14 +242,14 @@ def main(argv=None) -> None:
         print(json.dumps({"tokens": tokens}))
         return
     if args.only is not None:
-        result = {"offline": run_offline, "stream": run_stream, "server": run_server}[args.only](args)
+        result = {"offline": run_offline, "stream": run_stream, "core": run_core, "server": run_server}[args.only](args)
         print(json.dumps(result))
         return
     model = args.model or tempfile.mkdtemp(prefix="serve-overhead-")
     if args.model is None:
         build_model(model)
     results = {}
-    for mode in ("offline", "stream", "server"):
+    for mode in ("offline", "stream", "core", "server"):
         cmd = [sys.executable, "-m", "tools.serve_overhead", "--only", mode, "--model", model,
                "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--max-tokens",
                str(args.max_tokens)] + (["--profile", args.profile] if args.profile and mode == "server" else [])
@@ -211,6 +261,9 @@ def main(argv=None) -> None:
     base = results["offline"]["cpu_us_per_token"]
     results["server_minus_offline_cpu_us_per_token"] = round(results["server"]["cpu_us_per_token"] - base, 1)
     results["stream_minus_offline_cpu_us_per_token"] = round(results["stream"]["cpu_us_per_token"] - base, 1)
+    results["core_minus_offline_cpu_us_per_token"] = round(results["core"]["cpu_us_per_token"] - base, 1)
+    results["engine_process_minus_offline_cpu_us_per_token"] = round(
+        results["server"]["engine_cpu_us_per_token"] - base, 1)
     print(json.dumps({k: v for k, v in results.items() if k.endswith("per_token")}))
     if args.json:
         with open(args.json, "w") as f:

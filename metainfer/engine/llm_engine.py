@@ -197,30 +197,7 @@ class LLMEngine:
                              shared_prompt=c.enable_prefix_caching)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, ids) of a prompt: a string, a list of token ids or a dict with `prompt_token_ids` or `prompt`.
-        The ids are checked with the rest of the request (check_prompt_ids: one check for every caller)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise InvalidRequestError("prompt", f"prompt must be a string, got {type(text).__name__}")
-                return text, check_prompt_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise InvalidRequestError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-            if isinstance(prompt, dict):
-                raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids, got dict")
-        if isinstance(prompt, (list, tuple)):
-            return None, check_prompt_ids(prompt)
-        if not isinstance(prompt, str):
-            raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
-                                                f"{type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("prompt", "prompt must not be empty")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
-        return prompt, ids
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -447,6 +424,34 @@ class LLMEngine:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+
+
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(text, ids) of a prompt: a string, a list of token ids or a dict with `prompt_token_ids` or `prompt`.
+    The ids are checked with the rest of the request (check_prompt_ids: one check for every caller). The engine
+    and the server's HTTP process (which tokenizes for the engine process) both call it."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError("prompt", f"prompt must be a string, got {type(text).__name__}")
+            return text, check_prompt_ids(prompt["prompt_token_ids"])
+        if "prompt" not in prompt:
+            raise InvalidRequestError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
+        prompt = prompt["prompt"]
+        if isinstance(prompt, dict):
+            raise InvalidRequestError("prompt", "prompt must be a string or a list of token ids, got dict")
+    if isinstance(prompt, (list, tuple)):
+        return None, check_prompt_ids(prompt)
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt", "prompt must be a string, a list of token ids or a dict, got "
+                                            f"{type(prompt).__name__}")
+    if not prompt:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    if not ids:
+        raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
+    return prompt, ids
 
 
 def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:

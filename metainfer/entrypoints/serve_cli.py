@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import sys
 
 SERVER_PACKAGES = ("fastapi", "uvicorn")
 
@@ -32,7 +33,7 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request bring its own chat template (chat_template_kwargs.chat_template); off by "
-                        "default: a template is code the engine thread runs, so any client could stall the server")
+                        "default: a template is code the server runs, so any client could stall it")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds requests in flight may run on after SIGTERM / SIGINT (default 5)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -68,14 +69,27 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
 
     kwargs = engine_kwargs(args)
     names = args.served_model_name or [default_served_name(kwargs["model"])]
+    options = dict(served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
+                   max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+                   access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout,
+                   trust_request_chat_template=args.trust_request_chat_template)
+    if kwargs.get("distributed_executor_backend") != "external_launcher":
+        from metainfer.entrypoints.openai.engine_core import EngineStartError
+
+        try:
+            serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve
+        except EngineStartError as err:  # its traceback, if any, was logged by the engine process
+            print(f"metainfer: error: {err}", file=sys.stderr)
+            return 1
+        logging.getLogger("metainfer.server").info("engine closed; exiting")
+        return 0
+    # under torchrun this process is a rank: the engine cannot move to another process, so rank 0 serves it from a
+    # thread and the others replay its steps
     llm = LLM(**kwargs)
-    if follow_rank0(llm):  # under torchrun the API server runs on rank 0 only; the others replay its steps
+    if follow_rank0(llm):
         return 0
     try:
-        serve(llm, served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
-              max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-              access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout,
-              trust_request_chat_template=args.trust_request_chat_template)
+        serve(llm, **options)
     finally:
         llm.close()
         logging.getLogger("metainfer.server").info("engine closed; exiting")

@@ -289,7 +289,7 @@ def test_a_trusted_request_template_that_fails_is_a_400(small_server):
     r = post(srv, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {
         "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}, "logprobs": True}, headers={})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == len(srv.state.llm.get_tokenizer().encode("hi"))
+    assert r.json()["usage"]["prompt_tokens"] == len(srv.state.engine_loop.tokenizer.encode("hi"))
     wait_idle(srv)
 
 

@@ -1,49 +1,77 @@
-"""The engine thread -> event loop hand-off (issue 23, item 4): outputs queue in an outbox that one scheduled
-callback drains (a step whose predecessor's outputs are undelivered adds no wake-up), and a consumer that fell
-behind gets each request's latest cumulative output once, not every intermediate one."""
+"""The engine -> HTTP process hand-off (issue 23, item 4): every message waiting on the engine's output pipe is
+applied in one reader callback (several steps cost the event loop one wake-up), and a consumer that fell behind
+gets each request's latest cumulative output once, decoded once, not every intermediate one."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import multiprocessing as mp
 
 import pytest
 
-from metainfer.entrypoints.openai.engine_loop import EngineLoop, RequestGroup
+from metainfer.entrypoints.openai.engine_loop import EngineLoop, RequestGroup, RequestState
 from metainfer.entrypoints.openai.metrics import ServerMetrics
-from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.sampling_params import SamplingParams
+
+STATS = (0,) * 12
 
 
-def _out(rid: str, n: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput(rid, None, [1, 2], [CompletionOutput(0, "x" * n, list(range(n)),
-                                                               finish_reason="length" if finished else None)],
-                         finished)
+class _Tokenizer:
+    """Token i decodes to the letter chr(97 + i): a reference anyone can check by hand."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return "".join(chr(97 + i) for i in ids)
+
+
+def _loop(tokenizer=None, handle=None) -> EngineLoop:
+    return EngineLoop(handle, tokenizer or _Tokenizer(), ServerMetrics())
+
+
+def _state(loop: EngineLoop, group: RequestGroup, rid: str) -> RequestState:
+    state = RequestState(rid, None, [1, 2], SamplingParams(max_tokens=8), group.queue, 0.0)
+    loop._requests[rid] = state
+    return state
+
+
+def _delta(ids, finished=False):
+    return [(list(ids), None, None, "length" if finished else None, None, None)]
 
 
 def test_a_consumer_behind_gets_each_requests_latest_output_once():
     async def run():
-        loop = EngineLoop(engine=None, metrics=ServerMetrics())
+        loop = _loop()
         group = RequestGroup(loop, ["a", "b"])
-        for item in (_out("a", 1), _out("b", 1), _out("a", 2), _out("a", 3), _out("b", 2, True)):
-            group.queue.put_nowait(item)
+        a, b = _state(loop, group, "a"), _state(loop, group, "b")
+        for state, ids, finished in ((a, [0], False), (b, [0], False), (a, [1], False), (a, [2], False),
+                                     (b, [1], True)):
+            state.apply(finished, 0, _delta(ids, finished))
+            group.queue.put_nowait(state)
         gen = group.outputs()
         first = [await gen.__anext__(), await gen.__anext__()]
-        assert [(o.request_id, len(o.outputs[0].token_ids)) for o in first] == [("a", 3), ("b", 2)]
+        assert [(o.request_id, o.outputs[0].token_ids, o.outputs[0].text) for o in first] == [
+            ("a", [0, 1, 2], "abc"), ("b", [0, 1], "ab")]
         assert group.unfinished == {"a"} and loop.num_queued == 0
-        group.queue.put_nowait(_out("a", 4))
-        group.queue.put_nowait(_out("a", 5, True))
+        for ids, finished in (([3], False), ([4], True)):
+            a.apply(finished, 0, _delta(ids, finished))
+            group.queue.put_nowait(a)
         last = [o async for o in gen]
-        assert [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in last] == [("a", 5, True)]
+        assert [(o.request_id, o.outputs[0].text, o.finished) for o in last] == [("a", "abcde", True)]
 
     asyncio.run(run())
 
 
 def test_an_error_after_outputs_is_raised_once_they_are_yielded():
     async def run():
-        group = RequestGroup(EngineLoop(engine=None, metrics=ServerMetrics()), ["a"])
-        group.queue.put_nowait(_out("a", 1))
+        loop = _loop()
+        group = RequestGroup(loop, ["a"])
+        a = _state(loop, group, "a")
+        a.apply(False, 0, _delta([0]))
+        group.queue.put_nowait(a)
         group.queue.put_nowait(RuntimeError("step failed"))
-        group.queue.put_nowait(_out("a", 2))
         seen = []
         with pytest.raises(RuntimeError, match="step failed"):
             async for o in group.outputs():
@@ -54,32 +82,24 @@ def test_an_error_after_outputs_is_raised_once_they_are_yielded():
 
 
 def test_sends_while_a_flush_is_pending_schedule_no_second_wake_up():
+    """Three steps' messages wait on the pipe: one reader callback applies them all, the request is queued three
+    times but decoded once when the consumer reads it, and the metrics see every token."""
+    class Handle:
+        outputs, sender = mp.Pipe(duplex=False)
+
     async def run():
-        engine_loop = EngineLoop(engine=None, metrics=ServerMetrics())
-        engine_loop._loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
-        scheduled = []
-        real = engine_loop._loop.call_soon_threadsafe
-
-        def counting(callback, *args):
-            scheduled.append(callback)
-            return real(callback, *args)
-
-        engine_loop._loop.call_soon_threadsafe = counting
-
-        def engine_thread():  # three steps' outputs before the loop gets to run
-            for n in (1, 2, 3):
-                engine_loop._send([(sink, _out("a", n))])
-
-        thread = threading.Thread(target=engine_thread)
-        thread.start()
-        thread.join()
-        assert len(scheduled) == 1
-        await asyncio.sleep(0)
-        assert [len(sink.get_nowait().outputs[0].token_ids) for _ in range(3)] == [1, 2, 3]
-        engine_loop._send([(sink, _out("a", 4))])  # delivered: the next send wakes the loop again
-        assert len(scheduled) == 2
-        await asyncio.sleep(0)
-        assert sink.get_nowait().outputs[0].token_ids == [0, 1, 2, 3]
+        tokenizer = _Tokenizer()
+        loop = _loop(tokenizer, Handle)
+        loop._loop = asyncio.get_running_loop()
+        group = RequestGroup(loop, ["a"])
+        _state(loop, group, "a")
+        for ids, finished in (([0], False), ([1], False), ([2], True)):
+            Handle.sender.send(("step", [("a", finished, 0, None, _delta(ids, finished))], STATS))
+        loop._on_readable()
+        assert group.queue.qsize() == 3 and not Handle.outputs.poll() and not loop._requests
+        outs = [o async for o in group.outputs()]
+        assert [(o.outputs[0].text, o.finished) for o in outs] == [("abc", True)]
+        assert tokenizer.calls == 1  # the finished choice: its one full decode, no per-token decodes
+        assert loop.metrics.itl.count == 2 and loop.metrics.ttft.count == 1
 
     asyncio.run(run())

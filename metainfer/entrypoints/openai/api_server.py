@@ -2,10 +2,11 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /docs, /redoc,
 /openapi.json (all behind the optional bearer key; the docs can be turned off), GET /health (503 once
-the engine thread is gone), GET /metrics (Prometheus); /health and /metrics stay open, as in vLLM.
+the engine is gone), GET /metrics (Prometheus); /health and /metrics stay open, as in vLLM.
 POST bodies must be `application/json` (415 otherwise: a text/plain body is a CORS "simple request" a
 web page could send to a key-less loopback server). All live requests share one continuously batched
-engine, stepped by one `EngineLoop` thread. `serve` handles SIGTERM / SIGINT itself: new requests get
+engine, stepped by the engine core in its own process (engine_core.py; this process tokenizes, decodes and
+frames: engine_loop.py). `serve` handles SIGTERM / SIGINT itself: new requests get
 503, those in flight may finish for `shutdown_timeout` seconds, the rest end with a final error event,
 and `serve` returns (so the caller's `close()` runs and the process exits 0).
 """
@@ -23,31 +24,35 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from metainfer.engine.tokenizer import load_tokenizer
+from metainfer.entrypoints.openai.engine_core import start_engine_process, start_engine_thread
 from metainfer.entrypoints.openai.engine_loop import EngineLoop
 from metainfer.entrypoints.openai.errors import OpenAIError, add_exception_handlers, engine_dead
 from metainfer.entrypoints.openai.metrics import ServerMetrics
 from metainfer.entrypoints.openai.serving_base import check_model
 from metainfer.entrypoints.openai.serving_chat import OpenAIServingChat
 from metainfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from metainfer.llm import LLM
 
 log = logging.getLogger("metainfer.server")
 
 
 class OpenAIServer:
-    """Everything one app serves from: the LLM, its engine thread, the metrics and the two endpoints."""
+    """Everything one app serves from: the engine (its process or thread handle), this process's tokenizer,
+    the engine loop, the metrics and the two endpoints."""
 
-    def __init__(self, llm, served_model_names: list[str], api_key: str | None = None,
-                 max_queued_requests: int | None = None, owns_llm: bool = False):
-        self.llm = llm
-        self.engine = llm.llm_engine
+    def __init__(self, handle, served_model_names: list[str], api_key: str | None = None,
+                 max_queued_requests: int | None = None):
+        self.handle = handle
+        self.engine = handle.engine  # the LLMEngine where it runs in this process (a caller's LLM), else None
+        info = handle.ready_info
+        self.max_model_len, self.max_logprobs = info["max_model_len"], info["max_logprobs"]
         self.served_model_names = list(served_model_names)
         self.api_key = api_key
-        self.owns_llm = owns_llm
         self.metrics = ServerMetrics()
-        self.engine_loop = EngineLoop(self.engine, self.metrics, max_queued_requests)
-        self.completion = OpenAIServingCompletion(llm, self.engine_loop, self.served_model_names)
-        self.chat = OpenAIServingChat(llm, self.engine_loop, self.served_model_names)
+        tokenizer = load_tokenizer(info["model_dir"], info["gguf_file"], info["tokenizer"])  # this process's own
+        self.engine_loop = EngineLoop(handle, tokenizer, self.metrics, max_queued_requests)
+        self.completion = OpenAIServingCompletion(self.engine_loop, self.served_model_names, self.max_logprobs)
+        self.chat = OpenAIServingChat(self.engine_loop, self.served_model_names, self.max_logprobs)
         self.created = int(time.time())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -55,8 +60,6 @@ class OpenAIServer:
 
     def shutdown(self) -> None:
         self.engine_loop.stop()
-        if self.owns_llm:
-            self.llm.close()
 
     async def check_auth(self, request: Request) -> None:
         """With an API key set, /v1/* needs 'Authorization: Bearer KEY' (compared in constant time)."""
@@ -77,7 +80,7 @@ class OpenAIServer:
     def model_card(self, name: str) -> dict:
         # root is the served name too: the model's filesystem path is not the clients' business
         return {"id": name, "object": "model", "created": self.created, "owned_by": "metainfer",
-                "root": name, "max_model_len": self.engine.config.max_model_len}
+                "root": name, "max_model_len": self.max_model_len}
 
     async def models(self, request: Request):
         return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.served_model_names]})
@@ -104,16 +107,24 @@ def default_served_name(model: str) -> str:
 def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
               max_queued_requests: int | None = None, docs: bool = True,
               trust_request_chat_template: bool = False) -> FastAPI:
-    """The ASGI app. `llm_or_kwargs`: an `LLM` (the caller keeps ownership) or a dict of `LLM`
-    keyword arguments (the app builds the LLM and closes it at shutdown). `docs=False` drops /docs,
-    /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
+    """The ASGI app. `llm_or_kwargs`: a dict of `LLM` keyword arguments (the server's way: the engine is built
+    in its own process, started here; this returns once it is ready, CUDA graphs and warm-up done, and raises
+    its build error: a ConfigError stays one; the process ends with the app), or an `LLM` the caller built and
+    keeps (its engine core runs in a thread of this process: same messages, shared GIL). `docs=False` drops
+    /docs, /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
     lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
-    owns = isinstance(llm_or_kwargs, dict)
-    llm = LLM(**llm_or_kwargs) if owns else llm_or_kwargs
+    if isinstance(llm_or_kwargs, dict):
+        handle = start_engine_process(llm_or_kwargs)
+    else:
+        handle = start_engine_thread(llm_or_kwargs)
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
-    names = list(served_model_names or [default_served_name(llm.llm_engine.config.model)])
-    server = OpenAIServer(llm, names, api_key, max_queued_requests, owns_llm=owns)
+    names = list(served_model_names or [default_served_name(handle.ready_info["model"])])
+    try:
+        server = OpenAIServer(handle, names, api_key, max_queued_requests)
+    except BaseException:
+        handle.stop(timeout=10)
+        raise
     server.chat.trust_request_chat_template = trust_request_chat_template
 
     @asynccontextmanager
@@ -176,13 +187,14 @@ class _Server(uvicorn.Server):
             self._on_exit()
 
 
-def serve(llm, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
+def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
           max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True,
           docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False) -> None:
-    """Serve `llm` under uvicorn until SIGTERM / SIGINT (the caller keeps ownership of `llm`). At the
-    signal, requests in flight may finish for `shutdown_timeout` seconds; the rest end with a final
-    error event (code server_shutdown); then this returns."""
-    app = build_app(llm, served_model_names=served_model_names, api_key=api_key,
+    """Serve under uvicorn until SIGTERM / SIGINT: `llm_or_kwargs` as `build_app` takes it (engine keyword
+    arguments: the engine process, ended here; an `LLM`: the caller keeps it). At the signal, requests in
+    flight may finish for `shutdown_timeout` seconds; the rest end with a final error event (code
+    server_shutdown); then this returns."""
+    app = build_app(llm_or_kwargs, served_model_names=served_model_names, api_key=api_key,
                     max_queued_requests=max_queued_requests, docs=docs,
                     trust_request_chat_template=trust_request_chat_template)
     engine_loop = app.state.server.engine_loop
@@ -192,8 +204,8 @@ def serve(llm, *, served_model_names: list[str], host: str, port: int, api_key: 
                  shutdown_timeout)
         engine_loop.request_drain(shutdown_timeout)
 
-    log.info("serving %s on http://%s:%d (max_model_len %d)", served_model_names, host, port,
-             llm.llm_engine.config.max_model_len)
+    log.info("serving %s on http://%s:%d (max_model_len %d; engine pid %d)", served_model_names, host, port,
+             app.state.server.max_model_len, app.state.server.handle.pid)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=shutdown_timeout + 2)
     _Server(config, on_exit).run()

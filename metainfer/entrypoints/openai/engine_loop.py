@@ -1,42 +1,46 @@
-"""The one thread that owns the engine, and the asyncio side that waits on it.
+"""The HTTP process's side of the engine: requests out to the engine core, token deltas back in, text made here.
 
-The engine is synchronous and not thread-safe, so ONE thread (`EngineLoop`) makes every engine
-call: it drains a FIFO of add/abort commands, runs `step()` while anything is unfinished, and
-sleeps on an Event when idle. Requests from all clients share its batches. Tokenization (text
-prompts, chat templates) happens on this thread too, so the tokenizer is never used from two
-threads at once.
+The engine runs in its own process (`engine_core.py`: `EngineCore` over two pipes), so its step loop never waits
+for the GIL held by JSON, SSE framing or detokenizing. `EngineLoop` lives on the asyncio loop: `submit`
+tokenizes a request's prompts (text prompts and chat templates stay in this process), sends them as one "add"
+(all or none; a ValueError in the engine comes back as a 400) and returns a `RequestGroup`. One reader
+callback on the output pipe (`loop.add_reader`, no thread) takes each step's message: the new token ids of every
+request it changed. It appends them to the request's `RequestState` and hands the state to its group's queue;
+the consumer turns it into a cumulative `RequestOutput` when it reads it, detokenizing incrementally then, so a
+consumer that falls behind decodes (and frames) one chunk a request, not one a token.
 
-HTTP handlers run on the asyncio loop. A handler submits its engine requests (one per prompt) as
-a `RequestGroup`; a concurrent Future that the engine thread resolves says whether they were added
-(a ValueError from `add_request` becomes a 400), and the engine's cumulative `RequestOutput`s reach
-the group's asyncio.Queue through `loop.call_soon_threadsafe`. A group that is closed before its
-requests finish (client gone, error) aborts them, which frees their KV blocks. A request that a
-failed step was bisected to (LLMEngine fault isolation) ends with its own EngineError; the others go
-on. At shutdown `drain` refuses new requests, waits for those in flight, then ends the rest.
+A group that closes before its requests finish (client gone, error) aborts them in the engine, which frees their
+KV blocks. A request that a failed step was bisected to (LLMEngine fault isolation) ends with its own
+EngineError; the others go on. A step that raised fails every request in flight. The engine process dying (the
+output pipe closes) fails every request in flight and `alive` turns false (/health answers 503). At shutdown
+`drain` refuses new requests, waits for those in flight, then ends the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
+import itertools
 import logging
+import queue
 import threading
 import time
 from typing import Any
 
+from metainfer.engine.llm_engine import tokenize_prompt
+from metainfer.engine.tokenizer import IncrementalDetokenizer
 from metainfer.entrypoints.openai.errors import OpenAIError, engine_dead, from_engine_error
-from metainfer.entrypoints.openai.metrics import RequestTiming, ServerMetrics
+from metainfer.entrypoints.openai.metrics import ServerMetrics
+from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 log = logging.getLogger("metainfer.server")
 
-# (request id, prompt or a callable the engine thread turns into one, sampling params)
+# (request id, prompt (text, token ids, a dict) or a callable that returns one, sampling params)
 Item = tuple[str, Any, SamplingParams]
 
 
 class EngineError(RuntimeError):
-    """The engine raised while stepping; the affected requests were aborted."""
+    """The engine raised while stepping (or died); the affected requests were aborted."""
 
     status, code = 500, "engine_error"
 
@@ -47,62 +51,144 @@ class ServerShutdown(EngineError):
     status, code = 503, "server_shutdown"
 
 
+class ChoiceState:
+    """One choice's tokens as received, and its text as decoded so far (the attributes `IncrementalDetokenizer`
+    reads on a Sequence: the output tokens alone, so `num_prompt_tokens` is 0)."""
+
+    __slots__ = ("index", "params", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
+                 "output_text", "detok_prefix_offset", "detok_read_offset", "final_text")
+    num_prompt_tokens = 0
+
+    def __init__(self, index: int, params: SamplingParams):
+        self.index, self.params = index, params
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = None
+        self.finish_reason = self.stop_reason = None
+        self.output_text = ""
+        self.detok_prefix_offset = self.detok_read_offset = 0
+        self.final_text: str | None = None  # the engine's text, when it cut this choice at a stop string
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids
+
+
+class RequestState:
+    """One engine request as the HTTP process knows it: what arrived from the engine, its timing (the metrics'
+    `RequestTiming` fields) and the group queue it is delivered to."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "choices", "finished", "num_cached_tokens", "sink",
+                 "arrival", "last_time", "num_tokens")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 sink: asyncio.Queue | None, arrival: float):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.choices = [ChoiceState(i, params) for i in range(params.n)]
+        self.finished = False
+        self.num_cached_tokens = 0
+        self.sink = sink
+        self.arrival, self.last_time, self.num_tokens = arrival, 0.0, 0
+
+    def apply(self, finished: bool, num_cached_tokens: int, seqs) -> int:
+        """Append one step's delta (engine_core's SeqDelta per choice); return the most tokens a choice holds."""
+        self.finished, self.num_cached_tokens = finished, num_cached_tokens
+        most = 0
+        for choice, (ids, logprobs, cumulative, finish_reason, stop_reason, text) in zip(self.choices, seqs):
+            choice.token_ids += ids
+            if logprobs is not None and choice.logprobs is not None:
+                choice.logprobs += logprobs
+            choice.cumulative_logprob, choice.finish_reason, choice.stop_reason = cumulative, finish_reason, stop_reason
+            if text is not None:
+                choice.final_text = text
+            most = max(most, len(choice.token_ids))
+        return most
+
+    def output(self, detokenizer: IncrementalDetokenizer) -> RequestOutput:
+        """The cumulative output so far, decoding what is new. Its token and logprob lists are this state's own
+        (no copy per token): read them before the next step's message is applied."""
+        outs = []
+        for c in self.choices:
+            if c.finish_reason is not None:
+                if c.final_text is not None:
+                    c.output_text = c.final_text
+                else:
+                    detokenizer.flush(c)  # the full decode is authoritative (held-back characters), as in the engine
+                    c.detok_read_offset = len(c.token_ids)
+            elif c.detok_read_offset < len(c.token_ids):
+                detokenizer.update(c)
+            outs.append(CompletionOutput(c.index, c.output_text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                                         c.finish_reason, c.stop_reason))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             {"arrival_time": self.arrival, "num_cached_tokens": self.num_cached_tokens},
+                             self.num_cached_tokens)
+
+
 class EngineLoop:
-    """Owns the engine: every engine call happens on this one thread.
+    """The server's end of the engine core's pipes, on the asyncio loop: submit, abort, deliver, drain.
 
-    The asyncio side (`submit`, the queue cap) lives here too, so that one object knows every
-    request between its HTTP handler and the engine."""
+    `handle` is the `engine_core.EngineProcess` (process or thread) whose pipes this serves; `tokenizer` is this
+    process's own tokenizer (prompts, chat templates, detokenizing)."""
 
-    def __init__(self, engine, metrics: ServerMetrics, max_queued_requests: int | None = None):
-        self.engine = engine
+    def __init__(self, handle, tokenizer, metrics: ServerMetrics, max_queued_requests: int | None = None):
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
-        self.num_queued = 0  # requests without a first output yet; asyncio thread only
-        self._commands: collections.deque = collections.deque()  # append/popleft are thread-safe
-        self._wake = threading.Event()
-        self._sinks: dict[str, asyncio.Queue] = {}
-        self._timing: dict[str, RequestTiming] = {}
-        self._outbox: collections.deque = collections.deque()  # (sink, output) for the event loop to deliver
-        self._flush_scheduled = False  # a _flush is queued on the event loop and has not started yet
+        self.num_queued = 0  # requests without a first output yet
+        self._requests: dict[str, RequestState] = {}
+        self._adds: dict[int, asyncio.Future] = {}
+        self._group_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._dead: str | None = None  # why the engine is gone
         self.draining = False  # shutting down: new requests get 503, in-flight ones may finish
         self._drain_task: asyncio.Task | None = None
-        self.fatal: BaseException | None = None
+        # A thread writes to the engine's input pipe: a large prompt that does not fit the pipe's buffer must not
+        # block the event loop (which would stop it reading the output pipe: the engine, blocked writing, would
+        # never read ours).
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
 
-    # called from the asyncio thread ---------------------------------------------------------
+    # lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="metainfer-engine", daemon=True)
-        self._thread.start()
+        self.handle.start()
+        self._sender = threading.Thread(target=self._send_loop, name="metainfer-engine-input", daemon=True)
+        self._sender.start()
+        loop.add_reader(self.handle.outputs.fileno(), self._on_readable)
 
     def stop(self, timeout: float = 30.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._loop is not None and not self._loop.is_closed() and self._dead is None:
+            self._loop.remove_reader(self.handle.outputs.fileno())
+        self._dead = self._dead or "the server stopped"
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(timeout)
+        self.handle.stop(timeout)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self.handle.requests.send(msg)
+            except (OSError, ValueError) as exc:
+                loop = self._loop
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(self._engine_gone, f"the engine's input pipe failed: {exc}")
+                return
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.fatal is None
-
-    def add(self, items: list[Item], sink: asyncio.Queue) -> concurrent.futures.Future:
-        """Queue engine requests (all or none are added); the Future resolves once they are."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.append(("add", items, sink, future, time.monotonic()))
-        self._wake.set()
-        return future
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._commands.append(("abort", request_ids))
-        self._wake.set()
+        return self._dead is None and self.handle.alive
 
     @property
     def num_in_flight(self) -> int:
-        """Engine requests with a waiting client (read from the asyncio thread; a dict's len is atomic)."""
-        return len(self._sinks)
+        """Engine requests with a waiting client."""
+        return len(self._requests)
 
     def request_drain(self, timeout: float) -> None:
         """Start `drain` on the event loop; safe from a signal handler or another thread."""
@@ -118,15 +204,20 @@ class EngineLoop:
         the rest with a ServerShutdown (a stream's final event says so) so every connection closes."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while (self.num_in_flight or self._commands) and time.monotonic() < deadline:
+        while (self.num_in_flight or self._adds) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self.num_in_flight or self._commands:
-            self._commands.append(("fail_all", ServerShutdown("the server is shutting down; the request was "
-                                                              f"not finished within {timeout:g} s")))
-            self._wake.set()
+        if self.num_in_flight:
+            try:
+                self._send(("abort", list(self._requests)))
+            except EngineError:
+                pass  # the engine is gone: nothing holds their blocks
+            self._fail_all(ServerShutdown(f"the server is shutting down; the request was not finished within "
+                                          f"{timeout:g} s"))
 
+    # requests -----------------------------------------------------------------------------------
     async def submit(self, items: list[Item]) -> RequestGroup:
-        """Add one HTTP request's engine requests; 503 when the engine is down or the queue is full."""
+        """Add one HTTP request's engine requests; 503 when the engine is down or the queue is full, 400 when
+        a prompt or a value is refused (here or by the engine)."""
         if not self.alive:
             raise engine_dead()
         if self.draining:
@@ -135,135 +226,123 @@ class EngineLoop:
         if cap is not None and self.num_queued + len(items) > cap:
             raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
                               "server_error", None, "queue_full")
-        group = RequestGroup(self, [item[0] for item in items])
+        prepared = []
+        for request_id, prompt, params in items:
+            try:  # tokenize here (chat templates included): the engine process gets ids
+                text, ids = tokenize_prompt(self.tokenizer, prompt() if callable(prompt) else prompt)
+            except Exception as exc:
+                raise from_engine_error(exc) from None
+            prepared.append((request_id, text, ids, params))
+        group = RequestGroup(self, [p[0] for p in prepared])
+        now = time.monotonic()
+        for request_id, text, ids, params in prepared:
+            self._requests[request_id] = RequestState(request_id, text, ids, params, group.queue, now)
+        group_id = next(self._group_ids)
+        future = self._loop.create_future()
+        self._adds[group_id] = future
         try:
-            await asyncio.wrap_future(self.add(items, group.queue))
+            self._send(("add", group_id, [(rid, {"prompt_token_ids": ids}, params)
+                                          for rid, text, ids, params in prepared]))
+            error = await future
         except asyncio.CancelledError:
             group.close()
             raise
-        except BaseException as exc:
-            group.unfinished.clear()  # nothing was added
-            group.close()
-            raise from_engine_error(exc) from None
+        except BaseException:
+            self._forget(group)
+            raise
+        finally:
+            self._adds.pop(group_id, None)
+        if error is not None:
+            self._forget(group)
+            kind, message, param = error
+            if kind == "invalid":
+                raise from_engine_error(_RefusedRequest(message, param)) from None
+            raise OpenAIError(500, f"internal error: {message}", "server_error", None, "internal_error")
         return group
 
-    # the thread -----------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                self._wake.clear()
-                self._drain()
-                if self._stopping:
-                    break
-                if not self.engine.has_unfinished_requests():
-                    self.metrics.publish(self.engine)
-                    self._wake.wait()
-                    continue
-                self._step()
-        except BaseException as exc:  # a bug in the loop itself: fail everything, stop serving
-            log.exception("engine loop died")
-            self.fatal = exc
-            self._fail_all(EngineError(f"engine loop died: {exc!r}"))
-            while self._commands:
-                cmd = self._commands.popleft()
-                if cmd[0] == "add" and cmd[3].set_running_or_notify_cancel():
-                    cmd[3].set_exception(EngineError("engine is not running"))
-        finally:
-            for request_id in list(self._sinks):
-                self.engine.abort_request(request_id)
-            self._sinks.clear()
-            self.metrics.publish(self.engine)
+    def _forget(self, group: RequestGroup) -> None:
+        """Nothing of `group` was added: drop its states and release its queue slots."""
+        for request_id in group.ids:
+            self._requests.pop(request_id, None)
+        group.unfinished.clear()
+        group.close()
 
-    def _drain(self) -> None:
-        while self._commands:
-            cmd = self._commands.popleft()
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "fail_all":
-                self._fail_all(cmd[1])
-            else:
-                self._abort(cmd[1])
-
-    def _add(self, items: list[Item], sink, future: concurrent.futures.Future, arrival: float) -> None:
-        if not future.set_running_or_notify_cancel():
-            return  # the handler went away before we got to it
-        try:  # one client request: all or none, bounded together (LLMEngine.add_request_group)
-            self.engine.add_request_group([(rid, prompt() if callable(prompt) else prompt, params)
-                                           for rid, prompt, params in items])
-        except BaseException as exc:
-            future.set_exception(exc)
-            return
-        for request_id, _, _ in items:
-            self._sinks[request_id] = sink
-            self._timing[request_id] = RequestTiming(arrival)
-        future.set_result(None)
-
-    def _abort(self, request_ids) -> None:
-        n = 0
-        for request_id in request_ids:
-            self._timing.pop(request_id, None)
-            if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
-                n += 1
+    def abort(self, request_ids: list[str]) -> None:
+        n = sum(self._requests.pop(request_id, None) is not None for request_id in request_ids)
         if n:
             self.metrics.count_aborted(n)
-            self.metrics.publish(self.engine)
+            if self._dead is None:
+                self._send(("abort", list(request_ids)))
 
-    def _step(self) -> None:
+    def _send(self, msg) -> None:
+        if self._dead is not None:
+            raise EngineError(f"the engine is not running ({self._dead})")
+        self._outbox.put(msg)
+
+    # engine -> here ------------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        """The output pipe has data: apply every message waiting (one a step), then return to the loop."""
+        conn = self.handle.outputs
         try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; aborting the requests in flight")
-            self.metrics.count_engine_error()
-            self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
-            return
-        self.metrics.observe_outputs(outputs, self._timing, time.monotonic())
-        deliveries = []
-        for out in outputs:
-            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
-            if out.finished:
-                self._timing.pop(out.request_id, None)
-            if sink is not None:  # a request a failed step was bisected to ends with its own error
-                deliveries.append((sink, out if out.error is None else EngineError(f"the request failed in the "
-                                                                                   f"engine: {out.error}")))
-        self.metrics.publish(self.engine, len(outputs))
-        if deliveries:
-            self._send(deliveries)
+            while conn.poll():
+                msg = conn.recv()
+                kind = msg[0]
+                if kind == "step":
+                    self._on_step(msg[1], msg[2])
+                elif kind == "added":
+                    for group_id, error in msg[1]:
+                        future = self._adds.get(group_id)
+                        if future is not None and not future.done():
+                            future.set_result(error)
+                elif kind == "stats":
+                    self.metrics.publish_stats(msg[1])
+                elif kind == "step_failed":
+                    self.metrics.publish_stats(msg[2])
+                    self._fail_all(EngineError(msg[1]))
+        except (EOFError, OSError) as exc:
+            self._engine_gone(f"the engine process exited ({type(exc).__name__})")
 
-    def _send(self, deliveries) -> None:
-        """Queue (sink, output) pairs for the event loop. One scheduled `_flush` drains the outbox, so a step
-        whose predecessor's outputs are still undelivered adds no wake-up: each call_soon_threadsafe writes to
-        the loop's socket and hands it the GIL, which cost the engine thread ~6 ms a step (CPU profile,
-        tools/serve_overhead.py)."""
-        self._outbox.extend(deliveries)
-        if self._flush_scheduled:
-            return
-        self._flush_scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
-
-    def _flush(self) -> None:
-        """On the event loop: deliver everything queued (the flag is cleared first, so a later _send wakes us)."""
-        self._flush_scheduled = False
-        outbox = self._outbox
-        while outbox:
-            sink, item = outbox.popleft()
-            sink.put_nowait(item)
+    def _on_step(self, deltas, stats) -> None:
+        now = time.monotonic()
+        requests, observe = self._requests, self.metrics.observe
+        for request_id, finished, num_cached, error, seqs in deltas:
+            state = requests.pop(request_id, None) if finished else requests.get(request_id)
+            if state is None:
+                continue  # aborted here after the engine stepped it
+            num_tokens = state.apply(finished, num_cached, seqs)
+            observe(state, num_tokens, finished, seqs[0][3], error is not None, now)
+            if error is not None:  # a request a failed step was bisected to ends with its own error
+                state.sink.put_nowait(EngineError(f"the request failed in the engine: {error}"))
+            else:
+                state.sink.put_nowait(state)
+        self.metrics.publish_stats(stats)
 
     def _fail_all(self, exc: BaseException) -> None:
-        deliveries = []
-        for request_id, sink in list(self._sinks.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort after a failed step")
-            deliveries.append((sink, exc))
-        self._sinks.clear()
-        self._timing.clear()
-        if deliveries and self._loop is not None:
-            self._send(deliveries)
+        sinks = {id(s.sink): s.sink for s in self._requests.values()}
+        self._requests.clear()
+        for sink in sinks.values():
+            sink.put_nowait(exc)
+
+    def _engine_gone(self, why: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = why
+        log.error("engine is gone: %s; failing %d request(s) in flight", why, len(self._requests))
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.handle.outputs.fileno())
+        self.metrics.count_engine_error()
+        self._fail_all(EngineError(f"the engine is not running: {why}"))
+        for future in self._adds.values():
+            if not future.done():
+                future.set_exception(engine_dead())
+
+
+class _RefusedRequest(ValueError):
+    """The engine refused a request (its ValueError, rebuilt here): maps to a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestGroup:
@@ -285,9 +364,10 @@ class RequestGroup:
             self.engine_loop.num_queued -= 1
 
     async def outputs(self):
-        """Yield RequestOutputs (cumulative) until every request has finished. Outputs that queued up while
-        the consumer was busy are coalesced to each request's latest (they are cumulative; vLLM's output
-        collector does the same), so a consumer that falls behind frames one chunk a request, not one a token."""
+        """Yield RequestOutputs (cumulative) until every request has finished. States that queued up while the
+        consumer was busy are coalesced to each request's latest (vLLM's output collector does the same), and
+        each is decoded only when yielded."""
+        detokenizer = self.engine_loop.detokenizer
         while self.unfinished:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -302,7 +382,7 @@ class RequestGroup:
                 self._release(item.request_id)
                 if item.finished:
                     self.unfinished.discard(item.request_id)
-                yield item
+                yield item.output(detokenizer)
             if error is not None:
                 self.unfinished.clear()  # the engine already dropped them
                 raise error
@@ -315,5 +395,8 @@ class RequestGroup:
         for request_id in list(self.queued):
             self._release(request_id)
         if self.unfinished:
-            self.engine_loop.abort(sorted(self.unfinished))
+            try:
+                self.engine_loop.abort(sorted(self.unfinished))
+            except EngineError:
+                pass  # the engine is gone: nothing holds their blocks
             self.unfinished.clear()

@@ -4,7 +4,9 @@ TTFT and end-to-end latency count from the moment the handler submits the reques
 `metainfer:num_requests_running_max` gauge (peak batch) and the `metainfer:step_batch_size`
 histogram (requests progressed per engine step) are our own and show that requests were batched;
 `metainfer:request_aborted_total` counts requests aborted because their client went away.
-The engine thread writes, the HTTP thread renders; one lock keeps the two apart.
+The latency histograms are observed in the HTTP process as each step's message arrives; the engine's gauges and
+counters come in every message from the engine process (`publish_stats`, engine_core.STATS_FIELDS). One lock
+keeps a renderer on another thread apart from the writer.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class RequestTiming:
 
 
 class ServerMetrics:
-    """Written by the engine thread, rendered by the HTTP thread (one lock)."""
+    """Written from the engine's messages, rendered by GET /metrics (one lock)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -61,7 +63,8 @@ class ServerMetrics:
         self.prefix_cache_hits = 0  # of those, found there
         self.success: collections.Counter[str] = collections.Counter()
         self.aborted = 0
-        self.engine_errors = 0
+        self.engine_errors = 0  # the engine died (counted here) ...
+        self.core_engine_errors = 0  # ... or a step raised (counted by the engine process)
         self.failed_requests = 0  # finished with an error by the engine's fault isolation
         self.failed_steps = 0  # steps that raised and were bisected to the requests causing it
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -69,58 +72,58 @@ class ServerMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.batch = Histogram(BATCH_BUCKETS)
 
-    # -- written by the engine thread ---------------------------------------------------------
+    # -- written on the event loop ---------------------------------------------------------
     def count_aborted(self, n: int) -> None:
         with self.lock:
             self.aborted += n
 
     def count_engine_error(self) -> None:
+        """The engine process died (the steps that raised come in its stats)."""
         with self.lock:
             self.engine_errors += 1
 
     def observe_outputs(self, outputs: list[RequestOutput], timings: dict[str, RequestTiming], now: float) -> None:
         """TTFT, inter-token gaps, end-to-end latency and finish reasons of one step's outputs."""
-        with self.lock:
-            for out in outputs:
-                timing = timings.get(out.request_id)
-                if timing is not None:
-                    self._observe(out, timing, now)
+        for out in outputs:
+            timing = timings.get(out.request_id)
+            if timing is not None:
+                num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+                self.observe(timing, num_tokens, out.finished, out.outputs[0].finish_reason if out.outputs else None,
+                             out.error is not None, now)
 
-    def _observe(self, out: RequestOutput, timing: RequestTiming, now: float) -> None:
-        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-        new = num_tokens - timing.num_tokens
-        if new > 0:
-            if timing.num_tokens == 0:
-                first = out.metrics.get("first_token_time")
-                self.ttft.observe((first if first is not None else now) - timing.arrival)
-            else:
-                gap = (now - timing.last_time) / new
-                for _ in range(new):
-                    self.itl.observe(gap)
-            timing.last_time, timing.num_tokens = now, num_tokens
-        if out.finished:
-            finished = out.metrics.get("finished_time")
-            self.e2e.observe((finished if finished is not None else now) - timing.arrival)
-            if out.error is None:  # failed requests: metainfer:request_failed_total
-                self.success[out.outputs[0].finish_reason or "unknown"] += 1  # per request, as vLLM counts
-
-    def publish(self, engine, batch_size: int | None = None) -> None:
-        """Copy the engine's gauges and counters; `batch_size`: requests progressed by the last step."""
-        running = engine.num_running()
+    def observe(self, timing: RequestTiming, num_tokens: int, finished: bool, finish_reason: str | None,
+                failed: bool, now: float) -> None:
+        """One request's progress: it holds `num_tokens` (its longest choice) at `now`."""
         with self.lock:
-            self.running, self.waiting, self.kv_usage = running, engine.num_waiting(), engine.kv_cache_usage()
-            self.prompt_tokens = engine.stats.get("prompt_tokens", 0)
-            self.generation_tokens = engine.stats.get("generation_tokens", 0)
-            self.preemptions = getattr(engine.scheduler, "num_preemptions", 0)
-            self.failed_requests = engine.stats.get("failed_requests", 0)
-            self.failed_steps = engine.stats.get("failed_steps", 0)
-            self.prefix_cache_queries = engine.block_manager.prefix_query_tokens
-            self.prefix_cache_hits = engine.block_manager.prefix_hit_tokens
-            self.peak_running = max(self.peak_running, running, batch_size or 0)
+            new = num_tokens - timing.num_tokens
+            if new > 0:
+                if timing.num_tokens == 0:
+                    self.ttft.observe(now - timing.arrival)
+                else:
+                    gap = (now - timing.last_time) / new
+                    for _ in range(new):
+                        self.itl.observe(gap)
+                timing.last_time, timing.num_tokens = now, num_tokens
+            if finished:
+                self.e2e.observe(now - timing.arrival)
+                if not failed:  # failed requests: metainfer:request_failed_total
+                    self.success[finish_reason or "unknown"] += 1  # per request, as vLLM counts
+
+    def publish_stats(self, stats: tuple) -> None:
+        """The engine's gauges and counters as the engine process sent them (engine_core.STATS_FIELDS)."""
+        (running, waiting, kv_usage, prompt_tokens, generation_tokens, preemptions, failed_requests, failed_steps,
+         prefix_queries, prefix_hits, engine_errors, batch_size) = stats
+        with self.lock:
+            self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
+            self.prompt_tokens, self.generation_tokens, self.preemptions = prompt_tokens, generation_tokens, preemptions
+            self.failed_requests, self.failed_steps = failed_requests, failed_steps
+            self.prefix_cache_queries, self.prefix_cache_hits = prefix_queries, prefix_hits
+            self.core_engine_errors = engine_errors
+            self.peak_running = max(self.peak_running, running, batch_size)
             if batch_size:
                 self.batch.observe(batch_size)
 
-    # -- read by the HTTP thread --------------------------------------------------------------
+    # -- read by the HTTP handlers --------------------------------------------------------------
     def render(self, model_name: str) -> str:
         label = f'model_name="{_escape(model_name)}"'
         out: list[str] = []
@@ -163,7 +166,7 @@ class ServerMetrics:
                 out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
                            f"{self.success[reason]}")
             scalar("metainfer:request_aborted_total", "counter", self.aborted, "Requests aborted (client went away).")
-            scalar("metainfer:engine_errors_total", "counter", self.engine_errors,
+            scalar("metainfer:engine_errors_total", "counter", self.engine_errors + self.core_engine_errors,
                    "Engine steps that raised and failed every request in flight.")
             scalar("metainfer:request_failed_total", "counter", self.failed_requests,
                    "Requests finished with an error because a step failed on their data (the rest went on).")

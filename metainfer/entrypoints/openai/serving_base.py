@@ -37,13 +37,14 @@ def check_model(served_model_names: list[str], model: str | None) -> str:
 
 
 class OpenAIServing:
-    """Base of the two endpoint classes: the LLM (its tokenizer), the engine loop and the served names."""
+    """Base of the two endpoint classes: the engine loop (and this process's tokenizer), the served names and
+    the engine's logprobs cap."""
 
-    def __init__(self, llm, engine_loop: EngineLoop, served_model_names: list[str]):
-        self.llm = llm
-        self.tokenizer = llm.get_tokenizer()
+    def __init__(self, engine_loop: EngineLoop, served_model_names: list[str], max_logprobs: int):
+        self.tokenizer = engine_loop.tokenizer
         self.engine_loop = engine_loop
         self.served_model_names = served_model_names
+        self.max_logprobs = max_logprobs
 
     def check_model(self, model: str | None) -> str:
         return check_model(self.served_model_names, model)

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the tokenizer's chat template turns the messages into one prompt
-(applied on the engine thread, the tokenizer's only user), `n` choices."""
+(applied in the HTTP process, on the event loop: the engine process gets token ids), `n` choices."""
 
 from __future__ import annotations
 
@@ -16,21 +16,30 @@ from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
 from metainfer.sampling_params import SamplingParams
 
 
+def apply_chat_template(tokenizer, conversation, chat_template_kwargs, add_generation_prompt: bool) -> list[int]:
+    """The prompt's token ids (LLM.apply_chat_template's rendering, on this process's tokenizer)."""
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **(chat_template_kwargs or {}))
+    if hasattr(ids, "keys") and "input_ids" in ids:  # transformers v5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class OpenAIServingChat(OpenAIServing):
     trust_request_chat_template = False  # a request may set chat_template_kwargs.chat_template (build_app)
 
     async def create(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
         model = self.check_model(req.model)
-        req.check_supported(self.llm.llm_engine.config.max_logprobs, self.trust_request_chat_template)
+        req.check_supported(self.max_logprobs, self.trust_request_chat_template)
         top_k = req.top_logprobs or 0
         params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
         conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
-        llm, add_generation_prompt = self.llm, req.add_generation_prompt
+        tokenizer, add_generation_prompt = self.tokenizer, req.add_generation_prompt
 
-        def prompt():  # runs on the engine thread (the tokenizer's only encoder)
+        def prompt():  # called by EngineLoop.submit
             try:
-                ids = llm.apply_chat_template(conversation, template_kwargs, add_generation_prompt)
+                ids = apply_chat_template(tokenizer, conversation, template_kwargs, add_generation_prompt)
             except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
                 field = "chat_template_kwargs" if template_kwargs else "messages"
                 raise InvalidRequestError(field, f"the chat template failed on this request's {field}: "

@@ -17,7 +17,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
         model = self.check_model(req.model)
-        req.check_supported(self.llm.llm_engine.config.max_logprobs)
+        req.check_supported(self.max_logprobs)
         params = req.sampling_params(req.max_tokens, req.logprobs)
         base = f"cmpl-{uuid.uuid4().hex}"
         items = [(f"{base}-{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, params)
