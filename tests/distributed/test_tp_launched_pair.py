@@ -57,6 +57,7 @@ def _launched_rank(rank: int, port: int, folder: str, prompts: list[list[int]], 
         conn.close()
 
 
+@pytest.mark.slow  # two rank processes start and build (10-25 s on 2 shared cores); P9 quick runs it
 def test_launched_ranks_equal_hf(tmp_path):
     folder = str(tmp_path)
     prompts, ids, logprobs = hf_reference(folder)

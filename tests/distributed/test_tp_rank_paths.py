@@ -38,6 +38,7 @@ def reference(tmp_path_factory):
     return folder, *hf_reference(folder)
 
 
+@pytest.mark.slow  # a worker process starts and builds (5-10 s on 2 shared cores); P9 quick runs it
 def test_spawned_ranks_equal_hf(reference):
     """LLM(tensor_parallel_size=2): rank 0 in this process, rank 1 a spawned worker; no worker outlives close().
     A spawned engine is no launched follower: follow_rank0 returns False and leaves it open."""
