@@ -78,3 +78,18 @@ def test_metrics_text_is_prometheus_lines():
     text = ServerMetrics().render("m")
     assert text.endswith("\n") and not text.endswith("\n\n")  # the exposition format ends every line
     assert all(line.startswith("# ") or line.startswith("metainfer:") for line in text.splitlines())
+
+
+def test_chat_template_ids_are_the_rendered_text_encoded():
+    """The server's chat prompt ids (serving_chat.apply_chat_template) equal the template rendered to text by
+    transformers and then encoded without added special tokens (the Qwen3 tokenizer and template)."""
+    from transformers import AutoTokenizer
+
+    from metainfer.entrypoints.openai.serving_chat import apply_chat_template
+    from tests.helpers.tiny_models import qwen_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Say hi twice."}]
+    for add in (True, False):
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add, tokenize=False)
+        assert apply_chat_template(tok, conversation, None, add) == tok.encode(text, add_special_tokens=False)
