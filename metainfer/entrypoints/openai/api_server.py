@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from metainfer.engine.tokenizer import load_tokenizer
-from metainfer.entrypoints.openai.engine_core import start_engine_process, start_engine_thread
+from metainfer.entrypoints.openai.engine_core import freeze_startup_heap, start_engine_process, start_engine_thread
 from metainfer.entrypoints.openai.engine_loop import EngineLoop
 from metainfer.entrypoints.openai.errors import OpenAIError, add_exception_handlers, engine_dead
 from metainfer.entrypoints.openai.metrics import ServerMetrics
@@ -198,6 +198,7 @@ def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int,
                     max_queued_requests=max_queued_requests, docs=docs,
                     trust_request_chat_template=trust_request_chat_template)
     engine_loop = app.state.server.engine_loop
+    freeze_startup_heap()  # this process is the server from here on (engine_core.freeze_startup_heap says why)
 
     def on_exit() -> None:  # in the signal handler, on the event loop's thread
         log.info("shutting down: draining %d request(s) for up to %g s", engine_loop.num_in_flight,

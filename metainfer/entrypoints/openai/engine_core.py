@@ -25,6 +25,7 @@ blocks on the input pipe. A closed input pipe (the server died) ends the core li
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -178,6 +179,18 @@ class EngineCore:
                 batch_size)
 
 
+def freeze_startup_heap() -> int:
+    """Collect, then move every object alive now (torch, the model's modules, the tokenizer, the web framework)
+    into the collector's permanent generation, so its full passes while serving scan only what serving
+    allocated. Why: a full pass over a built server's ~267k startup objects took 91-113 ms on this CPU (session
+    16), a stall of every stream at once; after the freeze ~0. Process-wide and for good (a frozen object in a
+    cycle is never collected), so only a process that is a server calls it, once it is built: the engine
+    process and `serve`'s HTTP process, never an `LLM` in a user's program. Returns the frozen object count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int = logging.INFO) -> None:
     """The engine process: build the engine (CUDA graphs and warm-up included), say "ready" (or send the
     build's error as one line), then serve the pipes; close the engine (and its TP ranks) at the end."""
@@ -199,7 +212,9 @@ def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int =
         return
     try:
         core = EngineCore(llm.llm_engine, requests, outputs)
-        outputs.send(("ready", core.info()))
+        info = core.info()
+        info["gc_frozen"] = freeze_startup_heap()
+        outputs.send(("ready", info))
         core.run()
     finally:
         llm.close()
