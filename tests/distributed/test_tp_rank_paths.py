@@ -113,3 +113,41 @@ def test_the_launch_fingerprint_lists_the_weight_files_and_words_a_mismatch(refe
     assert first_mismatch([{"a": "1", "b": "2"}, {"a": "1", "b": "3"}]) == (
         "ranks disagree on b: 3 on rank 1, 2 on rank 0; every rank must be started with the same model and engine "
         "options")
+
+
+def test_a_rank_spawned_by_a_process_that_ignores_sigterm_still_ends_on_terminate():
+    """The server's engine process ignores SIGTERM and spawns the ranks, which would inherit that; TPDriver.shutdown
+    ends a rank that does not close with terminate(). Here the parent ignores SIGTERM while the rank starts; the
+    rank, waiting in the group's rendezvous for a rank 0 that never joins, must not ignore it."""
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from metainfer.distributed.parallel_state import create_store
+    from metainfer.worker.tp.rank import worker_main
+
+    ctx = multiprocessing.get_context("spawn")
+    store = create_store(2)
+    parent_conn, child_conn = ctx.Pipe()
+    config = SimpleNamespace(torch_device=torch.device("cpu"), enable_custom_all_reduce=False)
+    saved = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        proc = ctx.Process(target=worker_main, args=(1, 2, store.port, config, child_conn, os.getpid()), daemon=True)
+        proc.start()
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    try:
+        assert parent_conn.poll(60), "the rank said nothing"
+        assert pickle.loads(parent_conn.recv_bytes())[0] == "hello"
+        with open(f"/proc/{proc.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn")).split()[1], 16)
+        assert not ignored >> (signal.SIGTERM - 1) & 1, "the rank ignores SIGTERM"
+        assert ignored >> (signal.SIGINT - 1) & 1, "the rank should ignore SIGINT (rank 0 decides)"
+        start = time.monotonic()
+        proc.terminate()
+        proc.join(5)
+        assert not proc.is_alive() and time.monotonic() - start < 1.0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)

@@ -3,8 +3,9 @@
 The protocol is in worker/tp/protocol.py. A worker runs the same ModelRunner as rank 0 (built as
 this rank; it never samples and never decides anything) on the batch its StepMirror rebuilds from
 each step's delta.
-It ignores SIGINT (Ctrl-C in a terminal reaches the whole process group; rank 0 decides),
-and exits on ("close",), on EOF of its pipe, or when its parent process is gone.
+It ignores SIGINT (Ctrl-C in a terminal reaches the whole process group; rank 0 decides), takes
+SIGTERM's default action (whatever its parent ignores), and exits on ("close",), on EOF of its pipe,
+or when its parent process is gone.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 def worker_main(rank: int, world_size: int, store_port: int, config, conn, parent_pid: int, hooks=()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a spawned process inherits ignored signals: the server's engine process ignores SIGTERM, and TPDriver.shutdown
+    # ends a rank that does not close with terminate()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
                      name="metainfer-parent-watchdog").start()
     if config.torch_device.type == "cpu":  # N processes share the cores
