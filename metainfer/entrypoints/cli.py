@@ -36,14 +36,14 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def with_option_name(message: str, parser: argparse.ArgumentParser) -> str:
-    """An EngineConfig error (it names the field, e.g. "max_num_seqs must be >= 1") prefixed with the CLI
-    option that sets that field ("--max-num-seqs: ..."): the first field the message names that has one."""
-    options = _options(parser)
-    for word in re.findall(r"[a-z][a-z0-9_]*", message):
-        option = _OPTION_OF_ENGINE_FIELD.get(word, "--" + word.replace("_", "-"))
-        if option in options:
-            return f"{option}: {message}"
-    return message
+    """An EngineConfig error (its first word is the field, e.g. "max_num_seqs must be >= 1") prefixed with the
+    CLI option that sets that field ("--max-num-seqs: ..."); a message that starts otherwise (one that names its
+    option already, or none) is left as it is."""
+    first = re.match(r"[a-z][a-z0-9_]*", message)
+    if first is None:
+        return message
+    option = _OPTION_OF_ENGINE_FIELD.get(first.group(), "--" + first.group().replace("_", "-"))
+    return f"{option}: {message}" if option in _options(parser) else message
 
 
 def usage_error(message: str) -> NoReturn:

@@ -61,6 +61,14 @@ def test_engine_option_errors_name_the_cli_option(capsys, model_dir, argv, optio
     assert line.startswith(f"metainfer: error: {option}"), line
 
 
+def test_only_a_message_that_starts_with_a_field_gets_its_option():
+    parser = cli.build_parser()
+    assert cli.with_option_name("block_size must be >= 1, got 0", parser).startswith("--block-size: block_size")
+    for message in ("--distributed-executor-backend: the HF baseline runs in one process on one device",
+                    "the HF baseline runs on one device", "no memory left for the KV cache; lower max_num_seqs"):
+        assert cli.with_option_name(message, parser) == message
+
+
 @pytest.mark.parametrize("argv, option", [
     (["generate", "--max-tokens", "abc"], "--max-tokens"), (["chat", "--top-p", "x"], "--top-p"),
     (["generate", "--no-such-option"], "--no-such-option"), (["generate", "--dtype"], "--dtype"),
