@@ -117,6 +117,13 @@ def check_prompt_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_prompt_length(prompt_token_ids: list[int], max_model_len: int) -> None:
+    """A prompt longer than the context is refused (also by the server's HTTP process before it ships the ids)."""
+    if len(prompt_token_ids) > max_model_len:
+        raise InvalidRequestError("prompt", f"prompt is {len(prompt_token_ids)} tokens long, longer than "
+                                            f"max_model_len ({max_model_len})")
+
+
 def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits: RequestLimits) -> None:
     """Everything `check_sampling_params` checks, plus the bounds that need the model and the engine's
     options. `prompt_token_ids` must index the model's embedding (`model_vocab_size`)."""
@@ -133,9 +140,7 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
                                                     f"vocabulary), got {bad[:5]}")
     if not prompt_token_ids:
         raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
-    if len(prompt_token_ids) > limits.max_model_len:
-        raise InvalidRequestError("prompt", f"prompt is {len(prompt_token_ids)} tokens long, longer than "
-                                            f"max_model_len ({limits.max_model_len})")
+    check_prompt_length(prompt_token_ids, limits.max_model_len)
     if not all(_is_int(t) for t in prompt_token_ids):
         raise InvalidRequestError("prompt", "prompt_token_ids must be a list of integers")
     bad = [t for t in prompt_token_ids if not 0 <= t < model_vocab_size]

@@ -108,6 +108,37 @@ def test_stop_strings_cut_in_the_engine_stream_equal_full(proc_server, pclient, 
     assert full.usage.completion_tokens == len(exp.token_ids)
 
 
+def test_sampled_choices_cut_at_a_stop_string_stream_their_cut_text(proc_server, pclient, ref):
+    """n=6, sampled with a seed: one choice hits the stop string while its siblings run on. Each choice's streamed
+    text equals its non-streamed text and LLM.generate's (before: a choice cut before its siblings finished was
+    streamed with the stop string, decoded here from all its tokens)."""
+    from metainfer import SamplingParams
+
+    prompt = [11, 22, 33, 44, 55]
+    sampling = dict(n=6, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    free = ref.generate({"prompt_token_ids": prompt}, SamplingParams(**sampling), use_tqdm=False)[0].outputs
+    texts = [c.text for c in free]
+    stop = None  # two characters early in choice 0 that no other choice has as early
+    for i in range(2, len(texts[0]) - 2):
+        candidate = texts[0][i:i + 2]
+        if candidate.strip() and all(candidate not in t[:i + 1] for t in texts[1:]):
+            stop = candidate
+            break
+    assert stop is not None, texts
+    exp = ref.generate({"prompt_token_ids": prompt}, SamplingParams(**sampling, stop=[stop]), use_tqdm=False)[0]
+    exp = sorted(exp.outputs, key=lambda c: c.index)
+    assert exp[0].finish_reason == "stop" and len(exp[0].token_ids) < max(len(c.token_ids) for c in exp), exp
+    body = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=7, n=6, stop=[stop],
+                extra_body={"ignore_eos": True})
+    full = sorted(pclient.completions.create(**body).choices, key=lambda c: c.index)
+    streamed = [""] * 6
+    for chunk in pclient.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [c.text for c in full] == [c.text for c in exp]
+    assert streamed == [c.text for c in exp]
+
+
 def test_validation_in_the_engine_process_is_a_400(proc_server):
     """Checks that need the engine (the context length, the vocabulary) answer 400 naming the field."""
     assert_error(post(proc_server, "/v1/completions", {"model": MODEL, "prompt": [1] * 5000, "max_tokens": 4}),

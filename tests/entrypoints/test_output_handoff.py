@@ -76,7 +76,10 @@ def test_an_error_after_outputs_is_raised_once_they_are_yielded():
         with pytest.raises(RuntimeError, match="step failed"):
             async for o in group.outputs():
                 seen.append(len(o.outputs[0].token_ids))
-        assert seen == [1] and not group.unfinished
+        # the group still knows what may be running: close() aborts it (a failed request's siblings)
+        assert seen == [1] and group.unfinished == {"a"}
+        group.close()
+        assert not loop._requests and loop._outbox.get_nowait() == ("abort", ["a"])
 
     asyncio.run(run())
 
@@ -101,5 +104,184 @@ def test_sends_while_a_flush_is_pending_schedule_no_second_wake_up():
         assert [(o.outputs[0].text, o.finished) for o in outs] == [("abc", True)]
         assert tokenizer.calls == 1  # the finished choice: its one full decode, no per-token decodes
         assert loop.metrics.itl.count == 2 and loop.metrics.ttft.count == 1
+
+    asyncio.run(run())
+
+
+class _RecordingTokenizer(_Tokenizer):
+    """_Tokenizer that remembers what it decoded."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoded: list[list[int]] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded.append(list(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def _seqs(*per_choice):
+    """One SeqDelta per choice: (new ids, finished)."""
+    return [(list(ids), None, None, "length" if done else None, None, None) for ids, done in per_choice]
+
+
+def test_a_finished_choice_of_a_running_request_is_decoded_once():
+    """n=2: choice 0 finishes first; the consumer's later wake-ups (choice 1 still running) do not decode choice 0
+    again (its tokens are 0-2, choice 1's are 10 and up)."""
+    async def run():
+        tokenizer = _RecordingTokenizer()
+        loop = _loop(tokenizer)
+        group = RequestGroup(loop, ["a"])
+        a = RequestState("a", None, [1, 2], SamplingParams(max_tokens=8, n=2), group.queue, 0.0)
+        loop._requests["a"] = a
+        gen = group.outputs()
+        a.apply(False, 0, _seqs(([0, 1, 2], True), ([10], False)))
+        group.queue.put_nowait(a)
+        assert [c.text for c in (await gen.__anext__()).outputs] == ["abc", "k"]
+        for step in range(3):
+            a.apply(step == 2, 0, _seqs(([], True), ([11 + step], step == 2)))
+            group.queue.put_nowait(a)
+            out = await gen.__anext__()
+            assert out.outputs[0].text == "abc"
+        assert out.outputs[1].text == "klmn" and out.finished
+        assert sum(0 in ids for ids in tokenizer.decoded) == 1, tokenizer.decoded
+
+    asyncio.run(run())
+
+
+def test_a_non_streamed_request_is_decoded_once_at_the_end():
+    async def run():
+        tokenizer = _Tokenizer()
+        loop = _loop(tokenizer)
+        group = RequestGroup(loop, ["a"])
+        a = _state(loop, group, "a")
+        outs = []
+
+        async def consume():
+            async for out in group.outputs(partial=False):
+                outs.append(out)
+
+        consumer = asyncio.ensure_future(consume())
+        for ids, finished in (([0], False), ([1], False), ([2], False), ([3], True)):
+            a.apply(finished, 0, _delta(ids, finished))
+            group.queue.put_nowait(a)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the consumer wakes for every step
+        await asyncio.wait_for(consumer, 5)
+        assert [(o.outputs[0].text, o.finished) for o in outs] == [("abcd", True)]
+        assert tokenizer.calls == 1 and loop.num_queued == 0
+
+    asyncio.run(run())
+
+
+def test_streamed_chunks_carry_the_tokens_of_their_own_text():
+    """n=2 with logprobs, streamed: after a chunk is yielded the consumer waits (the SSE send), and the next
+    step's tokens arrive meanwhile. Every chunk's logprob tokens must be those of its text (one letter a token),
+    not the choice's live list one step ahead."""
+    from metainfer.entrypoints.openai.protocol import CompletionRequest, parse_request
+    from metainfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    async def run():
+        loop = _loop()
+        serving = OpenAIServingCompletion(loop, ["m"], 5)
+        req = parse_request(b'{"prompt": [1, 2], "n": 2, "logprobs": 1, "max_tokens": 3, "stream": true}',
+                            CompletionRequest)
+        params = SamplingParams(max_tokens=3, n=2, logprobs=1)
+        group = RequestGroup(loop, ["a"])
+        a = RequestState("a", None, [1, 2], params, group.queue, 0.0)
+        loop._requests["a"] = a
+
+        def step(token, finished):
+            lp = [{token: -1.0}]
+            seqs = [([token], lp, -1.0, "length" if finished else None, None, None)] * 2
+            a.apply(finished, 0, seqs)
+            group.queue.put_nowait(a)
+
+        step(0, False)
+        chunks = []
+        tokens = iter([(1, False), (2, True)])
+        async for chunk in serving._chunks(group, req, params, {}, {}):
+            chunks.append(chunk["choices"][0])
+            if len(chunks) % 2 == 1 and (nxt := next(tokens, None)) is not None:  # after choice 0's chunk
+                step(*nxt)  # the next step arrives before choice 1's chunk is made
+        for choice in chunks:
+            assert "".join(choice["logprobs"]["tokens"]) == choice["text"], chunks
+        assert "".join(c["text"] for c in chunks if c["index"] == 1) == "abc"
+
+    asyncio.run(run())
+
+
+def test_engine_process_stop_reads_the_output_an_engine_is_blocked_writing():
+    """An engine blocked writing more output than the pipe holds never reads "stop" unless the server keeps
+    reading: stop() drops that output until the engine ends, well within its timeout."""
+    import threading
+    import time
+
+    from metainfer.entrypoints.openai.engine_core import EngineProcess
+
+    req_r, req_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    got = []
+
+    def engine():
+        for _ in range(64):
+            out_w.send(("step", [("x" * 4096,)], STATS))  # 256 KiB: blocks until read
+        got.append(req_r.recv())
+        out_w.close()
+
+    thread = threading.Thread(target=engine, daemon=True)
+    handle = EngineProcess(req_w, out_r, thread=thread)
+    handle.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    handle.stop(timeout=5)
+    assert not thread.is_alive() and got == [("stop",)]
+    assert time.monotonic() - start < 2
+    handle.stop(timeout=5)  # idempotent
+
+
+def test_a_sender_that_fails_marks_the_engine_gone_instead_of_hanging():
+    """Anything the input pipe's send raises (here a TypeError) ends the sender thread: the engine is marked gone
+    (/health 503) and the waiting submit answers 503, instead of hanging with /health 200."""
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class Requests:
+        def send(self, msg):
+            raise TypeError("cannot pickle this")
+
+    class Handle:
+        outputs, sender = mp.Pipe(duplex=False)
+        requests = Requests()
+        alive = True
+
+        def start(self):
+            pass
+
+    async def run():
+        loop = EngineLoop(Handle(), _Tokenizer(), ServerMetrics())
+        loop.start(asyncio.get_running_loop())
+        with pytest.raises(OpenAIError) as info:
+            await asyncio.wait_for(loop.submit([("r", [1, 2], SamplingParams(max_tokens=2))]), 5)
+        assert info.value.status == 503 and not loop.alive
+
+    asyncio.run(run())
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_it_is_sent():
+    """A token-id prompt over max_model_len is a 400 naming `prompt` (the engine's own check and message),
+    answered here: nothing is pickled and shipped to the engine."""
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class Handle:
+        alive = True
+
+    async def run():
+        loop = EngineLoop(Handle(), _Tokenizer(), ServerMetrics(), max_model_len=100)
+        loop._loop = asyncio.get_running_loop()
+        with pytest.raises(OpenAIError) as info:
+            await loop.submit([("r", [1] * 5000, SamplingParams(max_tokens=2))])
+        assert info.value.status == 400 and info.value.param == "prompt"
+        assert "longer than max_model_len (100)" in str(info.value.message)
+        assert loop._outbox.empty() and not loop._requests and loop.num_queued == 0
 
     asyncio.run(run())

@@ -10,13 +10,15 @@ but prompts-as-ids and the final text of a request cut at a stop string):
   out ("ready", info) | ("build_error", "Type: message")        once, first
       ("added", [(group_id, None | (kind, message, param)), ...])  kind "invalid" (a 400) or "internal" (a 500)
       ("step", [Delta, ...], Stats)       one message per step, every request the step changed
-      ("step_failed", message, Stats)     the step raised: every request in flight was aborted
+      ("step_failed", message, [request_id, ...], Stats)  the step raised: these (every request the engine had)
+                                          were aborted; a request whose "add" is still in the pipe is not one
       ("stats", Stats)                    when the engine goes idle or after aborts
 
 Delta = (request_id, finished, num_cached_tokens, error | None, [SeqDelta per choice]);
 SeqDelta = (new token ids, their logprob dicts | None, cumulative logprob | None, finish_reason, stop_reason,
-text | None); the text is sent only for a choice the engine cut at a stop string (the server detokenizes
-everything else itself, with the same incremental detokenizer, so its text equals the engine's).
+text | None); the text is the engine's final text of a choice of a request with stop strings, sent once, in the
+delta where the choice finishes (its siblings may still run); the server detokenizes everything else itself, with
+the same incremental detokenizer, so its text equals the engine's.
 Stats = `STATS_FIELDS` in that order.
 
 While requests are in flight the loop takes new input without blocking (`poll(0)`) before each step; idle, it
@@ -31,6 +33,8 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
+from multiprocessing import util as mp_util
 
 from metainfer.sampling_params import SamplingParams
 
@@ -116,11 +120,13 @@ class EngineCore:
         except Exception as exc:
             log.exception("engine step failed; aborting the requests in flight")
             self.engine_errors += 1
-            for request_id in list(self._sent):
+            aborted = list(self._sent)
+            for request_id in aborted:
                 self.engine.abort_request(request_id)
             self._sent.clear()
             self._stop_strings.clear()
-            self.outputs.send(("step_failed", f"engine step failed: {type(exc).__name__}: {exc}", self.stats(0)))
+            self.outputs.send(("step_failed", f"engine step failed: {type(exc).__name__}: {exc}", aborted,
+                               self.stats(0)))
             return
         finished = {out.request_id: out for out in outputs}
         deltas = []
@@ -131,7 +137,7 @@ class EngineCore:
                 deltas.append(self._final(out, counts, request_id in cut))
             else:
                 request = requests.get(request_id)
-                delta = self._progress(request, counts) if request is not None else None
+                delta = self._progress(request, counts, request_id in cut) if request is not None else None
                 if delta is not None:
                     deltas.append(delta)
         for request_id in finished:
@@ -141,19 +147,24 @@ class EngineCore:
             self.outputs.send(("step", deltas, self.stats(len(deltas))))
 
     @staticmethod
-    def _progress(request, counts: list[int]):
+    def _progress(request, counts: list[int], cut_at_stop_strings: bool):
         """The Delta of an unfinished request: the tokens its choices' sequences read back since the last one,
-        None when there are none (the engine's own fields, not a RequestOutput built for every token)."""
+        None when there are none (the engine's own fields, not a RequestOutput built for every token). A choice
+        of a request with stop strings that finished in this step (its last tokens are the new ones: the engine
+        sets finish_reason as it reads them back) carries the engine's text, cut at the stop string, once."""
         seqs, new = [], False
         want_logprobs = request.params.logprobs is not None
         for seq in request.seqs:
             start, known, base = counts[seq.index], seq.num_known_output_tokens, seq.num_prompt_tokens
+            text = None
             if known > start:
                 new = True
                 counts[seq.index] = known
+                if cut_at_stop_strings and seq.finish_reason is not None:
+                    text = seq.output_text
             seqs.append((seq.token_ids[base + start:base + known],
                          seq.output_logprobs[start:known] if want_logprobs else None,
-                         seq.cumulative_logprob if want_logprobs else None, seq.finish_reason, seq.stop_reason, None))
+                         seq.cumulative_logprob if want_logprobs else None, seq.finish_reason, seq.stop_reason, text))
         if not new:
             return None
         return (request.request_id, False, request.seqs[0].num_cached_prompt_tokens, None, seqs)
@@ -191,14 +202,33 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int = logging.INFO) -> None:
+PARENT_POLL_S = 0.5
+
+
+def _exit_if_orphaned_while(parent_pid: int, building: threading.Event) -> None:
+    """While the engine builds it reads no pipe, so a server that dies then (SIGTERM or SIGKILL while the model
+    loads) would leave it building for minutes on its own: poll the parent and exit when it is gone."""
+    while building.is_set():
+        if os.getppid() != parent_pid:
+            os._exit(1)  # the TP ranks it spawned see their parent go (worker/tp/rank.py) and exit too
+        time.sleep(PARENT_POLL_S)
+
+
+def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int = logging.INFO,
+                        parent_pid: int | None = None) -> None:
     """The engine process: build the engine (CUDA graphs and warm-up included), say "ready" (or send the
-    build's error as one line), then serve the pipes; close the engine (and its TP ranks) at the end."""
+    build's error as one line), then serve the pipes; close the engine (and its TP ranks) at the end. During the
+    build it exits if `parent_pid` (the server) is gone; once serving, an EOF on the input pipe ends it."""
     # Ctrl-C (and a SIGTERM to the process group) reach this process too: the server decides when the engine stops
     # ("stop" after its drain), and a server that dies closes the input pipe, which ends this process as well
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    building = threading.Event()
+    if parent_pid is not None:
+        building.set()
+        threading.Thread(target=_exit_if_orphaned_while, args=(parent_pid, building), daemon=True,
+                         name="metainfer-engine-parent-watchdog").start()
     from metainfer.llm import LLM
 
     try:
@@ -208,16 +238,24 @@ def engine_process_main(engine_kwargs: dict, requests, outputs, log_level: int =
 
         if not isinstance(exc, ConfigError):  # a bad option is the user's one line; anything else may be a bug
             log.exception("the engine failed to build")
-        outputs.send(("build_error", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
+        try:
+            outputs.send(("build_error", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
+        except OSError:  # the server is gone
+            pass
         return
     try:
         core = EngineCore(llm.llm_engine, requests, outputs)
         info = core.info()
         info["gc_frozen"] = freeze_startup_heap()
-        outputs.send(("ready", info))
+        building.clear()  # from here the pipes tell: a server that dies closes them
+        try:
+            outputs.send(("ready", info))
+        except OSError:  # the server died as the build ended
+            return
         core.run()
     finally:
         llm.close()
+        log.info("engine process closed its engine")
 
 
 class EngineProcess:
@@ -244,22 +282,46 @@ class EngineProcess:
     def pid(self) -> int:
         return self.process.pid if self.process is not None else os.getpid()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the core to stop (it aborts what is left and closes its engine), wait, then close the pipes."""
-        try:
-            self.requests.send(("stop",))
-        except (OSError, ValueError):
-            pass
+    def stop(self, timeout: float = 30.0, send_stop: bool = True) -> None:
+        """Ask the core to stop (it aborts what is left and closes its engine; `send_stop=False`: the caller's
+        sender thread sends "stop"), read and drop its output until it ends (an engine blocked writing output
+        would never read "stop"), wait, then close the pipes. Kills a process that does not stop within
+        `timeout`. Idempotent."""
+        if self.requests.closed:
+            return
+        if send_stop:
+            try:
+                self.requests.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        self._discard_output_until_eof(deadline)
         if self.process is not None:
-            self.process.join(timeout)
+            self.process.join(max(0.0, deadline - time.monotonic()))
             if self.process.is_alive():
                 log.warning("the engine process did not stop in %g s; killing it", timeout)
-                self.process.kill()  # it ignores SIGTERM
-                self.process.join(5)
+                self.kill()
         elif self.thread is not None and self.thread.ident is not None:
-            self.thread.join(timeout)
+            self.thread.join(max(0.0, deadline - time.monotonic()))
         for conn in (self.requests, self.outputs):
             conn.close()
+
+    def kill(self) -> None:
+        """End the engine process now (it ignores SIGTERM); its TP ranks follow (they watch their parent)."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def _discard_output_until_eof(self, deadline: float) -> None:
+        outputs = self.outputs
+        try:
+            while time.monotonic() < deadline:
+                if outputs.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    outputs.recv_bytes()
+                elif not self.alive:
+                    return
+        except (EOFError, OSError):  # the engine closed its end: it is done
+            return
 
 
 class EngineStartError(RuntimeError):
@@ -272,18 +334,49 @@ def start_engine_process(engine_kwargs: dict) -> EngineProcess:
     req_r, req_w = ctx.Pipe(duplex=False)
     out_r, out_w = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("metainfer").getEffectiveLevel()  # the server's --log-level
-    process = ctx.Process(target=engine_process_main, args=(engine_kwargs, req_r, out_w, log_level),
+    process = ctx.Process(target=engine_process_main, args=(engine_kwargs, req_r, out_w, log_level, os.getpid()),
                           name="metainfer-engine", daemon=False)
     process.start()
     req_r.close()  # the child holds these ends: closing ours lets each side see EOF when the other dies
     out_w.close()
     handle = EngineProcess(req_w, out_r, process=process)
+    # An app that is never run (or a program that exits without stopping it) stops the engine at exit, before
+    # multiprocessing joins its children (a non-daemon child blocked reading our pipe would hang the exit)
+    mp_util.Finalize(handle, handle.stop, kwargs={"timeout": 10}, exitpriority=10)
     try:
-        handle.ready_info = _wait_ready(out_r, process)
-    except BaseException:
-        handle.stop(timeout=10)
+        with _signals_raise(signal.SIGTERM):  # a supervisor's SIGTERM during the build ends the wait, not us alone
+            handle.ready_info = _wait_ready(out_r, process)
+    except BaseException as exc:
+        from metainfer.config import ConfigError
+
+        if not isinstance(exc, (EngineStartError, ConfigError)):  # interrupted (Ctrl-C, SIGTERM): it is building
+            handle.kill()
+        handle.stop(timeout=10)  # else it reported its error and ends by itself
         raise
     return handle
+
+
+class _signals_raise:
+    """While inside: the given signals raise SystemExit(128 + signal) in the main thread, where their handler is
+    the default (which would end this process at once and leave the engine process building); else a no-op."""
+
+    def __init__(self, *signums):
+        self.signums, self.saved = signums, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                if signal.getsignal(signum) == signal.SIG_DFL:
+                    self.saved[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
 
 
 def start_engine_thread(llm) -> EngineProcess:

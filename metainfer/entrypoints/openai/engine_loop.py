@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from metainfer.engine.llm_engine import tokenize_prompt
+from metainfer.engine.request_validation import check_prompt_length
 from metainfer.engine.tokenizer import IncrementalDetokenizer
 from metainfer.entrypoints.openai.errors import OpenAIError, engine_dead, from_engine_error
 from metainfer.entrypoints.openai.metrics import ServerMetrics
@@ -67,7 +68,8 @@ class ChoiceState:
         self.finish_reason = self.stop_reason = None
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = 0
-        self.final_text: str | None = None  # the engine's text, when it cut this choice at a stop string
+        # the final text once known: the engine's (a request with stop strings) or decoded here, once
+        self.final_text: str | None = None
 
     @property
     def num_known_tokens(self) -> int:
@@ -114,11 +116,11 @@ class RequestState:
         outs = []
         for c in self.choices:
             if c.finish_reason is not None:
-                if c.final_text is not None:
-                    c.output_text = c.final_text
-                else:
-                    detokenizer.flush(c)  # the full decode is authoritative (held-back characters), as in the engine
+                if c.final_text is None:  # once: the full decode is authoritative (held-back characters)
+                    detokenizer.flush(c)
                     c.detok_read_offset = len(c.token_ids)
+                    c.final_text = c.output_text
+                c.output_text = c.final_text
             elif c.detok_read_offset < len(c.token_ids):
                 detokenizer.update(c)
             outs.append(CompletionOutput(c.index, c.output_text, c.token_ids, c.cumulative_logprob, c.logprobs,
@@ -134,8 +136,10 @@ class EngineLoop:
     `handle` is the `engine_core.EngineProcess` (process or thread) whose pipes this serves; `tokenizer` is this
     process's own tokenizer (prompts, chat templates, detokenizing)."""
 
-    def __init__(self, handle, tokenizer, metrics: ServerMetrics, max_queued_requests: int | None = None):
+    def __init__(self, handle, tokenizer, metrics: ServerMetrics, max_queued_requests: int | None = None,
+                 max_model_len: int | None = None):
         self.handle = handle
+        self.max_model_len = max_model_len  # checked here too: a too long prompt is not shipped to be refused
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.metrics = metrics
@@ -163,22 +167,32 @@ class EngineLoop:
         loop.add_reader(self.handle.outputs.fileno(), self._on_readable)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine: "stop" goes through the sender thread (the only writer of the input pipe, after what it
+        still holds), and the engine's output is read (and dropped) until it ends, so an engine blocked writing
+        output reaches "stop"; then the sender ends."""
         if self._loop is not None and not self._loop.is_closed() and self._dead is None:
             self._loop.remove_reader(self.handle.outputs.fileno())
         self._dead = self._dead or "the server stopped"
-        if self._sender is not None:
+        sender = self._sender
+        if sender is not None and sender.is_alive():
+            self._outbox.put(("stop",))
             self._outbox.put(None)
-            self._sender.join(timeout)
-        self.handle.stop(timeout)
+            self.handle.stop(timeout, send_stop=False)
+            sender.join(5)
+        else:
+            self.handle.stop(timeout)
 
     def _send_loop(self) -> None:
         while (msg := self._outbox.get()) is not None:
             try:
                 self.handle.requests.send(msg)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # a closed pipe, or anything else: no later message could be sent either
+                if not isinstance(exc, (OSError, ValueError)):
+                    log.exception("sending to the engine failed")
                 loop = self._loop
                 if loop is not None and not loop.is_closed():
-                    loop.call_soon_threadsafe(self._engine_gone, f"the engine's input pipe failed: {exc}")
+                    loop.call_soon_threadsafe(self._engine_gone, f"the engine's input pipe failed: "
+                                                                 f"{type(exc).__name__}: {exc}")
                 return
 
     @property
@@ -230,6 +244,8 @@ class EngineLoop:
         for request_id, prompt, params in items:
             try:  # tokenize here (chat templates included): the engine process gets ids
                 text, ids = tokenize_prompt(self.tokenizer, prompt() if callable(prompt) else prompt)
+                if self.max_model_len is not None:
+                    check_prompt_length(ids, self.max_model_len)
             except Exception as exc:
                 raise from_engine_error(exc) from None
             prepared.append((request_id, text, ids, params))
@@ -296,9 +312,9 @@ class EngineLoop:
                             future.set_result(error)
                 elif kind == "stats":
                     self.metrics.publish_stats(msg[1])
-                elif kind == "step_failed":
-                    self.metrics.publish_stats(msg[2])
-                    self._fail_all(EngineError(msg[1]))
+                elif kind == "step_failed":  # only the requests the engine had (an "add" may still be in the pipe)
+                    self.metrics.publish_stats(msg[3])
+                    self._fail(msg[2], EngineError(msg[1]))
         except (EOFError, OSError) as exc:
             self._engine_gone(f"the engine process exited ({type(exc).__name__})")
 
@@ -318,8 +334,15 @@ class EngineLoop:
         self.metrics.publish_stats(stats)
 
     def _fail_all(self, exc: BaseException) -> None:
-        sinks = {id(s.sink): s.sink for s in self._requests.values()}
-        self._requests.clear()
+        self._fail(list(self._requests), exc)
+
+    def _fail(self, request_ids, exc: BaseException) -> None:
+        """End these requests (those still here) with `exc`: one error per group."""
+        sinks = {}
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is not None:
+                sinks[id(state.sink)] = state.sink
         for sink in sinks.values():
             sink.put_nowait(exc)
 
@@ -363,10 +386,11 @@ class RequestGroup:
             self.queued.discard(request_id)
             self.engine_loop.num_queued -= 1
 
-    async def outputs(self):
+    async def outputs(self, partial: bool = True):
         """Yield RequestOutputs (cumulative) until every request has finished. States that queued up while the
         consumer was busy are coalesced to each request's latest (vLLM's output collector does the same), and
-        each is decoded only when yielded."""
+        each is decoded only when yielded. `partial=False` (a non-streamed response) yields finished requests
+        only: their text is decoded once, at the end, never step by step."""
         detokenizer = self.engine_loop.detokenizer
         while self.unfinished:
             items = [await self.queue.get()]
@@ -382,9 +406,10 @@ class RequestGroup:
                 self._release(item.request_id)
                 if item.finished:
                     self.unfinished.discard(item.request_id)
+                elif not partial:
+                    continue
                 yield item.output(detokenizer)
-            if error is not None:
-                self.unfinished.clear()  # the engine already dropped them
+            if error is not None:  # close() aborts the group's requests still running (an isolated fault's siblings)
                 raise error
 
     def close(self) -> None:

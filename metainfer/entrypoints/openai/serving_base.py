@@ -77,9 +77,12 @@ class OpenAIServing:
                              "choices": choices(done), "usage": usage(done)})
 
     async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool, want_tokens: bool,
-                     finals: Finals) -> AsyncIterator[tuple[CompletionOutput, int, str, int]]:
-        """What is new per choice since its last yield: (choice, index, text, first new token).
+                     finals: Finals) -> AsyncIterator[tuple[CompletionOutput, int, str, list[int], list | None]]:
+        """What is new per choice since its last yield: (choice, index, text, new token ids, their logprob dicts
+        or None).
 
+        The new tokens are sliced when the output arrives: a choice's token lists are the engine loop's own and
+        grow while this generator waits for its consumer, so they must not be read after a yield.
         Text a stop string may still cut off (the last len(longest stop) - 1 characters) is held
         back until the choice finishes; a finished choice is yielded once, with finish_reason."""
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
@@ -88,7 +91,8 @@ class OpenAIServing:
         done: set[int] = set()
         async for out in group.outputs():
             finals[out.request_id] = out
-            for c in out.outputs:
+            lengths = [len(c.token_ids) for c in out.outputs]  # as of this output's text, before any yield
+            for c, length in zip(out.outputs, lengths):
                 index = group.position[out.request_id] * n + c.index
                 if index in done:
                     continue
@@ -98,12 +102,13 @@ class OpenAIServing:
                 text = c.text[start:end]
                 if echo and index not in sent:
                     text = self.prompt_text(out) + text
-                if not text and not finished and not (want_tokens and len(c.token_ids) > first):
+                if not text and not finished and not (want_tokens and length > first):
                     continue
-                sent[index], sent_tokens[index] = end, len(c.token_ids)
+                sent[index], sent_tokens[index] = end, length
                 if finished:
                     done.add(index)
-                yield c, index, text, first
+                new_logprobs = c.logprobs[first:length] if c.logprobs is not None else None
+                yield c, index, text, c.token_ids[first:length], new_logprobs
 
     @staticmethod
     def _event_stream(group: RequestGroup, chunks, head: dict, finals: Finals, include_usage: bool) -> _EventStream:
@@ -158,9 +163,8 @@ async def _collect(group: RequestGroup, request: Request) -> Finals | None:
     finals: Finals = {}
 
     async def consume():
-        async for out in group.outputs():
-            if out.finished:
-                finals[out.request_id] = out
+        async for out in group.outputs(partial=False):
+            finals[out.request_id] = out
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request))

@@ -45,10 +45,10 @@ class OpenAIServingCompletion(OpenAIServing):
                       finals: Finals):
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
-        async for c, index, text, first in self.pieces(group, req.n, params, req.echo, want_logprobs, finals):
+        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, want_logprobs, finals):
             logprobs = None
             if want_logprobs:
-                logprobs = self.logprobs(c.token_ids[first:], (c.logprobs or [])[first:], offsets.get(index, 0))
+                logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(text)
             yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
