@@ -183,6 +183,25 @@ def test_build_error_is_forwarded_as_one_line(model_dir):
     assert {p.pid for p in mp.active_children()} <= before  # the failed engine process is gone
 
 
+@pytest.mark.slow  # a fresh interpreter spawns and builds an engine process
+def test_an_app_that_is_never_run_does_not_hang_the_exit(model_dir, tmp_path):
+    """build_app(dict) starts the engine process (not a daemon: it spawns TP ranks); a program that never runs
+    the app and returns must still exit, and the engine process with it (it blocked reading a pipe the exiting
+    program held open, and multiprocessing joined it forever)."""
+    script = tmp_path / "unrun_app.py"
+    script.write_text(
+        "from metainfer.entrypoints.openai.api_server import build_app\n"
+        "if __name__ == '__main__':\n"
+        f"    app = build_app({{'model': {model_dir!r}, 'device': 'cpu', 'dtype': 'float32'}})\n"
+        "    print('engine pid', app.state.server.handle.pid, flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, env={**os.environ, "PYTHONPATH": root},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pid = int(proc.stdout.split("engine pid")[1].split()[0])
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]
+
+
 def test_engine_process_crash_fails_requests_and_health(proc_server):
     """Last in this module: SIGKILL the engine mid-stream. The stream ends with an error event, /health and new
     requests answer 503, nothing hangs."""
