@@ -77,11 +77,14 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
         from metainfer.entrypoints.openai.engine_core import EngineStartError
 
         try:
-            serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve
+            code = serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve
         except EngineStartError as err:  # its traceback, if any, was logged by the engine process
             print(f"metainfer: error: {err}", file=sys.stderr)
             return 1
-        logging.getLogger("metainfer.server").info("engine closed; exiting")
+        if code == 0:
+            logging.getLogger("metainfer.server").info("engine closed; exiting")
+        else:
+            logging.getLogger("metainfer.server").warning("the engine process ended with code %s; exiting", code)
         return 0
     # under torchrun this process is a rank: the engine cannot move to another process, so rank 0 serves it from a
     # thread and the others replay its steps

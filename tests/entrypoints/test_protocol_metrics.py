@@ -7,10 +7,12 @@ import json
 
 import pytest
 
+from metainfer.entrypoints.openai.engine_loop import RequestState
 from metainfer.entrypoints.openai.errors import OpenAIError
-from metainfer.entrypoints.openai.metrics import RequestTiming, ServerMetrics
+from metainfer.entrypoints.openai.metrics import ServerMetrics
 from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request, usage
 from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.sampling_params import SamplingParams
 
 
 def _parse(model, body: dict):
@@ -58,9 +60,9 @@ def test_metrics_render_from_outputs():
                              finish is not None)
 
     m = ServerMetrics()
-    timings = {"a": RequestTiming(arrival=0.0)}
-    m.observe_outputs([out("a", 1)], timings, now=0.02)  # first token: TTFT 0.02
-    m.observe_outputs([out("a", 3, "length"), out("untracked", 1)], timings, now=0.06)  # two more: ITL 0.02 each
+    state = RequestState("a", None, [1, 2, 3], SamplingParams(max_tokens=3), None, arrival=0.0)
+    m.observe(state, 1, False, None, False, now=0.02)  # first token: TTFT 0.02 (as EngineLoop._on_step calls it)
+    m.observe(state, 3, True, "length", False, now=0.06)  # two more: ITL 0.02 each, then the end
     text = m.render('my "model"')
     label = 'model_name="my \\"model\\""'
     assert f'metainfer:time_to_first_token_seconds_bucket{{{label},le="0.025"}} 1' in text

@@ -104,6 +104,7 @@ def test_signal_ends_streams_with_a_final_event_and_exits_0(model_dir, sig):
     final = json.loads(events[-2])
     assert final["error"]["code"] == "server_shutdown" and final["error"]["type"] == "server_error", final
     assert "engine process closed its engine" in out, out[-3000:]  # the engine process ran LLM.close()
+    assert "engine closed; exiting" in out, out[-3000:]  # and serve_cli saw it exit 0
     assert seconds < 15, seconds
     print(f"{signal.Signals(sig).name}: exit 0 in {seconds:.2f} s with a stream open (--shutdown-timeout 0.5)")
 

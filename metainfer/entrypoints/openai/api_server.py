@@ -189,11 +189,12 @@ class _Server(uvicorn.Server):
 
 def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
           max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True,
-          docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False) -> None:
+          docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False) -> int | None:
     """Serve under uvicorn until SIGTERM / SIGINT: `llm_or_kwargs` as `build_app` takes it (engine keyword
     arguments: the engine process, ended here; an `LLM`: the caller keeps it). At the signal, requests in
     flight may finish for `shutdown_timeout` seconds; the rest end with a final error event (code
-    server_shutdown); then this returns."""
+    server_shutdown); then this returns the engine process's exit code (0: it closed its engine; None for an
+    `LLM`)."""
     app = build_app(llm_or_kwargs, served_model_names=served_model_names, api_key=api_key,
                     max_queued_requests=max_queued_requests, docs=docs,
                     trust_request_chat_template=trust_request_chat_template)
@@ -210,3 +211,5 @@ def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int,
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=shutdown_timeout + 2)
     _Server(config, on_exit).run()
+    process = app.state.server.handle.process
+    return process.exitcode if process is not None else None

@@ -81,8 +81,9 @@ class ChoiceState:
 
 
 class RequestState:
-    """One engine request as the HTTP process knows it: what arrived from the engine, its timing (the metrics'
-    `RequestTiming` fields) and the group queue it is delivered to."""
+    """One engine request as the HTTP process knows it: what arrived from the engine, its timing (`arrival`,
+    `last_time`, `num_tokens`: what `ServerMetrics.observe` keeps up to date) and the group queue it is delivered
+    to."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "choices", "finished", "num_cached_tokens", "sink",
                  "arrival", "last_time", "num_tokens")

@@ -15,8 +15,6 @@ import bisect
 import collections
 import threading
 
-from metainfer.outputs import RequestOutput
-
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800)
@@ -34,17 +32,6 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
         self.count += 1
-
-
-class RequestTiming:
-    """What the latency histograms need to remember about one engine request."""
-
-    __slots__ = ("arrival", "last_time", "num_tokens")
-
-    def __init__(self, arrival: float):
-        self.arrival = arrival  # when the HTTP handler submitted it (time.monotonic, like the engine's)
-        self.last_time = 0.0
-        self.num_tokens = 0
 
 
 class ServerMetrics:
@@ -82,18 +69,10 @@ class ServerMetrics:
         with self.lock:
             self.engine_errors += 1
 
-    def observe_outputs(self, outputs: list[RequestOutput], timings: dict[str, RequestTiming], now: float) -> None:
-        """TTFT, inter-token gaps, end-to-end latency and finish reasons of one step's outputs."""
-        for out in outputs:
-            timing = timings.get(out.request_id)
-            if timing is not None:
-                num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-                self.observe(timing, num_tokens, out.finished, out.outputs[0].finish_reason if out.outputs else None,
-                             out.error is not None, now)
-
-    def observe(self, timing: RequestTiming, num_tokens: int, finished: bool, finish_reason: str | None,
+    def observe(self, timing, num_tokens: int, finished: bool, finish_reason: str | None,
                 failed: bool, now: float) -> None:
-        """One request's progress: it holds `num_tokens` (its longest choice) at `now`."""
+        """One request's progress: it holds `num_tokens` (its longest choice) at `now`. `timing` is what the
+        histograms remember of it (`arrival`, `last_time`, `num_tokens`: engine_loop.RequestState's fields)."""
         with self.lock:
             new = num_tokens - timing.num_tokens
             if new > 0:
