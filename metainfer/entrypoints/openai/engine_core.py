@@ -2,8 +2,8 @@
 of its own (`start_engine_process`), so that nothing of the HTTP process (JSON, SSE framing, detokenizing, the
 event loop) holds the GIL the step loop needs (vLLM V1's EngineCore, SGLang's scheduler process).
 
-The core talks to the server over two one-way `multiprocessing` pipes (pickled tuples; no text crosses them
-but prompts-as-ids and the final text of a request cut at a stop string):
+The core talks to the server over two one-way `multiprocessing` pipes (pickled tuples; the only text that crosses
+them is the final text of each choice of a request with stop strings, which the engine cuts):
 
   in  ("add", group_id, [(request_id, {"prompt_token_ids": ids}, SamplingParams), ...])
       ("abort", [request_id, ...])        ("stop",)
@@ -22,7 +22,8 @@ the same incremental detokenizer, so its text equals the engine's.
 Stats = `STATS_FIELDS` in that order.
 
 While requests are in flight the loop takes new input without blocking (`poll(0)`) before each step; idle, it
-blocks on the input pipe. A closed input pipe (the server died) ends the core like "stop".
+blocks on the input pipe. A closed input pipe (the server died) ends the core like "stop". While the engine builds
+nothing reads the pipes: the engine process then watches its parent instead and exits when it is gone.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ consumer that falls behind decodes (and frames) one chunk a request, not one a t
 
 A group that closes before its requests finish (client gone, error) aborts them in the engine, which frees their
 KV blocks. A request that a failed step was bisected to (LLMEngine fault isolation) ends with its own
-EngineError; the others go on. A step that raised fails every request in flight. The engine process dying (the
-output pipe closes) fails every request in flight and `alive` turns false (/health answers 503). At shutdown
-`drain` refuses new requests, waits for those in flight, then ends the rest.
+EngineError; the others go on, but a client request's other prompts are aborted with it (the group closes). A step
+that raised fails the requests the engine says it aborted (not one whose "add" it has not read yet). The engine
+process dying (the output pipe closes) fails every request in flight and `alive` turns false (/health answers 503).
+At shutdown `drain` refuses new requests, waits for those in flight, then ends the rest.
 """
 
 from __future__ import annotations
