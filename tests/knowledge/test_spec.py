@@ -118,6 +118,111 @@ def test_per_rank_shapes_agree_with_the_engine(folders, name):
         assert report["weight_bytes_per_rank"] == weights
 
 
+# -- tp > 1 against transformers' own tensor-parallel plan --------------------------------------------------
+# transformers' config classes carry a TP plan (`base_model_tp_plan`: "layers.*.self_attn.q_proj": "colwise", ...);
+# the model resolves it per parameter (`_expand_parallel_plan`) and `apply_tensor_parallelism` wraps each planned
+# parameter as a DTensor of the style's placement (transformers/distributed/tensor_parallel.py): colwise and
+# colwise_gather_output Shard(ndim - 2) (a Linear's out rows, its bias too), rowwise Shard(-1) (in columns; its
+# bias Replicate), embedding_rowwise Shard(0) (the vocabulary; uneven: rank 0 holds ceil(V / tp) rows, as
+# torch.chunk does), and replicated_with_grad_allreduce / mla_kv_a_proj shard nothing (they only hook the forward /
+# backward); a parameter without an entry stays whole. The script below runs that code itself on the meta device in
+# a fake process group of `tp` ranks (torch's test backend "fake": no communication), as rank 0, in a subprocess
+# (the process group is process-wide), and prints every parameter's plan style, full and local shape.
+_HF_TP_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, apply_tensor_parallelism
+
+folder, out = sys.argv[1], {}
+for tp in map(int, sys.argv[2:]):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    mesh = init_device_mesh("cpu", (tp,))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    plan = model._expand_parallel_plan(model.tp_plan)
+    apply_tensor_parallelism(model, mesh, plan)
+    full = {n: list(p.shape) for n, p in model.named_parameters()}
+    local = lambda p: list(p.to_local().shape if isinstance(p, DTensor) else p.shape)
+    hf = {n: {"style": plan.get(n), "full": full[n], "local": local(p)} for n, p in model.named_parameters()}
+    for name, module in model.named_modules():  # the fused experts under transformers' own packed TP styles
+        if name.endswith(".mlp.experts"):
+            ALL_PARALLEL_STYLES["packed_colwise"].shard_param(module, "gate_up_proj", mesh)
+            ALL_PARALLEL_STYLES["rowwise"].shard_param(module, "down_proj", mesh)
+            for param in ("gate_up_proj", "down_proj"):
+                hf[name + "." + param]["tp_styles"] = local(getattr(module, param))
+    out[tp] = hf
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def hf_tp_plan_shapes(folder: str, tps: tuple[int, ...]) -> dict[int, dict[str, dict]]:
+    """{tp: {HF parameter name: {"style", "full", "local"[, "tp_styles"]}}} from transformers' TP code (above)."""
+    run = subprocess.run([sys.executable, "-c", _HF_TP_SCRIPT, folder, *map(str, tps)], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {int(tp): shapes for tp, shapes in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+
+
+def expected_from_hf_plan(name: str, hf: dict, spec: ModelSpec, tp: int) -> tuple[int, ...]:
+    """rank 0's shape of `name` under transformers' plan, with the engine's deliberate differences as rules."""
+    if ".mlp.experts." in name:
+        # Rule 1, routed experts. transformers has no TP-plan entry for them (asserted here): Qwen3-MoE's and
+        # DeepSeek-V2's configs put `mlp.experts` in `base_model_ep_plan` (grouped_gemm: whole experts per rank,
+        # expert parallelism). The engine shards every expert's intermediate dimension instead (tensor-parallel
+        # experts, as vLLM does without expert parallelism). The reference for that is transformers' own TP styles
+        # for a fused [E, out, in] layout: packed_colwise on gate_up_proj [E, 2N, H] (gate and up halves split
+        # alike, dim 1) and rowwise on down_proj [E, H, N] (dim -1), computed by the script.
+        assert hf["style"] is None, f"{name}: transformers now plans the experts as {hf['style']!r}: compare with it"
+        return tuple(hf["tp_styles"])
+    if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) \
+            and spec.num_kv_heads < tp:
+        # Rule 2, fewer KV heads than ranks (Qwen3-30B-A3B's 4 at tp 8). transformers' colwise would give each rank
+        # part of a head (512 rows / 8 = 64 < head_dim 128); the engine replicates whole heads, one per rank
+        # (constraint.tp_kv_heads: tp a multiple of the KV heads).
+        assert hf["style"] == "colwise" and hf["local"][0] < spec.head_dim
+        return (spec.head_dim, *hf["local"][1:])
+    # Everything else is transformers' plan as it stands: q / o / MLP / shared experts / embedding / lm_head split,
+    # MLA's kv_a_proj_with_mqa replicated (mla_kv_a_proj shards nothing) and its norms, q_norm / k_norm, the
+    # router (`mlp.gate`: no entry; `layers.*.mlp.gate_proj` does not match it) and every layer norm whole.
+    return tuple(hf["local"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_per_rank_shapes_follow_transformers_tp_plan(folders, name, capsys):
+    """`metainfer spec --json --tp N` (N = 2, 4, 8) against the per-rank shapes transformers' own tensor-parallel
+    code gives its model's parameters (rank 0 of a fake process group, meta device), under the plan in its config
+    class, with the engine's two deliberate differences as explicit rules (expected_from_hf_plan)."""
+    from metainfer.entrypoints.cli import main
+
+    spec = ModelSpec.from_dict(load_config(folders[name]))
+    tps = (2, 4, 8)
+    hf_by_tp = hf_tp_plan_shapes(folders[name], tps)
+    styles = {hf["style"] for hf in hf_by_tp[8].values()}
+    assert {"colwise", "rowwise", "embedding_rowwise", "colwise_gather_output"} <= styles  # the plan applied
+    rules = {"experts": 0, "kv": 0}
+    for tp in tps:
+        assert main(["spec", folders[name], "--tp", str(tp), "--json"]) == 0
+        ours = fold_experts(expand_shapes(json.loads(capsys.readouterr().out)["per_rank_shapes"]))
+        hf = hf_by_tp[tp]
+        assert set(ours) == set(hf)
+        wrong = {}
+        for param, entry in hf.items():
+            want = expected_from_hf_plan(param, entry, spec, tp)
+            rules["experts"] += ".mlp.experts." in param
+            rules["kv"] += tuple(entry["local"]) != want and ".mlp.experts." not in param
+            if ours[param] != want:
+                wrong[param] = (ours[param], want, entry["style"])
+        assert wrong == {}, f"tp={tp}: (ours, transformers' plan, style): {dict(list(wrong.items())[:8])}"
+    assert bool(rules["experts"]) == bool(spec.moe_layers)
+    assert bool(rules["kv"]) == (name == "qwen3-30b-a3b")  # the only one with fewer KV heads (4) than a tp (8)
+
+
 def test_known_per_rank_shapes(folders):
     """A few by hand: KV heads replicated (4 KV heads at tp=8), vocabulary padded, MLA split by heads."""
     moe = expand_shapes(build_report(load_config(folders["qwen3-30b-a3b"]), tp=8)["per_rank_shapes"])
