@@ -9,7 +9,8 @@ engine).
   list of tensors or of lists   each element perturbed; any other non-empty list (a decision, a
                             selection, an order): its last element dropped
   tuple (a record)          its tensors perturbed; a tuple without tensors: every element
-  generator                 every item it yields perturbed (a checkpoint's (name, tensor) pairs)
+  generator                 every item it yields perturbed (a checkpoint's (name, tensor) pairs); an async
+                            generator's items likewise, and a coroutine's result once awaited (the server's)
   nn.Module                 every parameter perturbed in place
   dict                      every value perturbed
   dataclass                 every field perturbed (a batch, a step layout, a sampler output)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
 
 import torch
@@ -121,6 +123,33 @@ def perturbed(fn):
 
     check = _returns_none(fn)
 
+    def result(out, args, kwargs):
+        if out is None:
+            _perturb_arguments(args, kwargs)
+            return out
+        return perturb_value(out)
+
+    if inspect.isasyncgenfunction(fn):  # an async generator (a stream): every item it yields perturbed
+        @functools.wraps(fn)
+        async def items(*args, **kwargs):
+            async for item in fn(*args, **kwargs):
+                yield perturb_value(item)
+
+        return items
+
+    if inspect.iscoroutinefunction(fn):  # a coroutine (an endpoint's step): what it returns once awaited
+        @functools.wraps(fn)
+        async def awaited(*args, **kwargs):
+            try:
+                out = await fn(*args, **kwargs)
+            except Exception:
+                if not check:
+                    raise
+                return None
+            return result(out, args, kwargs)
+
+        return awaited
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
@@ -129,10 +158,7 @@ def perturbed(fn):
             if not check:
                 raise
             return None  # the check's decision flipped: what it rejects goes through
-        if out is None:
-            _perturb_arguments(args, kwargs)
-            return out
-        return perturb_value(out)
+        return result(out, args, kwargs)
 
     return wrapped
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import SamplingParams
-from tests.helpers.server import MODEL, success, wait_idle
+from tests.helpers.server import MODEL, assert_error, auth, post, success, wait_idle
 from tests.helpers.tiny_models import make_prompts
 
 NO_THINK = {"enable_thinking": False}
@@ -63,7 +63,7 @@ def test_completions_equal_offline_generate(server, client, ref):
     assert len(exp.outputs) == N
     full = client.completions.create(model=MODEL, prompt=prompt, n=N, temperature=1.0, seed=SEED, max_tokens=MAX,
                                      logprobs=2)
-    assert sorted(c.index for c in full.choices) == list(range(N))
+    assert sorted(c.index for c in full.choices) == list(range(N)) and full.model == MODEL
     for c in full.choices:
         lp = c.logprobs
         _check_choice(c.text, c.finish_reason, lp.tokens, lp.token_logprobs, exp.outputs[c.index], tok,
@@ -161,3 +161,16 @@ def test_cached_tokens_equal_offline(server, client, ref):
                                             stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == offline[1].num_cached_tokens
     wait_idle(server)
+
+
+def test_models_and_auth(server, client, ref):
+    """The served name is the one given to build_app, with the engine's context length; a request without the key
+    (or not JSON) is refused before the engine."""
+    cards = client.models.list().data
+    assert [m.id for m in cards] == [MODEL]
+    assert cards[0].model_extra["max_model_len"] == ref.llm_engine.config.max_model_len
+    assert client.models.retrieve(MODEL).id == MODEL
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    assert_error(post(server, "/v1/completions", body, headers={}), 401)
+    assert_error(post(server, "/v1/completions", b"{}", headers={"Content-Type": "text/plain", **auth()}), 415)
+    assert post(server, "/v1/completions", body).json()["model"] == MODEL
