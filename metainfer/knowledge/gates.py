@@ -1,8 +1,9 @@
 """The phase gates: each phase of the blueprint names a quick and a full test selection; a gate runs its
 phase's selection after the earlier phases' quick selections (regression), behind three guards:
 
-  immutability  gate_manifest.json holds the sha256 of every test file a gate selects; a gate whose files
-                changed without their manifest entry fails (`metainfer gate --update-manifest` writes it, a
+  immutability  gate_manifest.json holds the sha256 of every test file a gate selects, of the shared test
+                files and of the pytest configuration (addopts, markers); a gate whose files changed without
+                their manifest entry fails (`metainfer gate --update-manifest` writes it, a
                 deliberate, reviewed commit);
   L0            the engine's import closure (metainfer, its models, kernels, server) holds none of vllm,
                 sglang, flash_attn, flashinfer, xformers, and no module under metainfer/ writes such an
@@ -69,14 +70,44 @@ def shared_test_files(root: str = REPO_ROOT) -> list[str]:
     return sorted({os.path.relpath(f, root) for f in found})
 
 
+PYTEST_CONFIG_KEY = "pytest configuration"
+ROOT_PYTEST_FILES = ("pytest.ini", "setup.cfg", "tox.ini", "conftest.py")  # what pytest also reads at the root
+
+
+def pytest_config_digest(root: str = REPO_ROOT) -> str:
+    """sha256 of what configures every gate's pytest run: pyproject.toml's [tool.pytest.ini_options] table
+    (parsed, canonical JSON: addopts with `-m "not slow"` or a `--deselect` would narrow every gate) and every
+    pytest.ini / setup.cfg / tox.ini / conftest.py at the repository root that exists (whole files)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+        import tomli as tomllib
+
+    table = None
+    pyproject = os.path.join(root, "pyproject.toml")
+    if os.path.exists(pyproject):
+        with open(pyproject, "rb") as f:
+            table = tomllib.load(f).get("tool", {}).get("pytest", {}).get("ini_options")
+    parts = {"pyproject.toml [tool.pytest.ini_options]": table}
+    for name in ROOT_PYTEST_FILES:
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                parts[name] = hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def build_manifest(blueprint: dict, root: str = REPO_ROOT) -> dict:
-    """{phase id: {file: sha256, "selection": sha256 of its quick and full lists}} over both selections of
-    every phase and the shared test files: narrowing a gate or changing a fixture is a manifest change."""
+    """{phase id: {file: sha256, "selection": sha256 of its quick and full lists, "pytest configuration":
+    pytest_config_digest}} over both selections of every phase and the shared test files: narrowing a gate
+    (its selection or pytest's addopts / markers), or changing a fixture, is a manifest change."""
     shared = shared_test_files(root)
+    config = pytest_config_digest(root)
     out = {}
     for p in blueprint["phases"]:
         entry = file_hashes(sorted(set(selected_files(p["quick"] + p["full"], root)) | set(shared)), root)
         entry[SELECTION_KEY] = hashlib.sha256(json.dumps([p["quick"], p["full"]]).encode()).hexdigest()
+        entry[PYTEST_CONFIG_KEY] = config
         out[p["id"]] = entry
     return out
 
@@ -85,7 +116,8 @@ def manifest_drift(phase_id: str, blueprint: dict, manifest: dict, root: str = R
     """Files of a gate whose content (or presence) differs from the committed manifest."""
     current = build_manifest({"phases": [p for p in blueprint["phases"] if p["id"] == phase_id]}, root)[phase_id]
     recorded = manifest.get(phase_id, {})
-    changed = [f if f != SELECTION_KEY else "its test selection" for f in current if recorded.get(f) != current[f]]
+    names = {SELECTION_KEY: "its test selection", PYTEST_CONFIG_KEY: "its pytest configuration"}
+    changed = [names.get(f, f) for f in current if recorded.get(f) != current[f]]
     gone = [f for f in recorded if f not in current]
     return [f"{phase_id}: {f} changed without its manifest entry" for f in changed] + \
         [f"{phase_id}: {f} left the gate without its manifest entry" for f in gone]

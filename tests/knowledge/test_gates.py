@@ -200,3 +200,54 @@ def test_a_phase_gate_runs_every_earlier_phase_quick_selection(monkeypatch, tmp_
     assert main(["gate", "P8"]) == 0
     assert len(runs) == 1 and all(t in runs[0] for p in phases[:8] for t in p["quick"])
     assert all(t in runs[0] for t in phases[8]["full"])
+
+
+def _tree_with_pytest_config(root, addopts: str) -> dict:
+    """A minimal tree: one test file, a root pyproject.toml with a pytest table; its one-phase blueprint."""
+    (root / "tests").mkdir(parents=True, exist_ok=True)
+    (root / "tests" / "test_x.py").write_text("def test_x():\n    pass\n")
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+        f'addopts = "{addopts}"\nmarkers = ["slow: long"]\n\n[tool.ruff]\nline-length = 120\n')
+    return {"phases": [{"id": "P0", "quick": ["tests/test_x.py"], "full": ["tests"]}]}
+
+
+def test_a_changed_pytest_configuration_is_drift(tmp_path):
+    """pytest's addopts / markers configure every gate's run: `-m "not slow"` or a `--deselect` added to
+    pyproject.toml's [tool.pytest.ini_options] narrows every gate, so it is drift for every phase; so is a
+    pytest.ini / setup.cfg / tox.ini / conftest.py appearing at the root. Other pyproject tables, and the table's
+    formatting, are not."""
+    import shutil
+
+    from metainfer.knowledge.gates import PYTEST_CONFIG_KEY, REPO_ROOT, pytest_config_digest
+
+    blueprint = _tree_with_pytest_config(tmp_path, "-q --strict-markers")
+    manifest = build_manifest(blueprint, str(tmp_path))
+    assert manifest["P0"][PYTEST_CONFIG_KEY] == pytest_config_digest(str(tmp_path))
+    assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == []
+    for narrowed in ('-q --strict-markers -m \\"not slow\\"', "-q --strict-markers --deselect tests/test_x.py::test_x"):
+        _tree_with_pytest_config(tmp_path, narrowed)
+        assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == [
+            "P0: its pytest configuration changed without its manifest entry"], narrowed
+    _tree_with_pytest_config(tmp_path, "-q --strict-markers")
+    text = (tmp_path / "pyproject.toml").read_text()
+    (tmp_path / "pyproject.toml").write_text(text.replace("line-length = 120", "line-length = 100")
+                                             .replace('addopts = "', 'addopts   =   "'))
+    assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == []  # parsed: not the table's layout
+    for name, body in (("pytest.ini", "[pytest]\naddopts = -m 'not slow'\n"), ("conftest.py", "collect_ignore = []\n")):
+        (tmp_path / name).write_text(body)
+        assert manifest_drift("P0", blueprint, manifest, str(tmp_path)) == [
+            "P0: its pytest configuration changed without its manifest entry"], name
+        (tmp_path / name).unlink()
+    # the repository's own pyproject.toml, copied and narrowed, changes the digest every phase records
+    copy_root = tmp_path / "repo"
+    copy_root.mkdir()
+    shutil.copy(f"{REPO_ROOT}/pyproject.toml", copy_root / "pyproject.toml")
+    before = pytest_config_digest(str(copy_root))
+    assert before == pytest_config_digest(REPO_ROOT)
+    text = (copy_root / "pyproject.toml").read_text()
+    assert 'addopts = "-q --strict-markers"' in text
+    (copy_root / "pyproject.toml").write_text(text.replace('addopts = "-q --strict-markers"',
+                                                           'addopts = "-q --strict-markers -m \'not slow\'"'))
+    assert pytest_config_digest(str(copy_root)) != before
+    assert {e[PYTEST_CONFIG_KEY] for e in build_manifest(load_blueprint()).values()} == {before}
