@@ -99,21 +99,36 @@ def test_a_kernel_without_a_node_is_drift(blueprint):
     assert any(e.startswith("kernel op fused_moe (metainfer.kernels.moe_ref:fused_moe_ref)") for e in errors)
 
 
+# sha256 of the real models' config.json as published (Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
+# deepseek-ai/DeepSeek-V2-Lite), taken from the team's shared copies, byte-identical to benchmarks/configs/.
+REAL_CONFIG_SHA256 = {
+    "qwen3-8b": "c059cd48dad3b980bab8a5cee3ace5f1844a526eb49f97ac46472fcbc508549e",
+    "qwen3-30b-a3b": "23a397de797661c3b489afd826b2328069624e161cec437296ee5a322304bc9e",
+    "deepseek-v2-lite": "b6f78caa25a18d9d83de564e8f164b2518bbe169e152cb3888dbcadf8ec903f6",
+}
+
+
 def test_the_checked_configs_are_the_shared_real_ones():
-    """The check reads benchmarks/configs (a clean clone has them); where the team's shared configs are present
-    they must be the same documents."""
+    """The check reads benchmarks/configs (a clean clone has them): each file must be the real config.json,
+    byte for byte (its pinned sha256, on every checkout); where the team's shared configs are present beside the
+    checkout they must be the same documents too."""
+    import hashlib
     import os
 
     from metainfer.knowledge.blueprint import FAMILY_CONFIGS, REPO_ROOT
 
+    names = [name for names in FAMILY_CONFIGS.values() for name in names]
+    assert sorted(names) == sorted(REAL_CONFIG_SHA256)  # a family config without a pin is a gap
+    for name in names:
+        with open(os.path.join(REPO_ROOT, "benchmarks", "configs", f"{name}.json"), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == REAL_CONFIG_SHA256[name], name
     shared = os.path.join(os.path.dirname(REPO_ROOT), "shared", "configs")
     if not os.path.isdir(shared):
-        pytest.skip("the shared configs are not beside this checkout")
-    for names in FAMILY_CONFIGS.values():
-        for name in names:
-            with open(os.path.join(REPO_ROOT, "benchmarks", "configs", f"{name}.json")) as ours, \
-                    open(os.path.join(shared, name, "config.json")) as theirs:
-                assert json.load(ours) == json.load(theirs), name
+        return  # the pins above are the check; the shared copies are an extra one where they exist
+    for name in names:
+        with open(os.path.join(REPO_ROOT, "benchmarks", "configs", f"{name}.json")) as ours, \
+                open(os.path.join(shared, name, "config.json")) as theirs:
+            assert json.load(ours) == json.load(theirs), name
 
 
 def test_code_without_a_node_is_drift(blueprint):
