@@ -124,3 +124,22 @@ def test_every_perturbation_has_its_own_id():
     modes = perturbation_modes({**blueprint, "nodes": twins})
     assert [m["id"] for m in modes] == ["perturb.communication.identity", "perturb.custom_all_reduce.identity"]
     assert modes[0]["mutation"]["file"] != modes[1]["mutation"]["file"]
+
+
+def test_a_coroutine_and_an_async_generator_are_perturbed():
+    """The server's endpoint steps are coroutines and its streams async generators: the awaited result, and every
+    item yielded, are perturbed (a coroutine object itself has no value to change)."""
+    import asyncio
+
+    async def ids():
+        return [1, 2, 3]
+
+    async def stream():
+        yield "abc"
+        yield 5
+
+    async def collect():
+        return [item async for item in perturbed(stream)()]
+
+    assert asyncio.run(perturbed(ids)()) == [1, 2]
+    assert asyncio.run(collect()) == ["ab", 6]
