@@ -251,3 +251,12 @@ def test_a_changed_pytest_configuration_is_drift(tmp_path):
                                                            'addopts = "-q --strict-markers -m \'not slow\'"'))
     assert pytest_config_digest(str(copy_root)) != before
     assert {e[PYTEST_CONFIG_KEY] for e in build_manifest(load_blueprint()).values()} == {before}
+
+
+def test_pytest_options_from_the_environment_cannot_narrow_a_gate(monkeypatch):
+    """PYTEST_ADDOPTS is not in the manifest: a gate's pytest runs without it (here it would deselect everything)."""
+    from metainfer.knowledge.gates import run_pytest
+
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-k no_test_has_this_name")
+    res = run_pytest(["tests/knowledge/test_gates.py::test_l0_finds_a_planted_import"])
+    assert res["counts"]["passed"] == 1 and res["returncode"] == 0, res
