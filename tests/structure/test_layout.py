@@ -17,7 +17,9 @@ MAX_LINES = 600
 # cache folder and offline flag, the API-key defaults of `serve` / `bench serve`, and the NCCL multicast
 # defaults a CUDA TP group sets when it is created
 ENV_READERS = {"metainfer.config.env", "metainfer.engine.tokenizer", "metainfer.entrypoints.serve_cli",
-               "metainfer.entrypoints.cli", "metainfer.bench.serve", "metainfer.distributed.custom_all_reduce"}
+               "metainfer.entrypoints.cli", "metainfer.bench.serve", "metainfer.distributed.custom_all_reduce",
+               # not an engine option: a gate's pytest gets this environment minus PYTEST_ADDOPTS / PYTEST_PLUGINS
+               "metainfer.knowledge.gates"}
 
 
 def _modules() -> dict[str, str]:
