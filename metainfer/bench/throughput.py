@@ -113,6 +113,15 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
+    from metainfer.entrypoints.cli import usage_error
+
+    if args.num_seqs < 1:  # before the model loads
+        usage_error(f"--num-seqs must be >= 1, got {args.num_seqs}")
+    for low, high in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        lo, hi = getattr(args, low), getattr(args, high)
+        if not 1 <= lo <= hi:
+            usage_error(f"--{low.replace('_', '-')} and --{high.replace('_', '-')} need 1 <= min <= max, "
+                        f"got {lo}, {hi}")
     record = run_on_engine("throughput", args, engine_kwargs, lambda llm: run_throughput(
         llm, args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len))
     print(f"{record['num_seqs']} seqs: {record['output_tok_s']:.1f} output tok/s, "

@@ -74,6 +74,15 @@ def _write(evidence: str, name: str, record: dict, start: float, load_start: flo
         json.dump({**record, **_clock(start, load_start)}, f, indent=1)
 
 
+def _unwritable(folder: str) -> str | None:
+    """Why evidence cannot be written into `folder` (created if missing), or None."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None if os.access(folder, os.W_OK) else "not writable"
+
+
 def run(args) -> int:
     start, load_start = time.time(), _load_1min()
     from metainfer.knowledge.blueprint import REPO_ROOT, load_blueprint
@@ -87,11 +96,18 @@ def run(args) -> int:
             f.write("\n")
         emit(f"wrote {os.path.relpath(MANIFEST_PATH)}")
         return 0
-    ids = [p["id"] for p in blueprint["phases"]] if args.phases == ["all"] else args.phases
-    unknown = [i for i in ids if i not in {p["id"] for p in blueprint["phases"]}]
+    known = [p["id"] for p in blueprint["phases"]]
+    ids = known if args.phases == ["all"] else [i.upper() for i in args.phases]
+    unknown = [i for i in ids if i not in known]
     if unknown:
-        print(f"metainfer: error: unknown phase(s) {', '.join(unknown)}", file=sys.stderr)
+        print(f"metainfer: error: unknown phase(s) {', '.join(unknown)} (phases: {', '.join(known)}, or all)",
+              file=sys.stderr)
         return 2
+    if args.evidence:  # before any gate runs: a folder that cannot be written would lose their results
+        problem = _unwritable(args.evidence)
+        if problem:
+            print(f"metainfer: error: --evidence {args.evidence}: {problem}", file=sys.stderr)
+            return 2
     failed = 0
     every = args.phases == ["all"]  # in order, each phase's own selection: the earlier ones just ran
     for i, phase_id in enumerate(ids):

@@ -43,6 +43,10 @@ def cmd_spec(args) -> int:
     if args.tp < 1:  # a bad option value (exit 2); a tp the model cannot be split by is a violation (exit 1)
         print(f"metainfer spec: error: --tp must be >= 1; got {args.tp}", file=sys.stderr)
         return 2
+    if args.output and not args.output.endswith((".yaml", ".yml", ".json")):
+        print(f"metainfer spec: error: -o {args.output}: the file name must end in .yaml, .yml or .json (the format)",
+              file=sys.stderr)
+        return 2
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"metainfer spec: error: --max-model-len must be >= 1; got {args.max_model_len}", file=sys.stderr)
         return 2
@@ -55,8 +59,12 @@ def cmd_spec(args) -> int:
     if args.json:
         emit(to_json(report))
     elif args.output:
-        with open(args.output, "w") as f:
-            f.write(to_json(report) + "\n" if args.output.endswith(".json") else to_yaml(report))
+        try:
+            with open(args.output, "w") as f:
+                f.write(to_json(report) + "\n" if args.output.endswith(".json") else to_yaml(report))
+        except OSError as err:  # a missing folder, a folder given as the file: one line
+            print(f"metainfer spec: error: -o {args.output}: {err.strerror or err}", file=sys.stderr)
+            return 2
         emit(f"wrote {args.output}")
     else:
         emit(summary(report, args.tp))

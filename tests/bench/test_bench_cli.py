@@ -122,3 +122,14 @@ def test_bench_baseline_refuses_device_mlx_in_one_line(model_dir, capsys):
     err = capsys.readouterr().err
     assert err.strip() == ("metainfer: error: --device mlx: the HF baseline runs HF transformers in torch, not MLX; "
                            "pass --device cpu or cuda"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-seqs", "0"], "--num-seqs must be >= 1, got 0"),
+    (["--min-input-len", "50", "--max-input-len", "10"], "--min-input-len and --max-input-len need 1 <= min <= max"),
+    (["--min-output-len", "0"], "--min-output-len and --max-output-len need 1 <= min <= max")])
+def test_bench_throughput_refuses_bad_sizes_before_loading(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "throughput", "--model", "/nonexistent/model-folder", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err

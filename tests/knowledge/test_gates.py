@@ -260,3 +260,22 @@ def test_pytest_options_from_the_environment_cannot_narrow_a_gate(monkeypatch):
     monkeypatch.setenv("PYTEST_ADDOPTS", "-k no_test_has_this_name")
     res = run_pytest(["tests/knowledge/test_gates.py::test_l0_finds_a_planted_import"])
     assert res["counts"]["passed"] == 1 and res["returncode"] == 0, res
+
+
+def test_bad_phases_and_an_unwritable_evidence_folder_are_refused_before_any_gate_runs(monkeypatch, capsys, tmp_path):
+    """A phase id in any case is accepted; an unknown one names the known ones; an --evidence path that cannot be a
+    folder is one line, before any gate runs (a gate's results would be lost after its tests)."""
+    from metainfer.entrypoints.cli import main
+    from metainfer.knowledge import gates
+
+    ran = []
+    monkeypatch.setattr(gates, "run_gate", lambda phase, *a, **k: ran.append(phase) or {
+        "passed": True, "seconds": 0.0, "errors": []})
+    assert main(["gate", "P77"]) == 2
+    assert "unknown phase(s) P77 (phases: P0, P1" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["gate", "p0", "--quick", "--evidence", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--evidence {blocker / 'sub'}:" in err and ran == []
+    assert main(["gate", "p0", "--quick"]) == 0 and ran == ["P0"]

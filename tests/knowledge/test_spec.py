@@ -454,6 +454,19 @@ def test_spec_takes_a_config_json_path_and_refuses_a_bad_tp_as_usage(folders, ca
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_spec_output_file_problems_are_one_line(folders, capsys, tmp_path):
+    """-o into a missing folder, onto a folder, or with a name that says no format: exit 2, one line naming -o."""
+    from metainfer.entrypoints.cli import main
+
+    (tmp_path / "a.yaml").mkdir()
+    for target in (tmp_path / "missing" / "x.yaml", tmp_path / "a.yaml", tmp_path / "x.txt"):
+        assert main(["spec", folders["qwen3-8b"], "-o", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"metainfer spec: error: -o {target}: "), err
+    assert not (tmp_path / "x.txt").exists()
+    assert main(["spec", folders["qwen3-8b"], "-o", str(tmp_path / "x.yml")]) == 0
+
+
 @pytest.mark.parametrize("argv", [["spec", "deepseek-v2-lite", "--json"], ["blueprint", "--json"]])
 def test_a_reader_that_closes_early_ends_the_output_quietly(folders, argv):
     """`metainfer spec ... | head -1`: the reader closes after one line while the command still writes (the JSON
