@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 
 import pytest
@@ -105,12 +104,14 @@ def _mlx_attention_seconds(engine, n: int) -> float:
         v = pool[slots].transpose(1, 0, 2)[None]
         mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=spec.head_dim ** -0.5, mask="causal"))
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * spec.num_layers
+    return min(times[1:]) * spec.num_layers
 
 
 @pytest.mark.slow
 def test_long_prefill_cost_is_linear_in_length(engine):
-    """Prefill time per prompt token at 256 .. 2,048 tokens (median of 3, max_tokens=1). One bound on both
+    """Prefill time per prompt token at 256 .. 2,048 tokens (the fastest of 3, max_tokens=1: on shared cores a
+    run is only ever slowed, so the minimum is the estimate noise moves least; the median of 3 failed once at
+    2,048 tokens beside the suite's other worker (3.2x) and passed alone). One bound on both
     backends: the cost a token may grow by at most 2x the 256-token cost (3x in all) beyond what the attention
     op's own growth explains (a per-token loop or a quadratic copy shows as >= 8x). On torch attention counts 0
     (its large cost a token hides that share at these dims). On MLX attention's T^2 work dominates this 64-wide,
@@ -129,7 +130,7 @@ def test_long_prefill_cost_is_linear_in_length(engine):
             start = time.perf_counter()
             engine.generate({"prompt_token_ids": prompt}, _greedy(1), use_tqdm=False)
             times.append(time.perf_counter() - start)
-        per_token[n] = statistics.median(times) / n
+        per_token[n] = min(times) / n  # the least disturbed run: the other xdist worker only adds time
         attention[n] = (_mlx_attention_seconds(engine, n) if device == "mlx" else 0.0) / n
     ratio = per_token[2048] / per_token[256]
     # growth of the cost a token from 256 to 2,048 tokens that the attention op does not explain; one bound for
