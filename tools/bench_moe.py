@@ -13,9 +13,6 @@ sm_90). For each shape of tools/tune_moe.SHAPES and T in --tokens it times:
   torch._grouped_mm(offs = cumsum of counts, int32), SiLU*up, weighted index_add (bf16, sm_90;
   recorded as an error where torch lacks it or refuses the shapes), in a CUDA graph;
 - `ref`: fused_moe_ref (a loop over experts with host syncs), eagerly with CUDA events.
-Where T*K <= PAIR_BLOCKS_MAX_PAIRS (decode) the A/B of the down half: `triton` (the grouped down GEMM + the
-sum kernel, the engine's path) against `down_gemv_h{block_h}_k{block_k}_w{num_warps}`, the decode down GEMV
-at each launch of DOWN_GEMV_SWEEP (DEFAULT_DOWN_GEMV among them).
 Each launch in a graph gets its own routing (softmax top-k of random logits), as in tools/tune_moe.
 Reported: microseconds a call, GB/s against the byte floor (the distinct experts the routing selects,
 3*N*H elements each, plus x and y), % of the measured device-to-device copy bandwidth at that floor,
@@ -31,25 +28,16 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from metainfer.kernels.fused_moe import PAIR_BLOCKS_MAX_PAIRS, DownGemvConfig, fused_moe_triton
+from metainfer.kernels.fused_moe import fused_moe_triton
 from metainfer.kernels.moe_ref import fused_moe_ref
 from tools.tune_moe import SHAPES, make_routing
 
 TOKENS = (1, 2, 8, 32, 128, 512, 2048)
-# launches of the decode down GEMV timed beside its default (the dense GEMV's tuned H200 shapes: 4-16 rows by
-# 512-2,048 columns, 4-8 warps)
-DOWN_GEMV_SWEEP = tuple(DownGemvConfig(h, k, w) for h, k, w in (
-    (2, 512, 4), (4, 256, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 8), (16, 512, 8)))
 
 
-def _backends(num_pairs: int, table) -> dict:
-    """name -> fn(x, w13, w2, weights, ids) for one T (see the module docstring)."""
-    out = {"triton": lambda *a: fused_moe_triton(*a, table=table), "grouped_mm": grouped_mm_moe}
-    if num_pairs <= PAIR_BLOCKS_MAX_PAIRS:
-        for cfg in DOWN_GEMV_SWEEP:
-            name = f"down_gemv_h{cfg.block_h}_k{cfg.block_k}_w{cfg.num_warps}"
-            out[name] = lambda *a, cfg=cfg: fused_moe_triton(*a, table=table, down_gemv=cfg)
-    return out
+def _backends(table) -> dict:
+    """name -> fn(x, w13, w2, weights, ids) (see the module docstring)."""
+    return {"triton": lambda *a: fused_moe_triton(*a, table=table), "grouped_mm": grouped_mm_moe}
 
 
 def floor_bytes(topk_ids: torch.Tensor, num_experts: int, n: int, hidden: int, elem: int = 2) -> int:
@@ -118,7 +106,7 @@ def bench_shape(num_experts: int, n: int, hidden: int, top_k: int, tokens=TOKENS
     w2 = torch.randn(num_experts, hidden, n, generator=g, device=device, dtype=dtype) / n ** 0.5
     out = {"E": num_experts, "N": n, "H": hidden, "top_k": top_k, "tokens": {}}
     for t in tokens:
-        backends = _backends(t * top_k, table)
+        backends = _backends(table)
         x = torch.randn(t, hidden, generator=g, device=device, dtype=dtype)
         n_calls = calls if t <= 512 else max(2, calls // 4)
         routings = [make_routing(t, num_experts, top_k, g, device, shared) for _ in range(n_calls)]
@@ -185,7 +173,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["DOWN_GEMV_SWEEP", "TOKENS",
+__all__ = ["TOKENS",
            "bench", "bench_shape", "floor_bytes", "grouped_mm_moe", "main", "sort_by_expert", "summarize",
            "time_eager"]
 

@@ -34,13 +34,9 @@ dependent launch):
    keeps the reference's rounding points; at prefill sizes it is T*K*H*4 bytes written and read once:
    an x-dtype buffer with the weight applied in the sum would halve that, not measured yet).
 5. `_moe_sum_kernel`: y[t] = sum over the K slots with a valid id (fp32), one rounding.
-4'. `_moe_down_gemv_kernel` replaces 4 and 5 for decode-sized batches (T*K <= PAIR_BLOCKS_MAX_PAIRS): a
-   GEMV over each token's K experts (a program owns block_h hidden rows of one token and walks its K
-   experts' w2 rows with elementwise fp32 FMAs, the dense GEMV's loop), each expert's dot rounded and
-   weighted, the K terms summed in registers and rounded once: no fp32 [T*K, H] round trip, one
-   launch fewer, and no 16-row MMA tile of which one row is real. Opt-in (`down_gemv=DEFAULT_DOWN_GEMV`)
-   until its A/B on the H200 (tools/bench_moe, gpu_suite moe_families part decode_ab): written in a
-   session without a GPU, so the engine keeps the measured 4 + 5 until then; the A/B keeps one of the two.
+The down half stays a grouped GEMM plus the sum kernel at decode sizes too: a per-token down GEMV that
+summed the K experts in registers (no fp32 [T*K, H] round trip, one launch fewer) lost its H200 A/B
+(run 62: DeepSeek-V2-Lite bs1 2.38 -> 2.63 ms, Qwen3-30B-A3B 2.84 -> 3.25 ms) and was deleted.
 Grids are sized from P_max (host-known); programs whose block starts at or past
 num_tokens_post_padded return at once. GROUP_M swizzles the (m, n) program order so blocks of one
 expert reuse weight tiles from the L2 at large T.
@@ -99,31 +95,6 @@ class MoeConfig:
     def from_any(cls, value) -> MoeConfig:
         """A MoeConfig, or a dict with its field names (as `to_dict` / the tuner's JSON give it)."""
         return launch_config_from_any(cls, value)
-
-
-@dataclass(frozen=True)
-class DownGemvConfig:
-    """Launch parameters of the decode-sized down GEMV: block_h hidden rows a program, block_k
-    intermediate columns a loop step (the dense GEMV's tuned H200 shapes read 4-16 rows by 1,024-2,048
-    columns; N is 704-1,408 here, so 512 keeps the last step's mask small)."""
-
-    block_h: int = 4
-    block_k: int = 512
-    num_warps: int = 4
-
-    def __post_init__(self):
-        check_launch_fields(self, {"block_h": (1, 64, True), "block_k": (16, 4096, True),
-                                   "num_warps": (1, 16, True)})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_any(cls, value) -> DownGemvConfig:
-        return launch_config_from_any(cls, value)
-
-
-DEFAULT_DOWN_GEMV = DownGemvConfig()
 
 
 def default_moe_config(num_tokens: int) -> MoeConfig:
@@ -409,57 +380,12 @@ def _moe_sum_kernel(out_ptr, ids_ptr, y_ptr, H, num_experts, stride_ot, stride_y
     tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _moe_down_gemv_kernel(inter_ptr, w2_ptr, y_ptr, weights_ptr, ids_ptr, H, N, num_experts,
-                          stride_it, stride_we, stride_wh, stride_yt,
-                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[t, h] = sum over the slots k with a valid id e of weights[t, k] * round(inter[t*K + k] . w2[e, h]),
-    fp32, rounded once; a program owns BLOCK_H rows h of token t (program ids (h block, t))."""
-    pdl_enter(USE_PDL)  # ids, weights and inter come from the kernels before: nothing to preload
-    t = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_mask = rows < H
-    offs_k = tl.arange(0, BLOCK_K)
-    # x (a row of inter) through [BLOCK_H, BLOCK_K] pointers: it takes w's register layout (kernels/gemv.py)
-    koffs = tl.zeros_like(rows)[:, None] + offs_k[None, :]
-    dtype = y_ptr.dtype.element_ty
-    y = tl.zeros([BLOCK_H], tl.float32)
-    for k in range(TOP_K):
-        pair = t * TOP_K + k
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        valid = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(valid, expert, 0)  # an out-of-range id reads nothing (masked) and adds nothing
-        w_mask = row_mask[:, None] & valid
-        w_ptrs = w2_ptr + expert * stride_we + rows.to(tl.int64)[:, None] * stride_wh + offs_k[None, :]
-        a_ptrs = inter_ptr + pair * stride_it + koffs
-        acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-        for k0 in range(0, N, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                a = tl.load(a_ptrs)
-            else:
-                col_mask = (k0 + offs_k) < N
-                w = tl.load(w_ptrs, mask=w_mask & col_mask[None, :], other=0.0, eviction_policy="evict_first")
-                a = tl.load(a_ptrs, mask=col_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * a.to(tl.float32)
-            w_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-        dot = tl.sum(acc, axis=1).to(dtype).to(tl.float32)  # the down GEMM's output rounding (moe_ref)
-        routed = tl.load(weights_ptr + pair)
-        y += tl.where(valid, dot * routed, 0.0)
-    tl.store(y_ptr + t * stride_yt + rows, y.to(dtype), mask=row_mask)
-
-
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, table: Mapping | None = None, pdl: bool = False,
-                     config: MoeConfig | None = None,
-                     down_gemv: DownGemvConfig | None = None) -> torch.Tensor:
+                     config: MoeConfig | None = None) -> torch.Tensor:
     """fused_moe_ref's y[T, H] in x's dtype (see the module docstring). `config` forces a launch
     config; otherwise `table` (the `moe` section, raw or parsed) by (E, N, H) and T, else
-    default_moe_config(T). `pdl`: every launch under programmatic dependent launch (sm_90+).
-    `down_gemv`: where T*K <= PAIR_BLOCKS_MAX_PAIRS, the decode down GEMV with this launch replaces the
-    grouped down GEMM and the sum kernel (None: the grouped path at every size)."""
+    default_moe_config(T). `pdl`: every launch under programmatic dependent launch (sm_90+)."""
     require_triton()
     num_experts, n2, hidden = w13.shape if w13.dim() == 3 else (0, 0, 0)
     n = n2 // 2
@@ -492,12 +418,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     _moe_gate_up_kernel[(num_m_blocks * cdiv(n, cfg.block_n),)](
         x, w13, inter, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, n, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, **launch)
-    if down_gemv is not None and num_pairs <= PAIR_BLOCKS_MAX_PAIRS:
-        _moe_down_gemv_kernel[(cdiv(hidden, down_gemv.block_h), num_tokens)](
-            inter, w2, y, routed, ids, hidden, n, num_experts, inter.stride(0), w2.stride(0), w2.stride(1),
-            y.stride(0), TOP_K=top_k, BLOCK_H=down_gemv.block_h, BLOCK_K=down_gemv.block_k,
-            EVEN_K=n % down_gemv.block_k == 0, num_warps=down_gemv.num_warps, **pdl_args(pdl))
-        return y
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(num_m_blocks * cdiv(hidden, cfg.block_n),)](
         inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, hidden,
@@ -509,6 +429,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return y
 
 
-__all__ = ["DEFAULT_DOWN_GEMV", "DownGemvConfig", "MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
+__all__ = ["MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
            "fused_moe_triton", "moe_align", "moe_config",
            "moe_max_padded", "moe_table_key", "parse_moe_table", "pick_bucket"]

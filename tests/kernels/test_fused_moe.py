@@ -21,9 +21,7 @@ import pytest
 import torch
 
 from metainfer.kernels.fused_moe import (
-    DEFAULT_DOWN_GEMV,
     TOKEN_BUCKETS,
-    DownGemvConfig,
     MoeConfig,
     default_moe_config,
     fused_moe_triton,
@@ -139,7 +137,6 @@ def _check_moe(args, dtype, **kwargs):
 @pytest.mark.parametrize("n", [32, 48])  # 48: N off the 32-column tile
 def test_fused_moe_matches_ref(dtype, num_tokens, n):
     _check_moe(_moe_inputs(num_tokens, 8, n, 64, 2, dtype), dtype, config=SMALL)
-    _check_moe(_moe_inputs(num_tokens, 8, n, 64, 2, dtype), dtype, config=SMALL, down_gemv=DEFAULT_DOWN_GEMV)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -168,38 +165,6 @@ def test_fused_moe_ids_out_of_range_contribute_nothing(dtype):
     torch.testing.assert_close(y[:1], alone, rtol=0, atol=0)  # token 0's second slot (id -1) adds nothing
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (2, 8), (1, 3)])  # T*K <= 16: the decode down GEMV
-@pytest.mark.parametrize("n", [64, 48])  # 64: every K-step full (EVEN_K); 48: the last one masked
-def test_fused_moe_decode_down_gemv_matches_ref(dtype, num_tokens, top_k, n):
-    # H = 70: off the 4-row block; a tiny block_k so the loop runs several steps
-    args = _moe_inputs(num_tokens, 10, n, 70, top_k, dtype, seed=num_tokens + top_k)
-    y = _check_moe(args, dtype, config=SMALL, down_gemv=DownGemvConfig(block_h=4, block_k=32, num_warps=4))
-    grouped = _check_moe(args, dtype, config=SMALL)  # the engine's path: the grouped down GEMM + the sum kernel
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, grouped, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_fused_moe_decode_down_gemv_repeated_and_out_of_range_ids(dtype):
-    # a token routed twice to one expert (both slots count), and ids -1 / E (they add nothing)
-    ids = torch.tensor([[2, 2, -1, 8], [7, 0, 8, 7]])
-    args = _moe_inputs(2, 8, 32, 64, 4, dtype, ids=ids, seed=9)
-    gemv = DownGemvConfig(block_h=8, block_k=16, num_warps=2)
-    y = _check_moe(args, dtype, config=SMALL, down_gemv=gemv)
-    x, w13, w2, weights, ids = args
-    alone = fused_moe_triton(x[:1], w13, w2, weights[:1, :2], ids[:1, :2], config=SMALL, down_gemv=gemv)
-    torch.testing.assert_close(y[:1], alone, rtol=0, atol=0)  # token 0's slots 2, 3 (ids -1, E) add nothing
-
-
-def test_down_gemv_config_rejects_bad_fields():
-    with pytest.raises(ValueError, match="DownGemvConfig.block_h"):
-        DownGemvConfig(block_h=3)
-    with pytest.raises(ValueError, match="DownGemvConfig.block_k"):
-        DownGemvConfig(block_k=8)
-    assert DownGemvConfig.from_any({"block_h": 8, "block_k": 1024, "num_warps": 8}).block_h == 8
-
-
 def test_fused_moe_rejects_bad_shapes():
     x, w13, w2, weights, ids = _moe_inputs(3, 4, 16, 32, 2, torch.float32)
     with pytest.raises(ValueError, match="fused_moe_triton"):
@@ -219,14 +184,14 @@ def test_fused_moe_real_shapes_gpu(num_experts, n, top_k, num_tokens):
 @pytest.mark.skipif(not ON_GPU, reason="the real shapes run compiled on the GPU (METAINFER_TEST_GPU=1)")
 @pytest.mark.parametrize("num_experts, n, top_k", [(66, 1408, 8), (66, 704, 8), (128, 768, 8)])
 @pytest.mark.parametrize("num_tokens", [1, 2])
-def test_fused_moe_decode_down_gemv_real_shapes_gpu(num_experts, n, top_k, num_tokens):
-    """The decode down GEMV (its default launch, under PDL and in a CUDA graph) at DeepSeek-V2-Lite's (tp 1 and
-    2) and Qwen3-30B-A3B's shapes against the reference."""
+def test_fused_moe_decode_pdl_graph_real_shapes_gpu(num_experts, n, top_k, num_tokens):
+    """The decode path (pair blocks, no moe_align) under PDL and in a CUDA graph at DeepSeek-V2-Lite's (tp 1
+    and 2) and Qwen3-30B-A3B's shapes against the reference."""
     args = _moe_inputs(num_tokens, num_experts, n, 2048, top_k, torch.bfloat16, seed=num_tokens)
-    expected = _check_moe(args, torch.bfloat16, down_gemv=DEFAULT_DOWN_GEMV, pdl=True)
+    expected = _check_moe(args, torch.bfloat16, pdl=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_moe_triton(*args, down_gemv=DEFAULT_DOWN_GEMV, pdl=True)
+        captured = fused_moe_triton(*args, pdl=True)
     graph.replay()
     torch.testing.assert_close(captured, expected, rtol=0, atol=0)
 
@@ -389,7 +354,7 @@ def _aot_main() -> int:
         return 2
     backend = make_backend(target)
     kernels = [fm._moe_align_count_kernel, fm._moe_align_scatter_kernel, fm._moe_gate_up_kernel,
-               fm._moe_down_kernel, fm._moe_sum_kernel, fm._moe_down_gemv_kernel, moe_routing._route_topk_kernel]
+               fm._moe_down_kernel, fm._moe_sum_kernel, moe_routing._route_topk_kernel]
     captured = []
     for kernel in kernels:
         def record(*a, grid, warmup, _kernel=kernel, **kw):
@@ -400,12 +365,6 @@ def _aot_main() -> int:
     cases += [(128, 384, 8, 16, bf16, MoeConfig(16, 32, 256, 1, 4, 4), False),
               (128, 768, 8, 512, bf16, MoeConfig(128, 128, 64, 8, 8, 3), False),
               (8, 48, 2, 3, torch.float32, None, False)]
-    # the decode down GEMV: its default and the bench's sweep (tools/bench_moe DOWN_GEMV_SWEEP), both shapes,
-    # T = 1 and 2 (the grouped path at T = 1 is among `cases`)
-    from tools.bench_moe import DOWN_GEMV_SWEEP
-
-    gemv_cases = [(66, 1408, 8, 1, gemv, True) for gemv in DOWN_GEMV_SWEEP]
-    gemv_cases += [(128, 768, 8, 2, fm.DEFAULT_DOWN_GEMV, True), (66, 704, 8, 1, fm.DEFAULT_DOWN_GEMV, False)]
     try:
         for num_experts, n, top_k, num_tokens, dtype, cfg, pdl in cases:
             hidden = 2048 if dtype == bf16 else 80
@@ -414,11 +373,6 @@ def _aot_main() -> int:
             w2 = torch.empty(num_experts, hidden, n, dtype=dtype)
             ids, weights = torch.zeros(num_tokens, top_k, dtype=torch.int32), torch.zeros(num_tokens, top_k)
             fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, pdl=pdl)
-        for num_experts, n, top_k, num_tokens, gemv, pdl in gemv_cases:
-            x = torch.zeros(num_tokens, 2048, dtype=bf16)
-            w13, w2 = torch.empty(num_experts, 2 * n, 2048, dtype=bf16), torch.empty(num_experts, 2048, n, dtype=bf16)
-            ids, weights = torch.zeros(num_tokens, top_k, dtype=torch.int32), torch.zeros(num_tokens, top_k)
-            fm.fused_moe_triton(x, w13, w2, weights, ids, pdl=pdl, down_gemv=gemv)
         for num_experts, top_k, pdl in ((64, 6, True), (128, 8, False), (256, 8, False), (60, 1, False)):
             moe_routing.route_topk_triton(torch.zeros(3, num_experts), top_k, renormalize=True, scaling=2.0, pdl=pdl)
     finally:
@@ -454,6 +408,5 @@ def test_aot_compile_sm90_fused_moe_kernels():
     if proc.returncode == 2:
         pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    for name in ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_align_scatter_kernel", "_route_topk_kernel",
-                 "_moe_down_gemv_kernel"):
+    for name in ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_align_scatter_kernel", "_route_topk_kernel"):
         assert name in proc.stdout

@@ -61,8 +61,10 @@ def test_triton_matches_reference(dtype, tokens, dims):
 
 
 def test_rows_over_the_limit_take_the_reference():
-    q_nope, w_uk, w_uv, o_lat = _inputs(6, 2, 16, 16, 32, 8, torch.float32, DEVICE)
-    # the engine's default (max_rows=0) and a batch over the limit: exactly the batched GEMM
+    q_nope, w_uk, w_uv, o_lat = _inputs(MAX_ROWS + 1, 2, 16, 16, 32, 8, torch.float32, DEVICE)
+    # max_rows 0 and a batch over the limit (also over the default MAX_ROWS): exactly the batched GEMM
+    assert torch.equal(mla_absorb_triton(q_nope, w_uk), mla_absorb_ref(q_nope, w_uk))
+    assert torch.equal(mla_value_up_triton(o_lat, w_uv), mla_value_up_ref(o_lat, w_uv))
     for rows in (0, 5):
         assert torch.equal(mla_absorb_triton(q_nope, w_uk, max_rows=rows), mla_absorb_ref(q_nope, w_uk))
         assert torch.equal(mla_value_up_triton(o_lat, w_uv, max_rows=rows), mla_value_up_ref(o_lat, w_uv))

@@ -184,24 +184,19 @@ def test_triton_kernels_in_the_engine_match_hf(reference):
 
 @pytest.mark.slow  # ~15 s a family here: the kernels' own tests (tests/kernels) hold the fast tier
 @BOTH_FAMILIES
-def test_decode_ab_candidates_in_the_engine_match_hf(reference):
-    """The kernels awaiting their H200 A/B (gpu_suite moe_families part decode_ab), bound into a running engine
-    as that A/B binds them: the fused MoE's decode down GEMV and MLA's Triton K-up / V-up (interpreted on the
-    CPU): still HF's tokens."""
+def test_triton_moe_and_mla_kernels_in_the_engine_match_hf(reference):
+    """The fused MoE and MLA's Triton kernels as the GPU engine binds them (TRITON_OPS: the K-up / V-up in
+    Triton up to mla_absorb.MAX_ROWS rows, adopted by the H200 A/B of run 62), swapped into a running engine
+    (interpreted on the CPU): still HF's tokens."""
     import dataclasses
-    import functools
 
-    from metainfer.kernels import REF_OPS, TRITON_OPS, mla_absorb
-    from metainfer.kernels.fused_moe import DEFAULT_DOWN_GEMV
+    from metainfer.kernels import REF_OPS, TRITON_OPS
 
     folder, prompts, expected, model = reference
-    rows = mla_absorb.MAX_ROWS
     ops = dataclasses.replace(
-        REF_OPS, backend="triton", route_topk=TRITON_OPS.route_topk,
-        fused_moe=functools.partial(TRITON_OPS.fused_moe, down_gemv=DEFAULT_DOWN_GEMV),
-        mla_absorb=functools.partial(TRITON_OPS.mla_absorb, max_rows=rows),
-        mla_value_up=functools.partial(TRITON_OPS.mla_value_up, max_rows=rows),
-        **{n: getattr(TRITON_OPS, n) for n in ("mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
+        REF_OPS, backend="triton",
+        **{n: getattr(TRITON_OPS, n) for n in ("route_topk", "fused_moe", "mla_absorb", "mla_value_up",
+                                               "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
                                                "mla_decode_workspace_numel")})
     llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
     llm.llm_engine.runner.swap_kernels(ops)

@@ -45,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-models", default="deepseek-v2-lite,qwen3-30b-a3b",
                    help="moe_families: comma list of benchmarks/configs names")
     p.add_argument("--moe-parts", default="engine,hf,agreement",
-                   help="moe_families: comma list of engine, hf, agreement, decode_ab")
+                   help="moe_families: comma list of engine, hf, agreement")
     p.add_argument("--moe-bench-tokens", default="",
-                   help="bench_moe: comma list of token counts (default: the tool's; 1,2 for the decode down A/B)")
+                   help="bench_moe: comma list of token counts (default: the tool's)")
     p.add_argument("--moe-tune-shapes", default="",
                    help="tune_moe: comma list of tools/tune_moe.py shape names (default: all)")
     p.add_argument("--graph-family", default="qwen3", choices=("qwen3", "deepseek_v2", "qwen3_moe"),

@@ -147,46 +147,10 @@ def family_agreement(args, name: str) -> dict:
     return res
 
 
-def decode_ab(args, name: str) -> dict:
-    """In one engine, bs1 decode (10 timed iterations each) per kernel variant prepared without a GPU (session
-    16), each against the engine's default and the default again last (the run's own noise): the fused MoE's
-    decode down GEMV (DEFAULT_DOWN_GEMV) in place of the grouped down GEMM + sum kernel; for MLA, the Triton
-    K-up / V-up (mla_absorb, max_rows=MAX_ROWS) in place of cuBLAS's batched GEMMs; both. Each is adopted
-    (made the default) or deleted by this A/B."""
-    import functools
-    from dataclasses import replace
-
-    from metainfer.bench.latency import run_latency
-    from metainfer.kernels import mla_absorb
-    from metainfer.kernels.fused_moe import DEFAULT_DOWN_GEMV
-
-    llm = _engine(family_dir(args, name))
-    runner = llm.llm_engine.runner
-    default = runner.ops
-    down = {"fused_moe": functools.partial(default.fused_moe, down_gemv=DEFAULT_DOWN_GEMV)}
-    absorb = {"mla_absorb": functools.partial(default.mla_absorb, max_rows=mla_absorb.MAX_ROWS),
-              "mla_value_up": functools.partial(default.mla_value_up, max_rows=mla_absorb.MAX_ROWS)}
-    variants = [("default", default), ("down_gemv", replace(default, **down))]
-    if runner.attn_backend.name == "mla":
-        variants += [("mla_absorb", replace(default, **absorb)), ("both", replace(default, **down, **absorb))]
-    variants.append(("default_again", default))
-    res = {}
-    try:
-        for variant, ops in variants:
-            runner.swap_kernels(ops)
-            r = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
-            res[variant] = {k: r[k] for k in ("decode_tok_s", "tpot_ms")}
-            print(f"{name} decode_ab {variant}", round(r["decode_tok_s"], 1), flush=True)
-    finally:
-        del runner, llm
-        release()
-    return res
-
-
 def moe_families(args, results) -> dict:
-    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, decode_ab."""
+    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement."""
     res = {}
-    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "decode_ab": decode_ab}
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement}
     for name in args.moe_models.split(","):
         res[name] = {}
         for part in args.moe_parts.split(","):
