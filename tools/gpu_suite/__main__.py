@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="graphs: the small model's family")
     p.add_argument("--serving-parts", default="prefix_hits,serve_vs_offline,throughput_1k",
                    help="serving: comma list of prefix_hits, serve_vs_offline, throughput_1k")
+    p.add_argument("--serve-variants", default="",
+                   help="serving serve_vs_offline: ';'-separated extra `metainfer serve` args, one server each "
+                        "against the one offline run (the first is the reported figure; '' = defaults)")
     p.add_argument("--agreement-positions", type=int, default=128,
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")

@@ -99,31 +99,45 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
 
     res["offline"] = on_engine(args, offline, max_num_seqs=concurrency)
     show("offline", res["offline"])
+    variants = [v.strip() for v in args.serve_variants.split(";")] or [""]
+    for i, extra in enumerate(variants):
+        serve = _bench_server(args, concurrency, num_prompts, input_len, output_len, extra.split(),
+                              tag="" if i == 0 else f"_{i}")
+        serve["serve_over_offline"] = serve.get("output_throughput", 0) / res["offline"]["output_tok_s"]
+        if i == 0:
+            res["serve"] = serve
+        res.setdefault("variants", {})[extra or "default"] = {
+            k: serve.get(k) for k in ("output_throughput", "serve_over_offline", "median_itl_ms", "p99_itl_ms",
+                                      "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms")}
+        show(f"serve {extra or 'default'}", res["variants"][extra or "default"])
+    res["serve_over_offline"] = res["serve"]["serve_over_offline"]
+    return res
+
+
+def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: list[str], tag: str) -> dict:
+    """`metainfer serve` (with the extra CLI args) in a subprocess, `bench serve` against it; its record."""
     port = 8311
-    log_path = os.path.join(out_dir(), "server_log.txt")
+    log_path = os.path.join(out_dir(), f"server_log{tag}.txt")
     cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", model_dir(args), "--load-format", "dummy",
            "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
-           "--no-access-log", "--log-level", "warning"]
+           "--no-access-log", "--log-level", "warning", *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(port, proc, timeout=180)
-            record = os.path.join(out_dir(), "bench_serve.json")
+            record = os.path.join(out_dir(), f"bench_serve{tag}.json")
             subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
                             "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len",
                             str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
                             "--output-json", record], cwd=ROOT, check=True, timeout=300)
             with open(record) as f:
-                res["serve"] = json.load(f)
+                return json.load(f)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-    serve = res["serve"]
-    res["serve_over_offline"] = serve.get("output_throughput", 0) / res["offline"]["output_tok_s"]
-    return res
 
 
 def throughput_1k(args) -> dict:
