@@ -1,4 +1,5 @@
-"""Where a decode step's time goes: torch.profiler device time per kernel kind against wall time."""
+"""Where a step's time goes: torch.profiler device time per kernel kind against wall time (decode at batch 1
+and 256, and the mixed steps of issue 23's ITL tail)."""
 
 from __future__ import annotations
 
@@ -136,5 +137,85 @@ def profile_batch(args, results) -> dict:
            "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values())}
     show("profile_batch", res)
     del llm, engine
+    release()
+    return res
+
+
+def profile_mixed(args, results) -> dict:
+    """Issue 23's ITL tail: steps of 64 running decodes (context ~512-640) with one new prompt of P tokens
+    beside them (P = 128, 512; max_tokens 1, so the running set stays at 64), against pure decode steps of the
+    same batch. Per case: wall ms a step as served (async scheduling), serial ms a step (synchronised after
+    each step: host + GPU without overlap), the host's enqueue ms of the forward (the runner's compute_logits
+    call: no sync inside), device ms by kernel kind and launches a step. Wall near the host's enqueue time and
+    well above the device time says the step is host-bound."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from metainfer import SamplingParams
+
+    llm = bench_llm(args, max_num_seqs=128)
+    engine = llm.llm_engine
+    runner = engine.runner
+    forward, enqueue = runner.compute_logits, []
+
+    def timed_forward(batch):
+        start = time.perf_counter()
+        out = forward(batch)
+        enqueue.append((batch.is_mixed, (time.perf_counter() - start) * 1e3))
+        return out
+
+    runner.compute_logits = timed_forward
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> dict:
+        return {"prompt_token_ids": torch.randint(10, 10000, (n,), generator=g).tolist()}
+
+    running = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for i in range(64):
+        engine.add_request(f"r{i}", prompt(512), running, stream=False)
+    for _ in range(12):  # the 64 prompts' prefill (one 8,192-token budget step, a chunk) and a few decodes
+        engine.step()
+    arrivals = iter(range(10**6))
+
+    def steps(prompt_len: int, n: int, sync: bool = False) -> None:
+        for _ in range(n):
+            if prompt_len:
+                engine.add_request(f"m{next(arrivals)}", prompt(prompt_len), one, stream=False)
+            engine.step()
+            if sync:
+                torch.cuda.synchronize()
+
+    res = {"running": 64, "prompt_len_running": 512}
+    for name, prompt_len in (("decode", 0), ("mixed_128", 128), ("mixed_512", 512)):
+        n = 12
+        steps(prompt_len, 4)  # settle
+        enqueue.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        steps(prompt_len, n)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / n * 1e3
+        host = [ms for mixed, ms in enqueue if mixed == bool(prompt_len)]
+        kinds_seen = f"{len(host)} of {len(enqueue)}"
+        start = time.perf_counter()
+        steps(prompt_len, n, sync=True)
+        serial = (time.perf_counter() - start) / n * 1e3
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps(prompt_len, n)
+            torch.cuda.synchronize()
+        buckets = kernel_buckets(prof, per=n)
+        res[name] = {"wall_ms_per_step": wall, "serial_ms_per_step": serial,
+                     "host_enqueue_ms_median": statistics.median(host) if host else None,
+                     "steps_of_this_kind": kinds_seen,
+                     "device_ms_per_step": sum(buckets.values()), "device_ms_per_step_by_kind": buckets,
+                     "launches_per_step": sum(e.count for e in prof.key_averages()
+                                              if not e.key.startswith(("aten::", "cuda"))) / n,
+                     "top_kernels_ms_per_step": top_kernels(prof, n, 12)}
+        show(f"profile_mixed {name}", {k: v for k, v in res[name].items() if not k.startswith("top")})
+    runner.compute_logits = forward
+    llm = engine = runner = None  # the closures hold the engine: drop it before releasing its memory
     release()
     return res

@@ -19,6 +19,7 @@ SECTIONS = {
     "agreement": agreement.agreement,
     "profile": profiles.profile,
     "profile_batch": profiles.profile_batch,
+    "profile_mixed": profiles.profile_mixed,
     "gemv": studies.gemv,
     "gemm_rows": studies.gemm_rows,
     "skinny_sweep": studies.skinny_sweep,
