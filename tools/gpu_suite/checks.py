@@ -191,6 +191,7 @@ def graphs(args, results) -> dict:
     summary = {name: {"equal_to_eager": run["tokens"] == runs[eager_reference(name)]["tokens"],
                       "preemptions": run["preemptions"], "prefix_hit_tokens": run["prefix_hit_tokens"]}
                for name, run in runs.items() if eager_reference(name) != name}
+    summary["family"] = args.graph_family  # the small model's (checks.small_config)
     summary["exercised"] = {  # the comparison means something only if these happened
         "prefix_hits": all(v["prefix_hit_tokens"] >= 96 for k, v in runs.items() if k != "eager_no_prefix"),
         "preemptions": all(runs[k]["preemptions"] > 0 for k in PREEMPTING),
