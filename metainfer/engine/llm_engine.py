@@ -109,9 +109,9 @@ class LLMEngine:
             self.runner = MLXModelRunner(config, eos_token_ids=self.eos_token_ids)
         else:
             self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
-        # every Triton kernel variant compiled before the engine takes requests (worker/warmup.py); not under an
-        # external launcher, whose followers replay steps only once a call starts
-        warm_up = getattr(self.runner, "warm_up", None) if self.launcher is None else None
+        # every Triton kernel variant compiled before the engine takes requests (worker/warmup.py); under an
+        # external launcher rank 0 runs the steps and the other ranks replay them (LaunchedRank.warm_up)
+        warm_up = self.launcher.warm_up if self.launcher is not None else getattr(self.runner, "warm_up", None)
         self.warmup_seconds = warm_up() if warm_up is not None else 0.0
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.runner.num_blocks * config.block_size

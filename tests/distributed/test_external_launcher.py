@@ -231,6 +231,19 @@ def test_every_rank_returns_the_tp1_outputs(reference, tmp_path, nodes, nproc):
 
 @pytest.mark.tp
 @pytest.mark.slow
+def test_every_rank_replays_rank0s_warm_up_while_building(reference, tmp_path):
+    """Rank 0's warm-up steps (forced on the CPU, where the torch references plan none) run on every rank before
+    its LLM(...) returns, as in spawn mode (issue 23: kernels compiled before serving); outputs are unchanged."""
+    folder, prompts_file, expected = reference
+    launch = Launch(tmp_path, folder, prompts_file, 1, 2, "--warmup-steps", "6")
+    assert run_to_end(launch) == [0], launch.output()
+    for record in launch.results():
+        assert record["steps_at_build"] == 6, f"rank {record['rank']}"
+        assert record["token_ids"] == expected, f"rank {record['rank']}"
+
+
+@pytest.mark.tp
+@pytest.mark.slow
 def test_processes_started_without_torchrun_agree_too(reference, tmp_path):
     """The same variables set by hand (as srun or a job script would): rank 0 hosts the store itself, so its
     close waits until the follower has read the close."""

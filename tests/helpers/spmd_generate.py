@@ -44,6 +44,8 @@ def parse(argv=None):
                    "while the other ranks stay idle for --idle-s")
     p.add_argument("--idle-s", type=float, default=0.0)
     p.add_argument("--freeze-rank", type=int, default=None)
+    p.add_argument("--warmup-steps", type=int, default=0, help="rank 0 runs this many steps of the warm-up plan "
+                   "(the torch references plan none on the CPU: nothing compiles there)")
     return p.parse_args(argv)
 
 
@@ -66,6 +68,37 @@ def die_in_step(step: int, out: str, rank: int) -> None:
         return original(self, batch)
 
     ModelRunner.execute = execute
+
+
+def force_warmup(num_steps: int) -> None:
+    """Give rank 0's runner the first `num_steps` steps of its warm-up plan (on the CPU it plans none)."""
+    from metainfer.worker.model_runner import ModelRunner
+    from metainfer.worker.warmup import warmup_plan
+
+    original = ModelRunner.warm_up
+
+    def warm_up(self):
+        if self.rank == 0:
+            c = self.config
+            self.warmup_steps = warmup_plan(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs,
+                                            self.block_size, [], 0)[:num_steps]
+        return original(self)
+
+    ModelRunner.warm_up = warm_up
+
+
+def count_steps() -> list[int]:
+    """A counter of this rank's model steps (ModelRunner.execute calls)."""
+    from metainfer.worker.model_runner import ModelRunner
+
+    original, calls = ModelRunner.execute, [0]
+
+    def execute(self, batch):
+        calls[0] += 1
+        return original(self, batch)
+
+    ModelRunner.execute = execute
+    return calls
 
 
 def main(argv=None) -> int:
@@ -91,10 +124,14 @@ def main(argv=None) -> int:
         model = path if rank == int(on) else model
     with open(args.prompts) as f:
         prompts = json.load(f)
+    if args.warmup_steps:
+        force_warmup(args.warmup_steps)
+    steps = count_steps()
     stamp(args.out, f"start{rank}")
     llm = LLM(model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tp,
               max_model_len=max_model_len, distributed_executor_backend="external_launcher",
               distributed_timeout_s=args.timeout)
+    steps_at_build = steps[0]  # the warm-up's, replayed by every rank
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
@@ -126,7 +163,7 @@ def main(argv=None) -> int:
         llm.close()
     record = {"rank": rank, "token_ids": [o.outputs[0].token_ids for o in outs],
               "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-              "refused": refused, "second_call": again[0].outputs[0].token_ids}
+              "refused": refused, "second_call": again[0].outputs[0].token_ids, "steps_at_build": steps_at_build}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     return 0

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, is_dataclass, replace
 
 import torch
@@ -169,6 +170,30 @@ class LaunchedRank:
             log.info("tensor parallel (external launcher): %d ranks (%s), %d KV blocks per rank", self.world_size,
                      "nccl" if self.device.type == "cuda" else "gloo", self.runner.num_blocks)
         return self.runner
+
+    def warm_up(self) -> float:
+        """Every rank's kernels compiled before the engine takes requests, as in spawn mode: rank 0 runs its
+        runner's warm-up steps (each published to the others, which replay them), then sends ("warmed",); the
+        seconds this rank spent. Called by every rank's LLMEngine right after build_runner."""
+        if self.is_leader:
+            try:
+                seconds = self.runner.warm_up()
+            except BaseException as exc:
+                self.channel.try_send(_error_message(exc))
+                raise
+            self.channel.send(("warmed",))
+            return seconds
+        start = time.perf_counter()
+        while True:
+            message = self._recv()
+            if message[0] == "step":
+                self._step(message[1])
+            elif message[0] == "warmed":
+                return time.perf_counter() - start
+            elif message[0] == "error":
+                raise _rank0_error(*message[1:])
+            else:
+                raise RuntimeError(f"rank {self.rank} expected rank 0's warm-up steps but got {message[0]!r}")
 
     # -- faults ---------------------------------------------------------------------------------------
     def lost_error(self, exc: BaseException, what: str, suspect: int | None = None) -> RankLostError:
