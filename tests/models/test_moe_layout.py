@@ -40,9 +40,19 @@ def _hf_kinds(model) -> list[str]:
     return kinds
 
 
-def _engine_kinds(llm) -> list[str]:
-    return ["moe" if isinstance(layer.mlp, SparseMoeBlock) else "dense"
-            for layer in llm.llm_engine.runner.model.model.layers]
+def _kinds_of(model) -> list[str]:
+    return ["moe" if isinstance(layer.mlp, SparseMoeBlock) else "dense" for layer in model.model.layers]
+
+
+def _engine_kinds_from_config(folder: str) -> list[str]:
+    """The layer kinds the engine builds from the checkpoint's config.json (on the meta device, before any
+    loading, so a misplaced layer shows as a kind mismatch and not only as the loader's unexpected tensor)."""
+    from metainfer.kernels import REF_OPS
+    from metainfer.models.registry import model_class
+
+    spec = ModelSpec.from_file(os.path.join(folder, "config.json"))
+    with torch.device("meta"):
+        return _kinds_of(model_class(spec)(spec, REF_OPS, None, dtype=torch.float32))
 
 
 def _deepseek_formula(layers: int, first_dense: int, freq: int) -> list[str]:
@@ -113,8 +123,9 @@ def test_deepseek_moe_layer_freq_places_dense_layers(layout, tmp_path):
         _place_deepseek_dense_layers(model, folder, formula)
     assert _hf_kinds(model) == formula
     assert ModelSpec.from_file(os.path.join(folder, "config.json")).raw["moe_layer_freq"] == cfg["moe_layer_freq"]
+    assert _engine_kinds_from_config(folder) == formula
     llm = _parity(folder, model)
-    assert _engine_kinds(llm) == formula
+    assert _kinds_of(llm.llm_engine.runner.model) == formula
 
 
 QWEN3_MOE_LAYOUTS = {
@@ -133,8 +144,9 @@ def test_qwen3_moe_sparse_step_places_dense_layers(layout, tmp_path):
     formula = _qwen3_moe_formula(cfg["num_hidden_layers"], cfg["decoder_sparse_step"], cfg["mlp_only_layers"])
     assert _hf_kinds(model) == formula, "transformers' Qwen3MoE placement changed: revisit this test"
     assert "dense" in formula and "moe" in formula
+    assert _engine_kinds_from_config(folder) == _hf_kinds(model)
     llm = _parity(folder, model)
-    assert _engine_kinds(llm) == _hf_kinds(model)
+    assert _kinds_of(llm.llm_engine.runner.model) == _hf_kinds(model)
 
 
 TUNED_GPU = "NVIDIA H200"
