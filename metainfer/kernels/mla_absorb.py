@@ -84,14 +84,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str, w_dim: int) -> None:
                          f"strides {w.stride()}")
 
 
+def _takes_triton(x: torch.Tensor, w: torch.Tensor, max_rows: int, name: str, w_dim: int) -> bool:
+    """1 <= T <= max_rows: the Triton kernel, its inputs checked (_check); else the reference."""
+    if not 0 < x.shape[0] <= max_rows:
+        return False
+    require_triton()
+    _check(x, w, name, w_dim)
+    return True
+
+
 def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = False,
                       max_rows: int = MAX_ROWS) -> torch.Tensor:
     """mla_absorb_ref's q_lat, contiguous [T, H, L], by the Triton kernel for T <= max_rows (else the ref)."""
-    num_tokens = q_nope.shape[0]
-    if num_tokens > max_rows or num_tokens == 0:
+    if not _takes_triton(q_nope, w_uk, max_rows, "mla_absorb_triton", 1):
         return mla_absorb_ref(q_nope, w_uk)
-    require_triton()
-    _check(q_nope, w_uk, "mla_absorb_triton", 1)
+    num_tokens = q_nope.shape[0]
     heads, dn, lat = w_uk.shape
     out = torch.empty(num_tokens, heads, lat, dtype=q_nope.dtype, device=q_nope.device)
     block_l = min(_ABSORB_BLOCK_L, next_pow2(lat))
@@ -104,11 +111,9 @@ def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = F
 def mla_value_up_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, *, pdl: bool = False,
                         max_rows: int = MAX_ROWS) -> torch.Tensor:
     """mla_value_up_ref's [T, H * Dv] by the Triton kernel for T <= max_rows (else the ref)."""
-    num_tokens = o_lat.shape[0]
-    if num_tokens > max_rows or num_tokens == 0:
+    if not _takes_triton(o_lat, w_uv, max_rows, "mla_value_up_triton", 2):
         return mla_value_up_ref(o_lat, w_uv)
-    require_triton()
-    _check(o_lat, w_uv, "mla_value_up_triton", 2)
+    num_tokens = o_lat.shape[0]
     heads, dv, lat = w_uv.shape
     out = torch.empty(num_tokens, heads * dv, dtype=o_lat.dtype, device=o_lat.device)
     block_v = min(_VALUE_UP_BLOCK_V, next_pow2(dv))
