@@ -285,3 +285,48 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_is_sent():
         assert loop._outbox.empty() and not loop._requests and loop.num_queued == 0
 
     asyncio.run(run())
+
+
+def test_a_slow_prompt_is_tokenized_off_the_event_loop():
+    """Tokenizing a request (here an encode that takes 0.5 s, as a very long prompt or a slow chat template may)
+    runs on EngineLoop's tokenizing thread with a copy of the tokenizer of its own (a Rust tokenizer is not safe to
+    share across threads): meanwhile the event loop keeps running (every other stream's SSE events)."""
+    import threading
+    import time
+
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class SlowTokenizer(_Tokenizer):
+        def encode(self, text, add_special_tokens=True):
+            self.thread = threading.current_thread().name
+            time.sleep(0.5)
+            return [1] * 5000
+
+    class Handle:
+        alive = True
+
+    async def run():
+        tokenizer = SlowTokenizer()
+        loop = EngineLoop(Handle(), tokenizer, ServerMetrics(), max_model_len=100)
+        loop._loop = asyncio.get_running_loop()
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        with pytest.raises(OpenAIError) as info:  # 5,000 ids over max_model_len: refused after the slow encode
+            await loop.submit([("r", "a long text", SamplingParams(max_tokens=2))])
+        done.set()
+        await task
+        assert info.value.status == 400 and info.value.param == "prompt"
+        assert len(gaps) >= 20 and max(gaps) < 0.25, f"the event loop stalled {max(gaps):.2f} s"
+        assert loop.prompt_tokenizer is not tokenizer and not hasattr(tokenizer, "thread")
+        assert loop.prompt_tokenizer.thread.startswith("metainfer-tokenize")
+
+    asyncio.run(run())

@@ -2,7 +2,9 @@
 
 The engine runs in its own process (`engine_core.py`: `EngineCore` over two pipes), so its step loop never waits
 for the GIL held by JSON, SSE framing or detokenizing. `EngineLoop` lives on the asyncio loop: `submit`
-tokenizes a request's prompts (text prompts and chat templates stay in this process), sends them as one "add"
+tokenizes a request's prompts (text prompts and chat templates stay in this process) on a worker thread with a
+tokenizer of its own (a long prompt or a slow template must not hold up every stream's SSE events; a Rust
+tokenizer is not safe to share across threads), sends them as one "add"
 (all or none; a ValueError in the engine comes back as a 400) and returns a `RequestGroup`. One reader
 callback on the output pipe (`loop.add_reader`, no thread) takes each step's message: the new token ids of every
 request it changed. It appends them to the request's `RequestState` and hands the state to its group's queue;
@@ -20,11 +22,13 @@ At shutdown `drain` refuses new requests, waits for those in flight, then ends t
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from metainfer.engine.llm_engine import tokenize_prompt
@@ -136,7 +140,8 @@ class EngineLoop:
     """The server's end of the engine core's pipes, on the asyncio loop: submit, abort, deliver, drain.
 
     `handle` is the `engine_core.EngineProcess` (process or thread) whose pipes this serves; `tokenizer` is this
-    process's own tokenizer (prompts, chat templates, detokenizing)."""
+    process's own tokenizer: the loop detokenizes with it, and a copy of it on the tokenizing thread encodes the
+    prompts and renders the chat templates."""
 
     def __init__(self, handle, tokenizer, metrics: ServerMetrics, max_queued_requests: int | None = None,
                  max_model_len: int | None = None):
@@ -144,6 +149,9 @@ class EngineLoop:
         self.max_model_len = max_model_len  # checked here too: a too long prompt is not shipped to be refused
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        # prompts are tokenized on one thread of their own (in arrival order) with a tokenizer of its own
+        self.prompt_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="metainfer-tokenize")
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.num_queued = 0  # requests without a first output yet
@@ -183,6 +191,7 @@ class EngineLoop:
             sender.join(5)
         else:
             self.handle.stop(timeout)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def _send_loop(self) -> None:
         while (msg := self._outbox.get()) is not None:
@@ -242,15 +251,11 @@ class EngineLoop:
         if cap is not None and self.num_queued + len(items) > cap:
             raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
                               "server_error", None, "queue_full")
-        prepared = []
-        for request_id, prompt, params in items:
-            try:  # tokenize here (chat templates included): the engine process gets ids
-                text, ids = tokenize_prompt(self.tokenizer, prompt() if callable(prompt) else prompt)
-                if self.max_model_len is not None:
-                    check_prompt_length(ids, self.max_model_len)
-            except Exception as exc:
-                raise from_engine_error(exc) from None
-            prepared.append((request_id, text, ids, params))
+        prepared = await self._loop.run_in_executor(self._tokenizing, self._tokenize, items)
+        if not self.alive:
+            raise engine_dead()
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down", "server_error", None, "server_shutdown")
         group = RequestGroup(self, [p[0] for p in prepared])
         now = time.monotonic()
         for request_id, text, ids, params in prepared:
@@ -277,6 +282,20 @@ class EngineLoop:
                 raise from_engine_error(_RefusedRequest(message, param)) from None
             raise OpenAIError(500, f"internal error: {message}", "server_error", None, "internal_error")
         return group
+
+    def _tokenize(self, items: list[Item]) -> list[tuple[str, str | None, list[int], SamplingParams]]:
+        """On the tokenizing thread: each item's (request id, text, ids, params); a callable prompt (a chat
+        template) is given this thread's tokenizer. The first refused prompt raises its 400."""
+        tokenizer, prepared = self.prompt_tokenizer, []
+        for request_id, prompt, params in items:
+            try:  # the engine process gets ids
+                text, ids = tokenize_prompt(tokenizer, prompt(tokenizer) if callable(prompt) else prompt)
+                if self.max_model_len is not None:
+                    check_prompt_length(ids, self.max_model_len)
+            except Exception as exc:
+                raise from_engine_error(exc) from None
+            prepared.append((request_id, text, ids, params))
+        return prepared
 
     def _forget(self, group: RequestGroup) -> None:
         """Nothing of `group` was added: drop its states and release its queue slots."""

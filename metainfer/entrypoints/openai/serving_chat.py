@@ -35,9 +35,9 @@ class OpenAIServingChat(OpenAIServing):
         top_k = req.top_logprobs or 0
         params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
         conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
-        tokenizer, add_generation_prompt = self.tokenizer, req.add_generation_prompt
+        add_generation_prompt = req.add_generation_prompt
 
-        def prompt():  # called by EngineLoop.submit
+        def prompt(tokenizer):  # called on EngineLoop's tokenizing thread, with its tokenizer
             try:
                 ids = apply_chat_template(tokenizer, conversation, template_kwargs, add_generation_prompt)
             except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
