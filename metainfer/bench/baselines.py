@@ -19,6 +19,9 @@ import time
 import torch
 
 from metainfer.bench.common import environment, sync, write_json
+from metainfer.entrypoints.cli import int_at_least
+
+MODES = ("eager", "compile")
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, dummy: bool):
@@ -55,6 +58,9 @@ class _TokenTimes:
 def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: int = 3, mode: str = "eager") -> dict:
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (TPOT is measured over tokens after the first), got {output_len}")
+    if min(batch_size, input_len, iters) < 1 or mode not in MODES:
+        raise ValueError(f"batch_size, input_len and iters must be >= 1 and mode one of {', '.join(MODES)}; got "
+                         f"{batch_size}, {input_len}, {iters}, {mode!r}")
     device = next(hf_model.parameters()).device
     vocab = hf_model.config.vocab_size
     ids = torch.randint(0, min(vocab, 10000), (batch_size, input_len), device=device)
@@ -89,13 +95,22 @@ def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: i
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("baseline", help="HF transformers eager / static+compile at the same shapes")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=1, help="prompts per batch (default 1)")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations (default 3)")
-    p.add_argument("--modes", default="eager,compile", help="comma-separated: eager, compile (static cache)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts per batch (default 1)")
+    p.add_argument("--input-len", type=int_at_least(1), default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens, >= 2 (default 128)")
+    p.add_argument("--iters", type=int_at_least(1), default=3, help="timed iterations (default 3)")
+    p.add_argument("--modes", type=_modes, default="eager,compile",
+                   help="comma-separated: eager, compile (static cache) (default eager,compile)")
     p.add_argument("--output-json", default=None, help="write the record (GPU name, library versions) here")
     p.set_defaults(bench_func=main)
+
+
+def _modes(text: str) -> list[str]:
+    """--modes as a list; an unknown mode is argparse's one-line error naming the option."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or not set(modes) <= set(MODES):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(MODES)}, got {text!r}")
+    return modes
 
 
 def main(args: argparse.Namespace, engine_kwargs) -> dict:
@@ -117,7 +132,7 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     device = resolve_device(kw["device"])
     dtype = resolve_dtype(kw["dtype"], "bfloat16", device)
     results = []
-    for mode in args.modes.split(","):
+    for mode in _modes(args.modes) if isinstance(args.modes, str) else args.modes:
         hf = load_hf_model(kw["model"], dtype, device, dummy=kw["load_format"] == "dummy")
         try:
             results.append(time_hf(hf, args.batch_size, args.input_len, args.output_len, args.iters, mode))

@@ -18,6 +18,7 @@ import time
 import torch
 
 from metainfer.bench.common import copy_bandwidth, decode_weight_bytes, run_on_engine, sync, write_json
+from metainfer.entrypoints.cli import check_fits_context, int_at_least
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -32,7 +33,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
 
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2 (TPOT is measured over tokens after the first), got {output_len}")
+    if min(batch_size, input_len, iters) < 1 or warmup < 0:
+        raise ValueError(f"batch_size, input_len and iters must be >= 1 and warmup >= 0, got {batch_size}, "
+                         f"{input_len}, {iters}, {warmup}")
     engine = llm.llm_engine
+    if input_len + output_len > engine.config.max_model_len:  # the KV cache may have lowered it: outputs cut short
+        raise ValueError(f"input_len + output_len is {input_len + output_len} tokens, more than the engine's "
+                         f"max_model_len ({engine.config.max_model_len}; the KV cache may have lowered it)")
     device = engine.config.torch_device
     prompts = random_prompts(batch_size, input_len, engine.spec.vocab_size)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -92,12 +99,12 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("latency", help="TTFT / TPOT / bandwidth for one batch shape")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int, default=1, help="prompts per batch (default 1)")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens (default 128)")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations (medians are reported; vLLM's "
-                   "benchmark_latency defaults to 30)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first (vLLM's default: 10)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts per batch (default 1)")
+    p.add_argument("--input-len", type=int_at_least(1), default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens, >= 2 (default 128)")
+    p.add_argument("--iters", type=int_at_least(1), default=3, help="timed iterations (medians are reported; "
+                   "vLLM's benchmark_latency defaults to 30)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed iterations first (vLLM's default: 10)")
     p.add_argument("--output-json", default=None, help="write the record (GPU name, library versions) here")
     p.set_defaults(bench_func=main)
 
@@ -108,6 +115,7 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     if args.output_len < 2:  # checked before the engine is built: TPOT needs two tokens
         raise ConfigError(f"--output-len must be >= 2 (TPOT is timed over the tokens after the first), got "
                           f"{args.output_len}")
+    check_fits_context(args, args.input_len + args.output_len, "--input-len + --output-len")
     record = run_on_engine("latency", args, engine_kwargs, lambda llm: run_latency(
         llm, args.batch_size, args.input_len, args.output_len, args.iters, warmup=args.warmup))
     print(f"batch {args.batch_size} in {args.input_len} out {args.output_len}: "

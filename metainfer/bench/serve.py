@@ -26,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from metainfer.entrypoints.cli import checked, int_at_least
+
 WORDS = ("the of and to in is was for on that with as by at from his her an which were are this be had "
          "not have it but one all their they can has been more its two new first other time some when "
          "who also would may after into only over city most such these made years many state world").split()
@@ -253,24 +255,38 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
                    help="Bearer key of a server started with --api-key (default: $METAINFER_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (chat endpoint: words)")
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request (default 64)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths)")
-    p.add_argument("--token-id-range", type=int, nargs=2, default=[10, 500], metavar=("LOW", "HIGH"),
+    p.add_argument("--num-prompts", type=int_at_least(1), default=100, help="requests to send (default 100)")
+    p.add_argument("--input-len", type=int_at_least(1), default=256, help="prompt tokens (chat endpoint: words)")
+    p.add_argument("--output-len", type=int_at_least(1), default=64, help="max_tokens of each request (default 64)")
+    p.add_argument("--random-range-ratio", type=checked(float, lambda r: 0 <= r <= 1, "in [0, 1]"), default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths), r in [0, 1]")
+    p.add_argument("--token-id-range", type=int_at_least(0), nargs=2, default=[10, 500], metavar=("LOW", "HIGH"),
                    help="random prompt ids are drawn from [LOW, HIGH); keep HIGH <= the vocabulary size")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--request-rate", type=checked(float, lambda r: r > 0, "> 0 (inf: all at once)"),
+                   default=float("inf"), help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int_at_least(1), default=None, help="most requests in flight at once")
+    p.add_argument("--temperature", type=checked(float, lambda t: 0 <= t < math.inf, ">= 0 and finite"),
+                   default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--timeout", type=checked(float, lambda t: 0 < t < math.inf, "> 0 and finite"), default=600.0,
+                   help="per-request timeout, seconds")
+    p.add_argument("--metric-percentiles", type=_percentiles, default="99",
+                   help="comma-separated, each in [0, 100], e.g. 50,90,99")
     p.add_argument("--no-warmup", action="store_true", help="skip the one untimed request before the run")
     p.add_argument("--save-detailed", action="store_true", help="add per-request lists to the JSON")
     p.add_argument("--output-json", "--result-file", dest="output_json", default=None, help="write the record here")
     p.add_argument("--json", dest="print_json", action="store_true", help="print the JSON record instead of the table")
+
+
+def _percentiles(text: str) -> list[float]:
+    """--metric-percentiles as a list of floats in [0, 100]; anything else is argparse's one-line error."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated percentiles in [0, 100], got {text!r}")
+    return values
 
 
 def add_serve_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
@@ -290,7 +306,16 @@ def main(args: argparse.Namespace) -> dict:
         usage_error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         usage_error("--max-concurrency must be >= 1")
-    record = asyncio.run(run_benchmark(args))
+    low_id, high_id = args.token_id_range
+    if not 0 <= low_id < high_id:
+        usage_error(f"--token-id-range needs 0 <= LOW < HIGH, got {low_id} {high_id}")
+    import httpx
+
+    try:
+        record = asyncio.run(run_benchmark(args))
+    except httpx.HTTPError as err:  # the server could not be reached or answered /v1/models with an error
+        raise SystemExit(f"metainfer: error: --base-url {args.base_url}: {type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0]}") from None
     if args.print_json:
         print(json.dumps(record, indent=1))
     else:

@@ -12,6 +12,7 @@ import random
 import time
 
 from metainfer.bench.common import run_on_engine, sync, write_json
+from metainfer.entrypoints.cli import check_fits_context
 
 
 def make_requests(num_seqs: int, min_in: int, max_in: int, min_out: int, max_out: int, seed: int = 0,
@@ -73,6 +74,9 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     from metainfer import SamplingParams
 
     engine = llm.llm_engine
+    if max_in + max_out > engine.config.max_model_len:  # the KV cache may have lowered it: outputs cut short
+        raise ValueError(f"max_input_len + max_output_len is {max_in + max_out} tokens, more than the engine's "
+                         f"max_model_len ({engine.config.max_model_len}; the KV cache may have lowered it)")
     device = engine.config.torch_device
     prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out, vocab=engine.spec.vocab_size)
     # warm-up on a prompt of its own: reusing a measured one would make its blocks prefix-cache hits
@@ -122,6 +126,7 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
         if not 1 <= lo <= hi:
             usage_error(f"--{low.replace('_', '-')} and --{high.replace('_', '-')} need 1 <= min <= max, "
                         f"got {lo}, {hi}")
+    check_fits_context(args, args.max_input_len + args.max_output_len, "--max-input-len + --max-output-len")
     record = run_on_engine("throughput", args, engine_kwargs, lambda llm: run_throughput(
         llm, args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len))
     print(f"{record['num_seqs']} seqs: {record['output_tok_s']:.1f} output tok/s, "

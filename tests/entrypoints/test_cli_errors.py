@@ -5,6 +5,10 @@ server packages names the extra; every option has help text."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -161,3 +165,150 @@ def test_max_n_and_max_logprobs_options(capsys, model_dir):
         assert limits.max_n == 2 and limits.max_logprobs == 1
     finally:
         llm.close()
+
+
+# -- the bench commands' sizes and the context, refused before any model loads (issue 23, item 6) ---------------
+
+def _refuse_loading(*args, **kwargs):
+    raise AssertionError("a model was loaded (or a server loaded) before the bad value was refused")
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    """Any model load (the engine; the HF baseline's) or server run fails the test: a refusal must come first."""
+    import metainfer
+    from metainfer.bench import baselines
+    from metainfer.bench import serve as bench_serve
+
+    monkeypatch.setattr(metainfer, "LLM", _refuse_loading)
+    monkeypatch.setattr(baselines, "load_hf_model", _refuse_loading)
+    monkeypatch.setattr(bench_serve, "run_benchmark", _refuse_loading)
+
+
+@pytest.fixture(scope="module")
+def weightless_dir(model_dir, tmp_path_factory):
+    """The tiny model's config and tokenizer without its weights: loading it would fail, differently."""
+    folder = tmp_path_factory.mktemp("weightless")
+    copy_model_files(model_dir, str(folder), weights=False)
+    return str(folder)
+
+
+def _usage_line(capsys, argv, status: int = 2) -> str:
+    """The CLI stops with exit `status` and one line on stderr (argparse's own, "metainfer bench latency: error:
+    argument --x: ...", or the commands' "metainfer: error: ..."), nothing on stdout; return the line."""
+    with pytest.raises(SystemExit) as exit_:
+        rc = cli.main(argv)
+        raise SystemExit(rc)
+    captured = capsys.readouterr()
+    code = exit_.value.code
+    message = code if isinstance(code, str) else ""
+    lines = [line for line in (captured.err + message).splitlines() if line.strip()]
+    assert (1 if message else code) == status and len(lines) == 1 and not captured.out.strip(), (code, lines)
+    assert lines[0].startswith("metainfer") and ": error: " in lines[0] and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("bench, argv, option", [
+    ("latency", ["--input-len", "-1"], "--input-len"), ("latency", ["--input-len", "0"], "--input-len"),
+    ("latency", ["--batch-size", "0"], "--batch-size"), ("latency", ["--batch-size", "-2"], "--batch-size"),
+    ("latency", ["--iters", "0"], "--iters"), ("latency", ["--warmup", "-1"], "--warmup"),
+    ("latency", ["--input-len", "1.5"], "--input-len"),
+    ("baseline", ["--batch-size", "0"], "--batch-size"), ("baseline", ["--input-len", "-1"], "--input-len"),
+    ("baseline", ["--iters", "0"], "--iters"), ("baseline", ["--modes", "eager,fast"], "--modes"),
+    ("throughput", ["--num-seqs", "-1"], "--num-seqs"),
+    ("serve", ["--num-prompts", "0"], "--num-prompts"), ("serve", ["--input-len", "0"], "--input-len"),
+    ("serve", ["--output-len", "-1"], "--output-len"), ("serve", ["--max-concurrency", "0"], "--max-concurrency"),
+    ("serve", ["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    ("serve", ["--random-range-ratio", "-0.1"], "--random-range-ratio"),
+    ("serve", ["--request-rate", "0"], "--request-rate"), ("serve", ["--request-rate", "nan"], "--request-rate"),
+    ("serve", ["--temperature", "-1"], "--temperature"), ("serve", ["--temperature", "inf"], "--temperature"),
+    ("serve", ["--timeout", "0"], "--timeout"), ("serve", ["--metric-percentiles", "50,abc"], "--metric-percentiles"),
+    ("serve", ["--metric-percentiles", "101"], "--metric-percentiles"),
+    ("serve", ["--token-id-range", "5", "2"], "--token-id-range"),
+    ("serve", ["--token-id-range", "-1", "5"], "--token-id-range"),
+])
+def test_bad_bench_values_are_one_line_before_the_model_loads(capsys, no_loading, bench, argv, option):
+    line = _usage_line(capsys, ["bench", bench, "--model", MISSING, *argv])
+    assert option in line and MISSING not in line, line
+
+
+@pytest.mark.parametrize("bench, argv, message", [
+    ("latency", ["--input-len", "500", "--output-len", "13"], "--input-len + --output-len is 513 tokens, more than "
+                                                            "max_model_len (512, the model's max_position_embeddings"),
+    ("latency", ["--max-model-len", "64", "--input-len", "60", "--output-len", "8"],
+     "--input-len + --output-len is 68 tokens, more than max_model_len (64, --max-model-len)"),
+    ("throughput", ["--max-input-len", "300", "--max-output-len", "300"],
+     "--max-input-len + --max-output-len is 600 tokens, more than max_model_len (512,"),
+])
+def test_bench_shape_over_the_context_is_one_line_before_the_model_loads(capsys, no_loading, weightless_dir, bench,
+                                                                        argv, message):
+    """The tiny model's config says max_position_embeddings 512: a shape whose outputs the engine would cut short
+    is refused from the config alone (the weights are not there to load)."""
+    line = _usage_line(capsys, ["bench", bench, "--model", weightless_dir, "--device", "cpu", *argv])
+    assert line.startswith(f"metainfer: error: {message}"), line
+
+
+def test_bench_shape_that_fits_the_context_reaches_the_engine(capsys, no_loading, weightless_dir):
+    """512 tokens in all is the context exactly: not refused early (the patched loader is what stops it)."""
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        cli.main(["bench", "latency", "--model", weightless_dir, "--input-len", "500", "--output-len", "12"])
+
+
+def test_prompt_over_the_context_is_refused_before_the_model_loads(capsys, no_loading, weightless_dir):
+    """The prompt's length comes from the tokenizer, the context from --max-model-len or the model's config; the
+    message names the option that sets it."""
+    line = _usage_line(capsys, ["generate", "hello " * 40, "--model", weightless_dir, "--max-model-len", "16"])
+    assert line.startswith("metainfer: error: --max-model-len: prompt is ") and "max_model_len (16)" in line, line
+    line = _usage_line(capsys, ["generate", "short", "hello " * 600, "--model", weightless_dir])
+    assert "--max-model-len: " in line and "max_model_len (512)" in line and "(prompt 2 of 2)" in line, line
+
+
+def test_the_early_prompt_check_refuses_only_what_the_engine_would(weightless_dir):
+    """The rule is the engine's (check_prompt_length: a prompt of max_model_len tokens still gets its one token):
+    the count comes from the HF tokenizer itself, not from the code under test."""
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is " * 30
+    tokens = len(AutoTokenizer.from_pretrained(weightless_dir).encode(prompt))
+    args = cli.build_parser().parse_args(["generate", "--model", weightless_dir, "--max-model-len", str(tokens)])
+    cli.check_prompts_fit(args, [prompt])  # fits exactly: left to the engine
+    args.max_model_len = tokens - 1
+    with pytest.raises(SystemExit) as exit_:
+        cli.check_prompts_fit(args, [prompt])
+    assert exit_.value.code == 2
+
+
+def test_engine_seed_out_of_range_names_the_option(capsys, weightless_dir):
+    """torch.manual_seed's overflow named no option; EngineConfig refuses the seed before any weight is read."""
+    line = _usage_line(capsys, ["bench", "latency", "--model", weightless_dir, "--device", "cpu",
+                                "--seed", str(2**64)])
+    assert line.startswith("metainfer: error: --seed: seed must be in [-2**63, 2**64)"), line
+
+
+def test_bench_serve_without_a_server_is_one_line(capsys):
+    from tests.helpers.server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    line = _usage_line(capsys, ["bench", "serve", "--base-url", url, "--timeout", "5"], status=1)
+    assert line.startswith(f"metainfer: error: --base-url {url}: ConnectError"), line
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bad_values_fail_fast_in_the_console_command(weightless_dir):
+    """Two of the review's cases as real `metainfer` processes (side by side; the rest run in-process above): exit 2,
+    one stderr line naming the option, no traceback, quickly; the folder has no weights, so a load would have
+    failed otherwise."""
+    cases = [(["bench", "latency", "--input-len", "-1"], "argument --input-len"),
+             (["generate", "hello " * 40, "--max-model-len", "16"], "--max-model-len: prompt is 41 tokens long")]
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "metainfer.entrypoints.cli", *argv, "--model", weightless_dir,
+                               "--device", "cpu"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv, _ in cases]
+    for proc, (argv, expected) in zip(procs, cases):
+        out, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], (argv[:3], proc.returncode, err)
+        assert "Traceback" not in err and not out.strip()
+    assert time.perf_counter() - start < 30  # ~4 s on 2 idle cores; a model load would fail, not just be slow
