@@ -76,7 +76,7 @@ def int_at_least(low: int):
     return checked(int, lambda value: value >= low, f">= {low}")
 
 
-def configured_max_model_len(args) -> int:
+def _configured_max_model_len(args) -> int:
     """The max_model_len an engine of these options starts from, read without loading any weight: --max-model-len,
     else the model config's max_position_embeddings (through the engine's own spec reader). The engine may lower it
     when the KV cache holds fewer tokens, so a request over this value is certainly refused; one under it may still
@@ -98,7 +98,7 @@ def check_fits_context(args, tokens: int, what: str) -> None:
     """Refuse, before the weights load, a benchmark shape whose prompt + output tokens exceed the context (the
     engine would cut its outputs short); the engine may still lower the context (KV capacity), which the benchmark
     checks again once it is built."""
-    context = configured_max_model_len(args)
+    context = _configured_max_model_len(args)
     if 1 <= context < tokens:  # < 1: EngineConfig names --max-model-len
         source = "--max-model-len" if args.max_model_len is not None else \
             "the model's max_position_embeddings; --max-model-len sets it"
@@ -110,7 +110,7 @@ def check_prompts_fit(args, prompts: list[str]) -> None:
     check_prompt_length, which stays the backstop: the KV cache may shorten the context further). The tokenizer
     is loaded for it only when a prompt could be that long: no tokenizer here makes more tokens than a prompt's
     UTF-8 bytes plus a few special ones (one that did would only reach the engine's check)."""
-    context = configured_max_model_len(args)
+    context = _configured_max_model_len(args)
     if context < 1 or all(len(p.encode()) + 16 <= context for p in prompts):  # < 1: EngineConfig names it
         return
     from metainfer.config import locate_model
