@@ -56,7 +56,7 @@ def usage_error(message: str) -> NoReturn:
 def checked(convert, ok, what: str):
     """An argparse `type`: `convert` the text (int, float) and keep the value when `ok(value)`; otherwise
     argparse's usage error, one line naming the option (OneLineErrorParser), exit status 2, while parsing:
-    before anything is imported or loaded. `what` completes "must be ..." (">= 1", "in [0, 1]")."""
+    before any model file is read. `what` completes "must be ..." (">= 1", "in [0, 1]")."""
 
     def parse(text: str):
         try:
@@ -108,8 +108,8 @@ def check_fits_context(args, tokens: int, what: str) -> None:
 def check_prompts_fit(args, prompts: list[str]) -> None:
     """Refuse, before the weights load, a prompt longer than the context (the rule of the engine's
     check_prompt_length, which stays the backstop: the KV cache may shorten the context further). The tokenizer
-    is loaded for it only when a prompt could be that long: no tokenizer here makes more tokens than a prompt's
-    UTF-8 bytes plus a few special ones (one that did would only reach the engine's check)."""
+    is loaded for it only when a prompt could be that long: byte-level BPE and byte-fallback SentencePiece make at
+    most one token a UTF-8 byte plus a few special ones (a tokenizer that made more would reach the engine's check)."""
     context = _configured_max_model_len(args)
     if context < 1 or all(len(p.encode()) + 16 <= context for p in prompts):  # < 1: EngineConfig names it
         return
