@@ -148,3 +148,73 @@ def test_fp8_latent_cache_teacher_forced_logits(reference, path):
         for name, other in (("unrounded", unrounded), ("latent only", latent_only), ("k_pe only", k_pe_only)):
             off = _max_logprob_error(ours, other)
             assert off > 10 * LOGPROB_ATOL, f"as close to HF with {name} rounding ({off:.3g}) as to fp8 ({err:.3g})"
+
+
+@pytest.fixture(scope="module")
+def saturating(tmp_path_factory):
+    """The tiny checkpoint with latents past fp8's range: kv_a_layernorm's weight x150 (kv_b_proj / 150, so
+    K and V keep their size) and k_pe's rows of kv_a_proj_with_mqa x60, so both cached parts reach +-448."""
+    folder = str(tmp_path_factory.mktemp("deepseek_v2-fp8-saturating"))
+    model = build_tiny_model(folder, "deepseek_v2")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.kv_a_layernorm.weight.mul_(150.0)
+            attn.kv_b_proj.weight.div_(150.0)
+            attn.kv_a_proj_with_mqa.weight[attn.kv_lora_rank:].mul_(60.0)
+    model.save_pretrained(folder)
+    prompts = make_prompts(LENGTHS)
+    with fp8_latent(model):
+        expected = hf_greedy(model, prompts, NEW_TOKENS)
+    return folder, prompts, expected, model
+
+
+def test_fp8_latent_cache_clamps_like_hf_over_saturated_latent(saturating):
+    """Latent and k_pe values beyond +-448 are stored saturated, as the reference's clamp does: the same greedy
+    tokens and teacher-forced log-probabilities. (torch 2.13's CPU fp8 cast saturates by itself, so on the
+    torch path this checks the stored values, not the clamp; the Triton test below checks the kernels' clamp.)"""
+    folder, prompts, expected, model = saturating
+    llm = _llm(folder)
+    got = generate_ids(llm, prompts, GREEDY)
+    with fp8_latent(model):
+        assert_matches_hf(model, prompts, got, expected, LOGPROB_ATOL)
+    tokens = torch.tensor(prompts[5] + expected[5])
+    ours = teacher_forced_logits(llm, tokens, len(prompts[5]), NEW_TOKENS)
+    cache = llm.llm_engine.runner.attn_backend.pool.float()
+    lat = llm.llm_engine.runner.attn_backend.kv_lora_rank
+    assert (cache[..., :lat].abs() == 448).sum() > 10 and (cache[..., lat:].abs() == 448).sum() > 10
+    with fp8_latent(model):
+        rounded = hf_logits(model, tokens, len(prompts[5]), NEW_TOKENS)
+    err = _max_logprob_error(ours, rounded)
+    assert err < LOGPROB_ATOL < 10 * LOGPROB_ATOL < _max_logprob_error(ours, hf_logits(model, tokens, len(prompts[5]),
+                                                                                      NEW_TOKENS)), err
+
+
+@pytest.mark.slow  # the Triton interpreter: 8-22 s a model here
+@pytest.mark.parametrize("model_fixture", ["reference", "saturating"])
+def test_fp8_latent_cache_triton_kernels_match_hf_over_fp8_latent(model_fixture, request):
+    """The GPU path's MLA kernels (the fused latent norm + rope + fp8 store with its clamp, split-KV latent
+    decode, absorbed prefill, the K-up / V-up; interpreted on the CPU) over the fp8 latent cache: still the
+    rounded reference's tokens and log-probabilities. The tests above run the torch references only."""
+    import dataclasses
+
+    from metainfer.kernels import REF_OPS, TRITON_OPS
+
+    folder, prompts, expected, model = request.getfixturevalue(model_fixture)
+    names = ("mla_absorb", "mla_value_up", "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
+             "mla_decode_workspace_numel")
+    ops = dataclasses.replace(REF_OPS, backend="triton", **{n: getattr(TRITON_OPS, n) for n in names})
+    llm = _llm(folder, max_num_seqs=4)
+    llm.llm_engine.runner.swap_kernels(ops)
+    assert llm.llm_engine.runner.attn_backend._prep is TRITON_OPS.mla_latent_prep
+    few = prompts[:4]
+    got = generate_ids(llm, few, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with fp8_latent(model):
+        assert_matches_hf(model, few, got, [e[:8] for e in expected[:4]], LOGPROB_ATOL)
+    tokens = torch.tensor(prompts[3] + expected[3])
+    ours = teacher_forced_logits(llm, tokens, len(prompts[3]), 8)
+    with fp8_latent(model):
+        rounded = hf_logits(model, tokens, len(prompts[3]), 8)
+    unrounded = hf_logits(model, tokens, len(prompts[3]), 8)
+    err = _max_logprob_error(ours, rounded)
+    assert err < LOGPROB_ATOL < 10 * LOGPROB_ATOL < _max_logprob_error(ours, unrounded), err
