@@ -3,8 +3,9 @@ up-projects from the latent rounded as the cache stores it: [kv_a_layernorm(c), 
 +-448 and cast to float8_e4m3fn (kernels/mla_prep.py). The reference is HF and torch alone: its
 `DeepseekV2Attention.expand_kv` (the step that turns the cached latent into per-head K/V) sees both
 parts rounded. Greedy tokens (fp32, CPU) under batching, chunked prefill, preemption and prefix hits, and
-teacher-forced logits through the absorbed decode, absorbed prefill and expanded prefill. The dense
-family's counterpart: tests/models/test_fp8_kv_parity.py."""
+teacher-forced logits through the absorbed decode, absorbed prefill and expanded prefill; latents past
++-448 stored saturated; the Triton MLA kernels (slow). The dense family's counterpart:
+tests/models/test_fp8_kv_parity.py."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Log-probability tolerance. fp32 noise upstream of a latent (in HF or the engine, which order their sums
-# differently) can put a value on the other side of an fp8 rounding midpoint: one element moves by an fp8 step
-# and the log-probs by up to ~1e-2 (HF fp32 against HF fp64, both rounded: 1.1e-2; the engine against HF fp32,
-# 5 seeds x 3 prompts x 3 paths: at most 6.3e-3, usually ~1e-4). The rounding itself moves them by 4-10 (HF
-# unrounded, or rounding only one of the two parts). 5e-2 sits between, 100x below the effect under test;
-# greedy parity allows a divergence where HF's top-2 margin is below it, for the same reason.
+# differently) can put a value on the other side of an fp8 rounding midpoint: one element moves by an fp8
+# step and the log-probs by up to ~1e-2 (HF fp32 against HF fp64, both rounded, a 100-token prompt: 1.1e-2;
+# the engine against HF fp32, 5 seeds x 3 prompts x 3 paths: at most 6.3e-3, usually ~1e-4). The rounding
+# itself moves them by 4-10 (HF unrounded, or rounding only one of the two parts). 5e-2 sits between, 100x
+# below the effect under test; greedy parity allows a divergence where HF's top-2 margin is below it, for
+# the same reason.
 LOGPROB_ATOL = 5e-2
 
 
