@@ -3,6 +3,8 @@ and 256, and the mixed steps of issue 23's ITL tail)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 
 import torch
@@ -141,6 +143,21 @@ def profile_batch(args, results) -> dict:
     return res
 
 
+def _host_functions(run, per: int, top: int = 20) -> list:
+    """cProfile over `run()`: the functions with the most cumulative wall ms per step, as (file:line(name), ms).
+    Time blocked on the GPU (the read-back of the step before, under async scheduling) shows as the read-back's;
+    the rest is the host's own work a step, by function."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler)
+    rows = [(f"{os.path.basename(f)}:{line}({fn})", ct * 1e3 / per)
+            for (f, line, fn), (_, _, _, ct, _) in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def profile_mixed(args, results) -> dict:
     """Issue 23's ITL tail: steps of 64 running decodes (context ~512-640) with one new prompt of P tokens
     beside them (P = 128, 512; max_tokens 1, so the running set stays at 64), against pure decode steps of the
@@ -207,14 +224,16 @@ def profile_mixed(args, results) -> dict:
             steps(prompt_len, n)
             torch.cuda.synchronize()
         buckets = kernel_buckets(prof, per=n)
+        host_functions = _host_functions(functools.partial(steps, prompt_len, n), n)
         res[name] = {"wall_ms_per_step": wall, "serial_ms_per_step": serial,
                      "host_enqueue_ms_median": statistics.median(host) if host else None,
                      "steps_of_this_kind": kinds_seen,
                      "device_ms_per_step": sum(buckets.values()), "device_ms_per_step_by_kind": buckets,
                      "launches_per_step": sum(e.count for e in prof.key_averages()
                                               if not e.key.startswith(("aten::", "cuda"))) / n,
-                     "top_kernels_ms_per_step": top_kernels(prof, n, 12)}
-        show(f"profile_mixed {name}", {k: v for k, v in res[name].items() if not k.startswith("top")})
+                     "top_kernels_ms_per_step": top_kernels(prof, n, 12),
+                     "host_ms_per_step_by_function": host_functions}
+        show(f"profile_mixed {name}", {k: v for k, v in res[name].items() if not k.startswith(("top", "host_ms"))})
     runner.compute_logits = forward
     llm = engine = runner = None  # the closures hold the engine: drop it before releasing its memory
     release()
