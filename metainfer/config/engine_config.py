@@ -138,8 +138,8 @@ class EngineConfig:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if not -2**63 <= self.seed < 2**64:  # torch.manual_seed's range (its overflow names no field)
-            raise ConfigError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if not 0 <= self.seed < 2**64:  # torch.manual_seed's (its overflow names no field) and MLX's (no negatives)
+            raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:

@@ -112,7 +112,11 @@ class LLMEngine:
         # every Triton kernel variant compiled before the engine takes requests (worker/warmup.py); under an
         # external launcher rank 0 runs the steps and the other ranks replay them (LaunchedRank.warm_up)
         warm_up = self.launcher.warm_up if self.launcher is not None else getattr(self.runner, "warm_up", None)
-        self.warmup_seconds = warm_up() if warm_up is not None else 0.0
+        try:
+            self.warmup_seconds = warm_up() if warm_up is not None else 0.0
+        except BaseException:
+            self.close()  # the TP workers / the launched group: a caller that catches the error leaks nothing
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < config.max_model_len:

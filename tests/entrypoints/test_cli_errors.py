@@ -278,11 +278,13 @@ def test_the_early_prompt_check_refuses_only_what_the_engine_would(weightless_di
     assert exit_.value.code == 2
 
 
-def test_engine_seed_out_of_range_names_the_option(capsys, weightless_dir):
-    """torch.manual_seed's overflow named no option; EngineConfig refuses the seed before any weight is read."""
+@pytest.mark.parametrize("seed", [2**64, -1])
+def test_engine_seed_out_of_range_names_the_option(capsys, weightless_dir, seed):
+    """torch.manual_seed's overflow (and MLX's refusal of a negative seed) named no option; EngineConfig refuses
+    the seed before any weight is read."""
     line = _usage_line(capsys, ["bench", "latency", "--model", weightless_dir, "--device", "cpu",
-                                "--seed", str(2**64)])
-    assert line.startswith("metainfer: error: --seed: seed must be in [-2**63, 2**64)"), line
+                                "--seed", str(seed)])
+    assert line.startswith("metainfer: error: --seed: seed must be in [0, 2**64)"), line
 
 
 def test_bench_serve_without_a_server_is_one_line(capsys):

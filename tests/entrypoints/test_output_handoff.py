@@ -330,3 +330,103 @@ def test_a_slow_prompt_is_tokenized_off_the_event_loop():
         assert loop.prompt_tokenizer.thread.startswith("metainfer-tokenize")
 
     asyncio.run(run())
+
+
+def test_the_queue_cap_holds_for_requests_that_were_tokenizing_together():
+    """Two requests arrive together while tokenizing is slow (off the loop): the first one's slot is held while it
+    tokenizes, so with a cap of 1 the second is refused (503 queue_full) instead of overfilling the queue."""
+    import time
+
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class SlowTokenizer(_Tokenizer):
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(0.2)
+            return [1, 2, 3]
+
+    class Handle:
+        alive = True
+
+    async def run():
+        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics(), max_queued_requests=1)
+        loop._loop = asyncio.get_running_loop()
+        loop._send = lambda msg: None  # the engine never answers the add: the first request stays queued
+        first = asyncio.create_task(loop.submit([("a", "text a", SamplingParams(max_tokens=2))]))
+        second = asyncio.create_task(loop.submit([("b", "text b", SamplingParams(max_tokens=2))]))
+        with pytest.raises(OpenAIError) as info:
+            await second
+        assert info.value.status == 503 and info.value.code == "queue_full"
+        await asyncio.sleep(0.4)  # the first finished tokenizing and was added
+        assert loop.num_queued == 1 and loop.num_admitting == 0 and list(loop._requests) == ["a"]
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    asyncio.run(run())
+
+
+def test_drain_waits_for_a_request_still_tokenizing_and_takes_it():
+    """A request accepted before the drain began and still tokenizing is waited for and taken (not refused with
+    a 503 after the fact); one arriving after the drain began is refused."""
+    import time
+
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class SlowTokenizer(_Tokenizer):
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(0.3)
+            return [1, 2, 3]
+
+    class Handle:
+        alive = True
+
+    async def run():
+        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics())
+        loop._loop = asyncio.get_running_loop()
+        sent = []
+        loop._send = sent.append  # the engine never answers: the taken request stays in flight
+        accepted = asyncio.create_task(loop.submit([("a", "text", SamplingParams(max_tokens=2))]))
+        await asyncio.sleep(0.05)  # it is tokenizing now
+        assert loop.num_admitting == 1
+        drain = asyncio.create_task(loop.drain(timeout=1.0))
+        await asyncio.sleep(0)  # the drain has begun
+        with pytest.raises(OpenAIError) as info:
+            await loop.submit([("b", "text", SamplingParams(max_tokens=2))])
+        assert info.value.status == 503 and info.value.code == "server_shutdown"
+        await asyncio.sleep(0.4)  # the accepted one finished tokenizing while the drain waited
+        assert not drain.done() and [m[0] for m in sent] == ["add"] and "a" in loop._requests
+        accepted.cancel()
+        await drain
+
+    asyncio.run(run())
+
+
+def test_a_submit_queued_behind_tokenizing_gets_a_503_when_the_engine_stops():
+    """stop() cancels the tokenizing thread's queued work: a submit waiting there answers 503 (engine gone), not a
+    bare CancelledError without a response body."""
+    import time
+
+    from metainfer.entrypoints.openai.errors import OpenAIError
+
+    class SlowTokenizer(_Tokenizer):
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(0.3)
+            return [1, 2, 3]
+
+    class Handle:
+        alive = True
+
+    async def run():
+        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics())
+        loop._loop = asyncio.get_running_loop()
+        first = asyncio.create_task(loop.submit([("a", "text", SamplingParams(max_tokens=2))]))
+        queued = asyncio.create_task(loop.submit([("b", "text", SamplingParams(max_tokens=2))]))
+        await asyncio.sleep(0.05)
+        loop._dead = "the server stopped"  # what stop() records, then it shuts the tokenizing thread down
+        loop._tokenizing.shutdown(wait=False, cancel_futures=True)
+        for task in (first, queued):
+            with pytest.raises(OpenAIError) as info:
+                await task
+            assert info.value.status == 503
+
+    asyncio.run(run())

@@ -155,6 +155,7 @@ class EngineLoop:
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.num_queued = 0  # requests without a first output yet
+        self.num_admitting = 0  # requests accepted and being tokenized (not yet in num_queued)
         self._requests: dict[str, RequestState] = {}
         self._adds: dict[int, asyncio.Future] = {}
         self._group_ids = itertools.count()
@@ -229,7 +230,7 @@ class EngineLoop:
         the rest with a ServerShutdown (a stream's final event says so) so every connection closes."""
         self.draining = True
         deadline = time.monotonic() + timeout
-        while (self.num_in_flight or self._adds) and time.monotonic() < deadline:
+        while (self.num_in_flight or self._adds or self.num_admitting) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if self.num_in_flight:
             try:
@@ -243,19 +244,18 @@ class EngineLoop:
     async def submit(self, items: list[Item]) -> RequestGroup:
         """Add one HTTP request's engine requests; 503 when the engine is down or the queue is full, 400 when
         a prompt or a value is refused (here or by the engine)."""
-        if not self.alive:
+        self._check_admissible(len(items))
+        self.num_admitting += len(items)  # held against the queue cap and waited for by drain while tokenizing
+        try:
+            prepared = await self._loop.run_in_executor(self._tokenizing, self._tokenize, items)
+        except asyncio.CancelledError:
+            if self._dead is not None and not asyncio.current_task().cancelling():
+                raise engine_dead() from None  # stop() cancelled the queued tokenizing, not the client
+            raise
+        finally:
+            self.num_admitting -= len(items)
+        if not self.alive:  # accepted before a drain began: it is still taken; a dead engine cannot
             raise engine_dead()
-        if self.draining:
-            raise OpenAIError(503, "the server is shutting down", "server_error", None, "server_shutdown")
-        cap = self.max_queued_requests
-        if cap is not None and self.num_queued + len(items) > cap:
-            raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
-                              "server_error", None, "queue_full")
-        prepared = await self._loop.run_in_executor(self._tokenizing, self._tokenize, items)
-        if not self.alive:
-            raise engine_dead()
-        if self.draining:
-            raise OpenAIError(503, "the server is shutting down", "server_error", None, "server_shutdown")
         group = RequestGroup(self, [p[0] for p in prepared])
         now = time.monotonic()
         for request_id, text, ids, params in prepared:
@@ -282,6 +282,17 @@ class EngineLoop:
                 raise from_engine_error(_RefusedRequest(message, param)) from None
             raise OpenAIError(500, f"internal error: {message}", "server_error", None, "internal_error")
         return group
+
+    def _check_admissible(self, num_requests: int) -> None:
+        """503 when the engine is gone, the server drains, or `num_requests` more would overfill the queue."""
+        if not self.alive:
+            raise engine_dead()
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down", "server_error", None, "server_shutdown")
+        cap = self.max_queued_requests
+        if cap is not None and self.num_queued + self.num_admitting + num_requests > cap:
+            raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
+                              "server_error", None, "queue_full")
 
     def _tokenize(self, items: list[Item]) -> list[tuple[str, str | None, list[int], SamplingParams]]:
         """On the tokenizing thread: each item's (request id, text, ids, params); a callable prompt (a chat
