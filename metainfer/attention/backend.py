@@ -66,23 +66,30 @@ class AttentionBackend(ABC):
         (a backend may transform it on the way, e.g. the paged one's fused q/k norm and rotary)."""
 
     @abstractmethod
-    def prefill(self, layer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Causal attention of a prefill/extend step's new tokens over the cache (theirs already stored)."""
+    def prefill(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of a prefill/extend step's new tokens over the cache (theirs already stored) ->
+        [T, width]; written into `out` ([T, width]) when given."""
 
     @abstractmethod
-    def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of one query token per sequence over its cache (this step's K/V already stored)."""
+    def decode(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one query token per sequence over its cache (this step's K/V already stored) ->
+        [B, width]; written into `out` when given."""
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """store, then prefill or decode, under the current forward context (the step's metadata). A mixed
-        step: prefill over the prefill rows (absolute row offsets: rows 0 .. D-1 of its output are left
-        unwritten), then the decode rows through the decode kernel into those rows."""
+        """store, then attend, under the current forward context (the step's metadata)."""
         meta = get_attention_metadata()
-        q = self.store(layer, q, k, v, meta)
+        return self.attend(layer, self.store(layer, q, k, v, meta), meta)
+
+    def attend(self, layer, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill or decode of q (as `store` returned it) over the cache, into `out` when given (the
+        piecewise graphs' static output: the store runs inside their captured pieces, this between them).
+        A mixed step: prefill over the prefill rows (absolute row offsets: rows 0 .. D-1 are left to the
+        decode), then the decode rows through the decode kernel, written into rows 0 .. D-1 in place."""
         if not meta.is_prefill:
-            return self.decode(layer, q, meta)
+            return self.decode(layer, q, meta, out)
         if meta.decode_part is None:
-            return self.prefill(layer, q, meta)
-        out = self.prefill(layer, q, meta.prefill_part)
-        out[: meta.prefill_part.first_row] = self.decode(layer, q[: meta.prefill_part.first_row], meta.decode_part)
+            return self.prefill(layer, q, meta, out)
+        d = meta.prefill_part.first_row
+        out = self.prefill(layer, q, meta.prefill_part, out)
+        self.decode(layer, q[:d], meta.decode_part, out[:d])
         return out

@@ -81,19 +81,19 @@ class MLABackend(AttentionBackend):
                    layer.latent_cache, meta.slot_mapping)
         return q
 
-    def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+    def prefill(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._expanded_wins(meta):
-            return self._prefill_expanded(layer, q, meta)
+            return _into(out, self._prefill_expanded(layer, q, meta))
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
                               meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
-        return self._value_up(o_lat, layer.w_uv)
+        return _into(out, self._value_up(o_lat, layer.w_uv))
 
-    def decode(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+    def decode(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
                              meta.context_lens, layer.scale)
-        return self._value_up(o_lat, layer.w_uv)
+        return _into(out, self._value_up(o_lat, layer.w_uv))
 
     def _expanded_wins(self, meta) -> bool:
         """The expanded form where it was measured faster: a step of plain prefills (no cached prefix, no
@@ -121,3 +121,8 @@ class MLABackend(AttentionBackend):
             out[start:start + length] = o[0].transpose(0, 1)
             start += length
         return out.view(q.shape[0], -1)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result` in `out` when one is given (the value-up GEMMs allocate their own output)."""
+    return result if out is None else out.copy_(result)

@@ -72,13 +72,15 @@ class PagedAttentionBackend(AttentionBackend):
                              self.num_heads, self.num_kv_heads, self.head_dim)
         return q
 
-    def prefill(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+    def prefill(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         out = self._prefill(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.context_lens,
-                            meta.block_tables, meta.max_seqlen_q, layer.scale)
+                            meta.block_tables, meta.max_seqlen_q, layer.scale,
+                            out=None if out is None else out.view(q.shape))
         return out.reshape(-1, self.q_size)
 
-    def decode(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
-        out = self._decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens, layer.scale)
+    def decode(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens, layer.scale,
+                           out=None if out is None else out.view(q.shape))
         return out.reshape(-1, self.q_size)
 
 

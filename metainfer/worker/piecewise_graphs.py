@@ -1,22 +1,25 @@
-"""Piecewise CUDA graphs for prefill and mixed steps: every layer's non-attention work captured per token
-bucket, the attention run eagerly between the pieces (vLLM v1's piecewise graphs, without torch.compile).
+"""Piecewise CUDA graphs for prefill and mixed steps: every layer's work but the attention itself captured per
+token bucket, the attention run eagerly between the pieces (vLLM v1's piecewise graphs, without torch.compile).
 
 Why: an eager step launches ~17 kernels a layer from Python (~30 us each: ~20 ms a step for 36 layers), more
 than the GPU time of a mixed step of a few hundred tokens, so a mixed step (decode rows beside a new prompt's
 prefill, issue 23's unified schedule) was host-bound: its inter-token gap twice a decode step's. Attention is
-what cannot be captured for every step alike (its grid and lengths follow the batch's sequences), and
-everything else only depends on the token count, so each bucket of T_b tokens holds L + 1 graphs:
+what cannot be captured for every step alike (its grid and lengths follow the batch's sequences); everything
+else, the K/V store included, only depends on the token count, so each bucket of T_b tokens holds L + 1 graphs:
 
-  piece 0      embedding, layer 0's norm and q/k/v (or MLA q / latent) projections
-  piece i      layer i-1's o_proj, post-attention norm and MLP/MoE, layer i's norm and projections
+  piece 0      the step inputs (ids, positions; PENDING tokens from the sampled ids), embedding, layer 0's
+               norm, q/k/v (or MLA q / latent) projections and K/V store (`backend.store`)
+  piece i      layer i-1's o_proj, post-attention norm and MLP/MoE, layer i's norm, projections and store
   piece L      the last layer's o_proj, norm and MLP, the final norm -> `hidden` [T_b, H]
 
-Between pieces the attention layer's inputs are copied (inside the piece) into static buffers shared by every
-layer and bucket; `backend.forward` runs eagerly on their first T rows under the step's metadata (K/V store,
-prefill / decode kernels); its output is copied into one static buffer the next piece reads. Rows T..T_b are
-padding: their ids are stale (valid) ids of earlier steps and their attention output whatever the buffer held
-(zeros at first); rows never mix outside attention, so they cannot reach the real rows, and the logits are
-taken at the real rows only.
+A bucket's steps are packed at one layout (`pack_step(token_rows=T_b)`: the token fields at fixed offsets of
+the staging buffer, padded rows with slot -1), so the captured step inputs and stores read each replay's
+values in place. Each piece ends by copying the store's query into one static buffer shared by every layer
+and bucket; `backend.attend` runs eagerly on its first T rows under the step's metadata (prefill and decode
+kernels only: two launches a layer for a mixed step) and writes into one static output the next piece reads.
+Rows T..T_b are padding: their ids are 0, they store nothing and their attention output is whatever the buffer
+held; rows never mix outside attention, so they cannot reach the real rows, and the logits are taken at the
+real rows only.
 
 Memory: the pieces have a pool of their own. A tensor made in piece i and read in piece i+1 (a layer's MLP
 output) is released after piece i+1's capture and may be reused by later pieces, which is safe because a
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from metainfer.attention import forward_context
+from metainfer.attention import forward_context, get_attention_metadata
 from metainfer.engine.scheduler import ScheduledBatch
 from metainfer.worker.step_inputs import pack_step
 from metainfer.worker.warmup import BlockCycle, WarmupStep, warmup_batch
@@ -58,10 +61,10 @@ def _capture_batch(num_tokens: int, max_len: int, blocks: BlockCycle, block_size
 
 
 class _Split:
-    """Stands in for the attention backend while a bucket is captured: at each attention call, copies the
-    arguments into the static buffers (inside the current piece), ends the piece, runs the attention segment
-    eagerly (recording it for the replays) and begins the next piece. `probing`: the uncaptured run before a
-    bucket's capture (compiles; sizes the static buffers), which calls the backend directly."""
+    """Stands in for the attention backend while a bucket is captured: at each attention call, runs the store
+    and copies its query into the static query buffer (inside the current piece), ends the piece, runs the
+    attention segment eagerly (recording it for the replays) and begins the next piece. `probing`: the
+    uncaptured run before a bucket's capture (compiles; sizes the static buffers), which attends directly."""
 
     def __init__(self, owner: PiecewiseGraphs):
         self.owner = owner
@@ -80,39 +83,33 @@ class _Split:
             self.pool = self.graph.pool()
         return self.graph.replay
 
-    def forward(self, layer, *args):
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         owner = self.owner
+        q = owner.real_backend.store(layer, q, k, v, get_attention_metadata())  # the piece's store
+        rows = q.shape[0]
         if self.probing:
-            out = owner.real_backend.forward(layer, *args)
-            owner.static_inputs(args)
-            owner.static_output(out.shape, out.dtype)
+            out = owner.real_backend.attend(layer, q, owner.meta)
+            owner.size_statics(q, out)
             return out
-        statics, copies = owner.static_inputs(args)
-        for static, source in copies:
-            static.copy_(source)
+        owner.static_q[:rows].copy_(q)
         owner.segments.append(self.end())
-        attention = _EagerAttention(owner, layer, statics)
-        attention()  # at capture the statics hold earlier values (the piece was recorded, not run): shapes only
+        attention = _EagerAttention(owner, layer)
+        attention()  # at capture the static query holds earlier values (the piece was recorded, not run)
         owner.segments.append(attention)
         self.begin()
-        return attention.static_out
+        return owner.static_out[:rows]
 
 
 class _EagerAttention:
-    """One attention call between two pieces: the backend on the static inputs' first T rows (the step's
-    real tokens, `owner.num_tokens`), its output copied into the shared static output's first T rows."""
+    """One attention call between two pieces: the backend's attend on the static query's first T rows (the
+    step's real tokens) under the step's metadata, into the static output's first T rows."""
 
-    def __init__(self, owner: PiecewiseGraphs, layer, statics):
-        self.owner, self.layer, self.statics = owner, layer, statics
-        self.rows = next(s.shape[0] for s in statics if s is not None)
-        self.static_out: torch.Tensor | None = None
+    def __init__(self, owner: PiecewiseGraphs, layer):
+        self.owner, self.layer = owner, layer
 
     def __call__(self) -> None:
-        n = self.owner.num_tokens
-        out = self.owner.real_backend.forward(self.layer, *[None if s is None else s[:n] for s in self.statics])
-        if self.static_out is None:
-            self.static_out = self.owner.static_output(torch.Size((self.rows, *out.shape[1:])), out.dtype)
-        self.static_out[:n].copy_(out)
+        owner = self.owner
+        owner.real_backend.attend(self.layer, owner.q_rows, owner.meta, owner.out_rows)
 
 
 class PiecewiseGraphs:
@@ -129,55 +126,23 @@ class PiecewiseGraphs:
         self.max_tokens = 0
         self.pieces: dict[int, list] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.num_tokens = 0  # the replaying step's real tokens (read by _EagerAttention)
-        self._statics: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._out: torch.Tensor | None = None
-        self._ids = torch.zeros(0, dtype=torch.long)
+        # the static query and output every layer and bucket share (sized by the largest bucket, probed first)
+        self.static_q: torch.Tensor | None = None
+        self.static_out: torch.Tensor | None = None
+        # the replaying step's metadata and its real rows of the statics (read by _EagerAttention)
+        self.meta = None
+        self.q_rows = self.out_rows = None
         self.segments: list = []
         cfg = runner.config
         max_tokens = min(max_tokens, cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         if capture and max_tokens > 0:
             self._capture(runner, max_tokens)
 
-    # -- static buffers shared by every layer and bucket (sized by the largest bucket, captured first) --
-    def static_inputs(self, args) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Static stand-ins for the attention call's tensor arguments, and the (static, source) copies that fill
-        them. Arguments viewing one tensor (q, k, v as column slices of the packed projection) share one static
-        copy of the rows they span, with their column offsets and strides kept (the paged backend reads them
-        as one packed tensor)."""
-        groups: dict[int, list[int]] = {}
-        for position, arg in enumerate(args):
-            if arg is not None:
-                groups.setdefault(arg.untyped_storage().data_ptr(), []).append(position)
-        statics: list[torch.Tensor | None] = [None] * len(args)
-        copies = []
-        for index, positions in enumerate(groups.values()):
-            members = [args[p] for p in positions]
-            first = members[0]
-            row_stride, rows = first.stride(0), first.shape[0]
-            lo = min(a.storage_offset() for a in members)
-            hi = max(a.storage_offset() + sum((n - 1) * st for n, st in zip(a.shape[1:], a.stride()[1:])) + 1
-                     for a in members)
-            width = hi - lo
-            if any(a.shape[0] != rows or a.stride(0) != row_stride for a in members) or width > row_stride:
-                raise ValueError("attention arguments must be row-major views of [tokens, ...] tensors")
-            source = torch.as_strided(first, (rows, width), (row_stride, 1), lo)
-            key = (index, first.dtype)
-            buf = self._statics.get(key)
-            if buf is None or buf.numel() < rows * width:
-                buf = self._statics[key] = torch.zeros(rows * width, dtype=first.dtype, device=first.device)
-            static = buf[: rows * width].view(rows, width)
-            copies.append((static, source))
-            for p, a in zip(positions, members):
-                statics[p] = torch.as_strided(static, a.shape, (width, *a.stride()[1:]), a.storage_offset() - lo)
-        return statics, copies
-
-    def static_output(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """The one output buffer every attention call writes (piece i+1 has read it before call i+1 runs)."""
-        numel = shape.numel()
-        if self._out is None or self._out.numel() < numel or self._out.dtype != dtype:
-            self._out = torch.zeros(numel, dtype=dtype, device=self._ids.device)
-        return self._out[:numel].view(shape)
+    def size_statics(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Allocate the static query [T, *q's head dims] and output [T, width] once, at the largest bucket."""
+        if self.static_q is None or self.static_q.shape[0] < q.shape[0]:
+            self.static_q = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+            self.static_out = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
 
     # -- replay -----------------------------------------------------------------------------------
     def covers(self, num_tokens: int) -> bool:
@@ -186,21 +151,32 @@ class PiecewiseGraphs:
     def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [T, H] of a step of T <= max_tokens tokens (prefill, mixed, or a decode batch above the
         largest decode graph), and its sampled rows."""
-        layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
-        views = layout.views(self.staging.upload(layout.size))
-        ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
-        n = ids.shape[0]
+        n = batch.num_tokens
         bucket = self._bucket_of[n]
-        self._ids[:n].copy_(ids)
-        self.num_tokens = n
-        meta = self.real_backend.build_metadata(
-            batch.is_prefill, views, positions, max(s.num_scheduled_tokens for s in batch.seqs),
-            tuple((s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in batch.seqs)
-            if batch.is_prefill else None, batch.num_decode_rows if batch.is_prefill else 0)
-        with forward_context(meta):
-            for piece in self.pieces[bucket]:
-                piece()
+        layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size,
+                           token_rows=bucket)
+        views = layout.views(self.staging.upload(layout.size))  # the captured pieces read the token fields here
+        self.meta = self._attention_metadata(batch, views)
+        self.q_rows, self.out_rows = self.static_q[:n], self.static_out[:n]
+        for piece in self.pieces[bucket]:
+            piece()
         return self.hidden[bucket][:n], views["rows"]
+
+    def _attention_metadata(self, batch, views):
+        """What the eager attention reads: the step's sequences (lengths, tables; `positions` only feed the store,
+        which reads the captured ones)."""
+        prefill = batch.is_prefill
+        return self.real_backend.build_metadata(
+            prefill, views, views["positions"], max(s.num_scheduled_tokens for s in batch.seqs),
+            tuple((s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in batch.seqs)
+            if prefill else None, batch.num_decode_rows if prefill else 0)
+
+    def forward_bucket(self, views) -> torch.Tensor:
+        """The bucket's forward as its pieces hold it: step inputs from the staging buffer, then the model, under
+        the metadata the stores read (slots and positions at the bucket's fixed offsets)."""
+        ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
+        with forward_context(self.real_backend.build_metadata(True, views, positions, 1)):
+            return self.model(ids)
 
     # -- capture ----------------------------------------------------------------------------------
     def _capture(self, runner, max_tokens: int) -> None:
@@ -208,31 +184,29 @@ class PiecewiseGraphs:
         blocks = BlockCycle(runner.num_blocks)
         max_len = runner.config.max_model_len
         device = runner.device
-        self._ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=device)
         split = _Split(self)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.stream(stream), self._split_attention(split):
             for bucket in reversed(self.buckets):
                 batch = _capture_batch(bucket, max_len, blocks, self.block_size)
-                layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size)
+                layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size,
+                                   token_rows=bucket)
                 views = layout.views(self.staging.upload(layout.size))
                 views["slots"].fill_(-1)  # store nothing: the blocks may hold a serving engine's K/V
-                _, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
-                lens = tuple((s.num_scheduled_tokens, s.num_scheduled_tokens) for s in batch.seqs)
-                meta = self.real_backend.build_metadata(True, views, positions, max(n for n, _ in lens), lens)
-                self.num_tokens = bucket
-                with forward_context(meta):
-                    split.probing = True
-                    self.model(self._ids[:bucket])
-                    split.probing = False
-                    self.segments = []
-                    split.begin()
-                    self.hidden[bucket] = self.model(self._ids[:bucket])
-                    self.segments.append(split.end())
+                self.meta = self._attention_metadata(batch, views)
+                split.probing = True
+                self.forward_bucket(views)
+                split.probing = False
+                self.q_rows, self.out_rows = self.static_q[:bucket], self.static_out[:bucket]
+                self.segments = []
+                split.begin()
+                self.hidden[bucket] = self.forward_bucket(views)
+                self.segments.append(split.end())
                 self.pieces[bucket], self.segments = self.segments, []
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
+        self.meta = self.q_rows = self.out_rows = None
         self.max_tokens = self.buckets[-1]
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.max_tokens + 1)]
 

@@ -90,13 +90,17 @@ class StepStaging:
         return self._device
 
 
-def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_width: int | None = None) -> StepLayout:
+def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_width: int | None = None,
+              token_rows: int | None = None) -> StepLayout:
     """Fill the host buffer `view` with the batch's fields and return their layout. Prefill and mixed steps
     (`batch.is_prefill`) pack each row's new tokens flat (a mixed step's decode row is one token whose id
     may still be PENDING: its `src` is the row's sample_row in the previous step). Pure decode batches are
     padded to `num_rows` (a CUDA-graph bucket: padded rows store nothing and attend to nothing). With
     `graph_width` the layout is the bucket's captured one (`graph_layout`: tables that wide), else tables
-    are as wide as the longest one. `batch` is a ScheduledBatch (or the TP rank's mirror of one)."""
+    are as wide as the longest one. With `token_rows` (a piecewise-graph bucket, >= the step's tokens) the
+    token fields (ids, positions, slots, src) are laid out that long, at the offsets the bucket was captured
+    with, their padded rows storing nothing (slot -1) at position 0. `batch` is a ScheduledBatch (or the TP
+    rank's mirror of one)."""
     seqs, bs = batch.seqs, block_size
     width = graph_width if graph_width is not None else max(len(s.block_table) for s in seqs)
     sampling_rows: list[int] = []
@@ -143,8 +147,11 @@ def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_wid
     if graph_width is not None:
         layout = graph_layout(num_rows, graph_width)
     else:
-        layout = StepLayout(num_tokens, num_seqs, width, len(sampling_rows))
+        layout = StepLayout(token_rows or num_tokens, num_seqs, width, len(sampling_rows))
     o = layout.offsets
+    if layout.num_tokens > num_tokens:  # a bucket's padded rows
+        for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1)):
+            view[o[name] + num_tokens:o[name] + layout.num_tokens] = value
     view[o["ids"]:o["ids"] + num_tokens] = ids
     view[o["positions"]:o["positions"] + num_tokens] = positions
     view[o["slots"]:o["slots"] + num_tokens] = slots

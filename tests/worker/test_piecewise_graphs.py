@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from metainfer.worker.piecewise_graphs import PiecewiseGraphs, _Split, piecewise_buckets
+from metainfer.worker.piecewise_graphs import PiecewiseGraphs, _capture_batch, _Split, piecewise_buckets
+from metainfer.worker.step_inputs import pack_step
+from metainfer.worker.warmup import BlockCycle
 from tests.helpers.engine_checks import assert_drained, generate_ids
 from tests.helpers.tiny_models import assert_matches_hf, hf_reference
 
@@ -33,9 +35,6 @@ def test_buckets_cover_every_token_count_up_to_the_cap_with_bounded_padding():
 
 
 def test_a_bucket_is_captured_over_prompts_no_longer_than_max_model_len():
-    from metainfer.worker.piecewise_graphs import _capture_batch
-    from metainfer.worker.warmup import BlockCycle
-
     for tokens, max_len in ((2048, 512), (96, 4096), (100, 33)):
         batch = _capture_batch(tokens, max_len, BlockCycle(64), 16)
         lens = [s.num_scheduled_tokens for s in batch.seqs]
@@ -43,59 +42,38 @@ def test_a_bucket_is_captured_over_prompts_no_longer_than_max_model_len():
         assert all(s.num_computed_tokens == 0 and len(s.block_table) * 16 >= n for s, n in zip(batch.seqs, lens))
 
 
-def _layouts(rows: int):
-    packed = torch.randn(rows, 4 * 8 + 2 * 2 * 8)  # paged: q | k | v column slices of one projection
-    q, k, v = packed.split([32, 16, 16], dim=-1)
-    fused = torch.randn(rows, 4 * 24 + 40)  # MLA without q-LoRA: q | latent of one projection, q viewed [T, H, D]
-    mla_q, mla_latent = fused.split([96, 40], dim=-1)
-    lora = torch.randn(rows, 12 + 40)  # MLA with q-LoRA: q from its own projection, the latent a sliced tail
-    return {"paged": (q, k, v), "mla": (mla_q.view(rows, 4, 24), mla_latent, None),
-            "mla_q_lora": (torch.randn(rows, 4, 24), lora[:, 12:], None)}
-
-
-@pytest.mark.parametrize("layout", ["paged", "mla", "mla_q_lora"])
-def test_static_inputs_copy_the_arguments_with_their_offsets_and_strides(tmp_path, layout):
-    hf_reference(str(tmp_path), "qwen3", [4], 1)
-    runner = LLM(str(tmp_path), device="cpu").llm_engine.runner
-    pieces = PiecewiseGraphs(runner, 0, capture=False)
-    pieces.static_inputs(_layouts(64)[layout])  # the largest bucket sizes the buffers
-    for rows in (64, 16):
-        args = _layouts(rows)[layout]
-        statics, copies = pieces.static_inputs(args)
-        for static, source in copies:
-            static.copy_(source)
-        first = statics[0]
-        for static, arg in zip(statics, args):
-            if arg is None:
-                assert static is None
-                continue
-            assert static.shape == arg.shape and static.stride()[1:] == arg.stride()[1:]
-            assert torch.equal(static, arg)
-            if arg.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
-                assert static.data_ptr() - first.data_ptr() == arg.data_ptr() - args[0].data_ptr()
-            assert torch.equal(static[:5], arg[:5])  # a replay's first T rows
-
-
 class _EagerPieces(PiecewiseGraphs):
-    """PiecewiseGraphs whose buckets (16, 32, 64) replay by running the model with the capture's own `_Split`
-    in place of the backend, its graph capture stubbed out (on the CPU the "captured" copies just run): the
-    attention arguments go through the shared statics, the attention segment runs on their first T rows and
-    its output comes back through the shared static output, as between captured pieces. The statics' and the
-    output's padded rows are set to NaN before each use, so a row that leaks shows."""
+    """PiecewiseGraphs whose buckets (16, 32, 64) replay by running the bucket's forward with the capture's own
+    `_Split` in place of the backend, its graph capture stubbed out (on the CPU the "captured" work just runs):
+    the step inputs and stores read the bucket's padded layout, the query goes through the shared static, the
+    attention segment runs on its first T rows and its output comes back through the shared static output, as
+    between captured pieces. The statics are set to NaN before each use, so a row that leaks shows."""
 
     def _capture(self, runner, max_tokens) -> None:
         self.buckets, self.replays = [16, 32, 64], []
-        self._ids = torch.zeros(64, dtype=torch.long)
         for bucket in self.buckets:
             self.hidden[bucket] = torch.zeros(bucket, runner.spec.hidden_size, dtype=runner.dtype)
             self.pieces[bucket] = [lambda bucket=bucket: self._replay_eagerly(bucket)]
+        batch = _capture_batch(64, runner.config.max_model_len, BlockCycle(runner.num_blocks), self.block_size)
+        layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size, token_rows=64)
+        views = layout.views(self.staging.upload(layout.size))
+        views["slots"].fill_(-1)
+        self.meta = self._attention_metadata(batch, views)
+        probe = _Split(self)
+        probe.probing = True
+        with self._split_attention(probe):
+            self.forward_bucket(views)  # sizes the statics, as the real capture's probe of the largest bucket
         self.max_tokens = 64
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(65)]
 
+    def _attention_metadata(self, batch, views):
+        self.views = views  # the replaying step's packed inputs (a real replay reads them in the captured pieces)
+        return super()._attention_metadata(batch, views)
+
     def _replay_eagerly(self, bucket: int) -> None:
-        self.replays.append((bucket, self.num_tokens))
+        self.replays.append((bucket, self.q_rows.shape[0]))
         with self._split_attention(_NoCapture(self)):
-            self.hidden[bucket].copy_(self.model(self._ids[:bucket]))
+            self.hidden[bucket].copy_(self.forward_bucket(self.views))
         self.segments = []
 
 
@@ -106,14 +84,12 @@ class _NoCapture(_Split):
     def end(self):
         return None
 
-    def forward(self, layer, *args):
-        n = self.owner.num_tokens
-        for buf in self.owner._statics.values():
-            buf.fill_(float("nan"))  # the copies below must fill every row the attention reads
-        if self.owner._out is not None:
-            self.owner._out.fill_(float("nan"))
-        out = super().forward(layer, *args)
-        assert out.shape[0] == args[0].shape[0] and not out[:n].isnan().any()
+    def forward(self, layer, q, k, v):
+        n = self.owner.q_rows.shape[0]
+        self.owner.static_q.fill_(float("nan"))  # the copy below must fill every row the attention reads
+        self.owner.static_out.fill_(float("nan"))
+        out = super().forward(layer, q, k, v)
+        assert out.shape[0] == q.shape[0] and not out[:n].isnan().any()
         return out
 
 
