@@ -33,7 +33,8 @@ def full_results() -> dict:
                    "bs64_ctx1024": _lat(5000.0), "bs64_ctx1024_bf16_cache": _lat(4500.0)},
         "kernels": {"rms_norm": {"ok": True}, "all_ok": True},
         "graphs": {"graph": {"equal_to_eager": True}, "graph_kv_fp8": {"equal_to_eager": True},
-                   "exercised": {"prefix_hits": True, "preemptions": True, "fp8_changes_tokens": True}},
+                   "exercised": {"prefix_hits": True, "preemptions": True, "fp8_changes_tokens": True},
+                   "family": "qwen3"},  # a string beside the variants (run 67's table error)
         "agreement": {"top1_agreement": 0.98, "cosine_mean": 0.9995,
                       "decode_kv_fp8": {"ours_vs_hf_bf16": agree, "ours_vs_hf_bf16_fp8_kv": agree,
                                         "hf_bf16_fp8_kv_vs_hf_bf16": agree}},
