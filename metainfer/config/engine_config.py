@@ -91,6 +91,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # most prompt tokens a step that also decodes running sequences may carry (Sarathi-Serve's stall-free
+    # budget): a prompt arriving adds at most this much work to the running streams' next token, bounding
+    # their inter-token latency; steps without decode rows still take max_num_batched_tokens. None: no cap
+    max_mixed_prefill_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -159,6 +163,8 @@ class EngineConfig:
             self.max_num_batched_tokens = max(8192, min(self.max_model_len, 16384))
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 1:
+            raise ConfigError(f"max_mixed_prefill_tokens must be >= 1, got {self.max_mixed_prefill_tokens}")
         if self.load_format == "gguf" and self.gguf_file is None:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:

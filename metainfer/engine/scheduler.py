@@ -3,7 +3,10 @@
 A step first gives every running sequence one token (its decode row), then fills what is left of the
 `max_num_batched_tokens` budget with waiting prompts in arrival order, the last one chunked to fit, so a long
 prompt arriving never stalls the running streams: they get a token every step while it is prefilled in
-chunks beside them. When blocks run out for a decode row, the most recently admitted running sequence is
+chunks beside them. `max_mixed_prefill_tokens` (None: no cap) bounds the prompt tokens of a step that has
+decode rows (Sarathi-Serve's stall-free budget), so each running stream's inter-token latency grows by at
+most that much prefill work while prompts arrive; a step without decode rows takes the whole budget.
+When blocks run out for a decode row, the most recently admitted running sequence is
 preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
 a step that preempted (and still has decode rows) admits no waiting prompt. Three step kinds come out
 (`ScheduledBatch`): pure decode (rows longest context first; the decode kernels and CUDA graphs), pure
@@ -54,11 +57,12 @@ def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, max_mixed_prefill_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -71,6 +75,8 @@ class Scheduler:
         preempted_before = self.num_preemptions
         decodes = self._schedule_decodes()
         budget = self.max_num_batched_tokens - len(decodes)
+        if decodes:
+            budget = min(budget, self.max_mixed_prefill_tokens)
         # a step that preempted a running sequence for blocks admits no prompt (it would take them back)
         admit = not decodes or self.num_preemptions == preempted_before
         prefills = self._schedule_prefills(budget) if admit else []

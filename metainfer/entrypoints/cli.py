@@ -152,6 +152,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(8192, min(max_model_len, 16384)))")
+    p.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
+                   help="most prompt tokens in a step that also decodes running sequences (bounds their "
+                        "inter-token latency while prompts arrive; default: no cap beyond the step budget)")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=2048,
                    help="prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs; "
                         "0: eagerly (default 2048)")
@@ -187,6 +190,7 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 max_piecewise_graph_tokens=getattr(args, "max_piecewise_graph_tokens", 2048),
+                max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None),
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,

@@ -82,6 +82,36 @@ def test_step_kinds_and_their_counts():
     assert decode.num_prefill_tokens == 0
 
 
+def test_max_mixed_prefill_tokens_caps_prompt_tokens_beside_decodes_only():
+    """Sarathi-Serve's stall-free budget: with decode rows in the step, at most max_mixed_prefill_tokens prompt
+    tokens (a prompt chunked to it, the next one not admitted past it); with none, the whole budget."""
+    sched = Scheduler(BlockManager(256, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=1024, max_mixed_prefill_tokens=10)
+    first = Sequence("first", 0, list(range(1, 41)), SamplingParams(max_tokens=200))
+    later = [Sequence(f"p{i}", 0, list(range(1, 26)), SamplingParams(max_tokens=200)) for i in range(2)]
+    kinds = []
+    for step in range(8):
+        for seq in {0: [first], 1: later}.get(step, []):
+            sched.add(seq)
+        batch = sched.schedule()
+        kinds.append((batch.num_decode_rows, batch.num_prefill_tokens))
+        assert first in batch.seqs, "the running stream gets its token every step"
+        sampling = batch.sampling_seqs
+        sched.after_step(batch)
+        for seq in sampling:
+            seq.token_ids.append(7)
+    assert kinds[0] == (0, 40), "no decode rows: the 40-token prompt runs whole (budget 64)"
+    # p0 (25 tokens) in chunks of 10, 10, then its last 5 + p1's first 5 in one step, then p1's 10, 10
+    assert kinds[1:7] == [(1, 10), (1, 10), (1, 10), (2, 10), (2, 10), (3, 0)], kinds
+
+
+def test_max_mixed_prefill_tokens_below_one_is_refused():
+    from metainfer.config.engine_config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_mixed_prefill_tokens"):
+        LLM(model=None, device="cpu", max_mixed_prefill_tokens=0)
+
+
 # -- end to end --------------------------------------------------------------------------------------
 def _staggered(llm, prompts, params, every=2, record=None):
     """Submit prompts[0], then one more every `every` steps while the others run; outputs by index."""
@@ -120,7 +150,8 @@ def reference(request, tmp_path_factory):
     dict(max_num_batched_tokens=16, async_scheduling=False),
     dict(max_num_batched_tokens=16, async_scheduling=True),
     dict(max_num_batched_tokens=24, num_kv_blocks=14, async_scheduling=True),
-], ids=["chunked-sync", "chunked-async", "preempt-async"])
+    dict(max_num_batched_tokens=64, max_mixed_prefill_tokens=7, async_scheduling=True),
+], ids=["chunked-sync", "chunked-async", "preempt-async", "mixed-cap-async"])
 def test_greedy_with_mixed_steps_matches_hf(reference, engine_kw):
     arch, folder, model, prompts, expected = reference
     llm = LLM(folder, device="cpu", dtype="float32", block_size=8, **engine_kw)
@@ -129,6 +160,9 @@ def test_greedy_with_mixed_steps_matches_hf(reference, engine_kw):
     assert_matches_hf(model, prompts, [o.outputs[0].token_ids for o in outs], expected)
     assert sum(mixed for mixed, _, _ in record) >= 5, "the arrivals must make mixed steps"
     assert all(n <= engine_kw["max_num_batched_tokens"] for _, _, n in record)
+    cap = engine_kw.get("max_mixed_prefill_tokens")
+    if cap:
+        assert all(n - rows <= cap for mixed, rows, n in record if mixed)
     if "num_kv_blocks" in engine_kw:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.stats["prompt_tokens"] >= sum(map(len, prompts))
