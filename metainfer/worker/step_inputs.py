@@ -1,7 +1,8 @@
 """A step's inputs: every int field of a scheduled batch packed into one int32 buffer, one upload.
 
-Flat, unpadded batches (docs/CONTRACTS.md): input ids/positions [T], slot_mapping [T] (-1: store
-nothing), src [T] (>= 0: a PENDING token, read from the previous step's sampled ids on the device),
+Flat batches (docs/CONTRACTS.md; padded only to a CUDA-graph bucket: a decode graph's rows, a piecewise
+bucket's T_b tokens, the padded rows id 0, position 0, slot -1, src -1): input ids/positions [T], slot_mapping
+[T] (-1: store nothing), src [T] (>= 0: a PENDING token, read from the previous step's sampled ids on the device),
 context_lens [B], cu_seqlens_q [B+1], block tables [B, M] padded with -1, and the rows whose logits are
 sampled. CUDA: two pinned host buffers used in turn and one device buffer the CUDA graphs read in place.
 """
@@ -144,6 +145,8 @@ def pack_step(batch, num_rows: int, view: np.ndarray, block_size: int, graph_wid
         num_tokens = num_seqs = num_rows
         cu = range(num_rows + 1)
         sampling_rows = list(range(len(seqs)))
+    if token_rows is not None and token_rows < num_tokens:
+        raise ValueError(f"token_rows {token_rows} is fewer than the step's {num_tokens} tokens")
     if graph_width is not None:
         layout = graph_layout(num_rows, graph_width)
     else:

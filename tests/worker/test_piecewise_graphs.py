@@ -1,10 +1,11 @@
 """Piecewise graphs for prefill and mixed steps (worker/piecewise_graphs.py).
 
-CPU: a stand-in replays each bucket's pieces eagerly through the same static buffers a captured bucket uses
-(the attention inputs copied into the shared statics, the backend run on their first T rows, its output
-copied into the shared output the next piece reads, padded rows beside the real ones); greedy output must
-still equal HF for the dense, MLA and MoE families, with mixed steps, chunked prompts and preemption.
-GPU (marked gpu): the real captured pieces against the eager prefill (`max_piecewise_graph_tokens=0`), fp32.
+CPU: a stand-in replays each bucket's pieces eagerly through the same buffers a captured bucket uses (the step
+inputs and stores over the bucket's padded layout, the store's query copied into the shared static, `attend` on
+its first T rows writing into the shared static output the next piece reads, padded rows beside the real ones);
+greedy output must still equal HF for the dense, MLA and MoE families, with mixed steps, chunked prompts and
+preemption. GPU (marked gpu): the real captured pieces against the eager prefill (`max_piecewise_graph_tokens=0`),
+fp32.
 """
 
 from __future__ import annotations

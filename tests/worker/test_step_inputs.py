@@ -66,6 +66,32 @@ def test_decode_pending_token_and_graph_padding():
     assert v["rows"].tolist()[:2] == [0, 1] and v["cu"].tolist() == [0, 1, 2, 3, 4]  # replay keeps rows [:2]
 
 
+def test_a_piecewise_bucket_packs_every_step_at_its_offsets_with_padded_rows_storing_nothing():
+    """The captured pieces read ids, positions, slots and src in place (worker/piecewise_graphs.py): for one
+    `token_rows`, mixed, prefill and decode steps of any size land at the same offsets, and the rows past the
+    step's tokens are rewritten (id 0, position 0, slot -1, src -1) over whatever the buffer held before."""
+    from metainfer.worker.warmup import BlockCycle, WarmupStep, warmup_batch
+
+    blocks, rows = BlockCycle(512), 64
+    steps = [warmup_batch(WarmupStep("mixed", 40, decode_rows=3), blocks, 16),
+             warmup_batch(WarmupStep("decode", decode_rows=20), blocks, 16),
+             warmup_batch(WarmupStep("prefill", 64), blocks, 16),
+             warmup_batch(WarmupStep("mixed", 1, decode_rows=1), blocks, 16)]
+    buf = np.full(StepLayout(rows, 64, 64, 64).size, 777, dtype=np.int32)  # a dirty buffer: stale values
+    offsets = None
+    for batch in steps:
+        layout = pack_step(batch, len(batch.seqs), buf, 16, token_rows=rows)
+        o = {name: layout.offsets[name] for name in ("ids", "positions", "slots", "src")}
+        assert offsets in (None, o), "a bucket's token fields must not move between its steps"
+        offsets, n = o, batch.num_tokens
+        v = _unpack(layout, buf)
+        for name, pad in (("ids", 0), ("positions", 0), ("slots", -1), ("src", -1)):
+            assert len(v[name]) == rows and (v[name][n:] == pad).all(), (name, n)
+        assert (v["slots"][:n] >= 0).all() and v["cu"][-1] == (n if batch.is_prefill else len(batch.seqs))
+    with pytest.raises(ValueError, match="token_rows"):
+        pack_step(steps[2], len(steps[2].seqs), buf, 16, token_rows=32)  # 64 tokens cannot fit 32 rows
+
+
 @pytest.mark.parametrize("tokens, seqs, width, sampling", [(13, 3, 5, 2), (8192, 13, 37, 13), (7, 3, 1, 2),
                                                           (1, 1, 5, 1)])
 def test_fields_are_16_byte_aligned_and_disjoint(tokens, seqs, width, sampling):
