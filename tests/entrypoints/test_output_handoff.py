@@ -41,6 +41,33 @@ def _delta(ids, finished=False):
     return [(list(ids), None, None, "length" if finished else None, None, None)]
 
 
+class _AliveHandle:
+    """An engine process that is alive and never answers (nothing is started)."""
+
+    alive = True
+
+
+class _SlowTokenizer(_Tokenizer):
+    """Every encode takes `delay` seconds and gives [1, 2, 3]."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay = delay
+
+    def encode(self, text, add_special_tokens=True):
+        import time
+
+        time.sleep(self.delay)
+        return [1, 2, 3]
+
+
+def _live_loop(tokenizer, **kw) -> EngineLoop:
+    """An EngineLoop bound to the running event loop, its engine alive."""
+    loop = EngineLoop(_AliveHandle(), tokenizer, ServerMetrics(), **kw)
+    loop._loop = asyncio.get_running_loop()
+    return loop
+
+
 def test_a_consumer_behind_gets_each_requests_latest_output_once():
     async def run():
         loop = _loop()
@@ -272,12 +299,8 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_is_sent():
     answered here: nothing is pickled and shipped to the engine."""
     from metainfer.entrypoints.openai.errors import OpenAIError
 
-    class Handle:
-        alive = True
-
     async def run():
-        loop = EngineLoop(Handle(), _Tokenizer(), ServerMetrics(), max_model_len=100)
-        loop._loop = asyncio.get_running_loop()
+        loop = _live_loop(_Tokenizer(), max_model_len=100)
         with pytest.raises(OpenAIError) as info:
             await loop.submit([("r", [1] * 5000, SamplingParams(max_tokens=2))])
         assert info.value.status == 400 and info.value.param == "prompt"
@@ -302,13 +325,9 @@ def test_a_slow_prompt_is_tokenized_off_the_event_loop():
             time.sleep(0.5)
             return [1] * 5000
 
-    class Handle:
-        alive = True
-
     async def run():
         tokenizer = SlowTokenizer()
-        loop = EngineLoop(Handle(), tokenizer, ServerMetrics(), max_model_len=100)
-        loop._loop = asyncio.get_running_loop()
+        loop = _live_loop(tokenizer, max_model_len=100)
         gaps, done = [], asyncio.Event()
 
         async def ticker():
@@ -335,21 +354,10 @@ def test_a_slow_prompt_is_tokenized_off_the_event_loop():
 def test_the_queue_cap_holds_for_requests_that_were_tokenizing_together():
     """Two requests arrive together while tokenizing is slow (off the loop): the first one's slot is held while it
     tokenizes, so with a cap of 1 the second is refused (503 queue_full) instead of overfilling the queue."""
-    import time
-
     from metainfer.entrypoints.openai.errors import OpenAIError
 
-    class SlowTokenizer(_Tokenizer):
-        def encode(self, text, add_special_tokens=True):
-            time.sleep(0.2)
-            return [1, 2, 3]
-
-    class Handle:
-        alive = True
-
     async def run():
-        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics(), max_queued_requests=1)
-        loop._loop = asyncio.get_running_loop()
+        loop = _live_loop(_SlowTokenizer(0.2), max_queued_requests=1)
         loop._send = lambda msg: None  # the engine never answers the add: the first request stays queued
         first = asyncio.create_task(loop.submit([("a", "text a", SamplingParams(max_tokens=2))]))
         second = asyncio.create_task(loop.submit([("b", "text b", SamplingParams(max_tokens=2))]))
@@ -368,21 +376,10 @@ def test_the_queue_cap_holds_for_requests_that_were_tokenizing_together():
 def test_drain_waits_for_a_request_still_tokenizing_and_takes_it():
     """A request accepted before the drain began and still tokenizing is waited for and taken (not refused with
     a 503 after the fact); one arriving after the drain began is refused."""
-    import time
-
     from metainfer.entrypoints.openai.errors import OpenAIError
 
-    class SlowTokenizer(_Tokenizer):
-        def encode(self, text, add_special_tokens=True):
-            time.sleep(0.3)
-            return [1, 2, 3]
-
-    class Handle:
-        alive = True
-
     async def run():
-        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics())
-        loop._loop = asyncio.get_running_loop()
+        loop = _live_loop(_SlowTokenizer(0.3))
         sent = []
         loop._send = sent.append  # the engine never answers: the taken request stays in flight
         accepted = asyncio.create_task(loop.submit([("a", "text", SamplingParams(max_tokens=2))]))
@@ -404,21 +401,10 @@ def test_drain_waits_for_a_request_still_tokenizing_and_takes_it():
 def test_a_submit_queued_behind_tokenizing_gets_a_503_when_the_engine_stops():
     """stop() cancels the tokenizing thread's queued work: a submit waiting there answers 503 (engine gone), not a
     bare CancelledError without a response body."""
-    import time
-
     from metainfer.entrypoints.openai.errors import OpenAIError
 
-    class SlowTokenizer(_Tokenizer):
-        def encode(self, text, add_special_tokens=True):
-            time.sleep(0.3)
-            return [1, 2, 3]
-
-    class Handle:
-        alive = True
-
     async def run():
-        loop = EngineLoop(Handle(), SlowTokenizer(), ServerMetrics())
-        loop._loop = asyncio.get_running_loop()
+        loop = _live_loop(_SlowTokenizer(0.3))
         first = asyncio.create_task(loop.submit([("a", "text", SamplingParams(max_tokens=2))]))
         queued = asyncio.create_task(loop.submit([("b", "text", SamplingParams(max_tokens=2))]))
         await asyncio.sleep(0.05)
