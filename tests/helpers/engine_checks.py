@@ -15,6 +15,16 @@ def generate_ids(llm, prompts: list[list[int]], params) -> list[list[int]]:
     return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
 
 
+def generate_drained(folder: str, prompts: list[list[int]], params, **engine_kw):
+    """A float32 CPU `LLM` over `folder` generates `prompts`, then must be drained; returns (llm, ids)."""
+    from metainfer import LLM
+
+    llm = LLM(folder, device="cpu", dtype="float32", **engine_kw)
+    got = generate_ids(llm, prompts, params)
+    assert_drained(llm)
+    return llm, got
+
+
 def assert_drained(llm) -> None:
     """After a run: every KV block back on the free list, no request left, no PENDING token hashed."""
     engine = llm.llm_engine

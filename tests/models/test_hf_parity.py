@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.engine_checks import assert_drained, generate_ids, token_ids
+from tests.helpers.engine_checks import assert_drained, generate_drained, token_ids
 from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, hf_greedy, hf_reference, make_prompts
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
@@ -33,17 +33,10 @@ def reference(request, tmp_path_factory):
     return folder, prompts, expected, model
 
 
-def _generate(folder, prompts, **engine_kw):
-    llm = LLM(folder, device="cpu", dtype="float32", **engine_kw)
-    got = generate_ids(llm, prompts, GREEDY)
-    assert_drained(llm)
-    return llm, got
-
-
 @EVERY_VARIANT
 def test_batch_matches_hf(reference):
     folder, prompts, expected, model = reference
-    _, got = _generate(folder, prompts)
+    _, got = generate_drained(folder, prompts, GREEDY)
     assert_matches_hf(model, prompts, got, expected)
 
 
@@ -51,7 +44,7 @@ def test_batch_matches_hf(reference):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_block_sizes(reference, block_size):
     folder, prompts, expected, model = reference
-    _, got = _generate(folder, prompts, block_size=block_size)
+    _, got = generate_drained(folder, prompts, GREEDY, block_size=block_size)
     assert_matches_hf(model, prompts, got, expected)
 
 
@@ -59,7 +52,7 @@ def test_block_sizes(reference, block_size):
 def test_preemption_keeps_outputs(reference):
     folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 192 tokens: must preempt.
-    llm, got = _generate(folder, prompts, num_kv_blocks=20, block_size=16)
+    llm, got = generate_drained(folder, prompts, GREEDY, num_kv_blocks=20, block_size=16)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches_hf(model, prompts, got, expected)
 
@@ -67,7 +60,7 @@ def test_preemption_keeps_outputs(reference):
 @FIRST_VARIANT_FAST
 def test_chunked_prefill_keeps_outputs(reference):
     folder, prompts, expected, model = reference
-    llm, got = _generate(folder, prompts, max_num_batched_tokens=24)
+    llm, got = generate_drained(folder, prompts, GREEDY, max_num_batched_tokens=24)
     assert_matches_hf(model, prompts, got, expected)
 
 

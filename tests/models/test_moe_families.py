@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from metainfer import LLM, SamplingParams
 from metainfer.config import ModelSpec
-from tests.helpers.engine_checks import assert_drained, generate_ids, token_ids
+from tests.helpers.engine_checks import assert_drained, generate_drained, generate_ids, token_ids
 from tests.helpers.tiny_models import (
     YARN_ROPE,
     assert_matches_hf,
@@ -53,17 +53,10 @@ def reference(request, tmp_path_factory):
     return folder, prompts, expected, model
 
 
-def _generate(folder, prompts, **engine_kw):
-    llm = LLM(folder, device="cpu", dtype="float32", **engine_kw)
-    got = generate_ids(llm, prompts, GREEDY)
-    assert_drained(llm)
-    return llm, got
-
-
 @EVERY_VARIANT
 def test_batch_matches_hf(reference):
     folder, prompts, expected, model = reference
-    _, got = _generate(folder, prompts)
+    _, got = generate_drained(folder, prompts, GREEDY)
     assert_matches_hf(model, prompts, got, expected)
 
 
@@ -88,7 +81,7 @@ def test_first_token_logprobs_equal_hf(reference):
 def test_preemption_and_chunked_prefill_keep_outputs(reference):
     folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt
-    llm, got = _generate(folder, prompts, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
+    llm, got = generate_drained(folder, prompts, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches_hf(model, prompts, got, expected)
 
@@ -115,7 +108,7 @@ def test_fused_expert_layout_loads(reference, tmp_path):
     assert any(k.endswith("experts.gate_up_proj") for k in state), "transformers changed its expert layout"
     copy_model_files(folder, str(tmp_path), weights=False)
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    _, got = _generate(str(tmp_path), prompts[:3])
+    _, got = generate_drained(str(tmp_path), prompts[:3], GREEDY)
     assert got == expected[:3]
 
 
