@@ -204,13 +204,18 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt)
 
     def abort_request(self, request_id: str) -> None:
+        self._finish_request(request_id, "abort")
+
+    def _finish_request(self, request_id: str, reason: str) -> Request | None:
+        """Drop the request and finish its unfinished sequences with `reason`; None when it is not here."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return None
         for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 self.scheduler.finish(seq)
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -311,13 +316,9 @@ class LLMEngine:
                 gen.set_state(state)
 
     def _fail_request(self, request_id: str, error: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self._finish_request(request_id, "error")
         if request is None:
             return
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "error"
-                self.scheduler.finish(seq)
         request.error, request.finished_time = error, time.monotonic()
         self._failed.append(request)
         self.stats["failed_requests"] += 1
