@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 
-import httpx
+from tests.helpers.serve_process import stream_then_signal, wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,31 +53,9 @@ def one_run(model: str, shutdown_timeout: float, max_tokens: int) -> dict:
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "".join(log[-30:]))
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not come up")
-            time.sleep(0.25)
-        body = {"model": "m", "prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-        events: list[str] = []
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    break
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
+        wait_healthy(proc, port, timeout=180, output=lambda: "".join(log[-30:]))
+        events, start = stream_then_signal(port, "m", max_tokens, lambda: proc.send_signal(signal.SIGTERM),
+                                           timeout=120)
         final_event = time.monotonic() - start
         proc.wait(timeout=120)
         exited = time.monotonic() - start

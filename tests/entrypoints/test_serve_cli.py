@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from metainfer.bench import serve as bench_serve
+from tests.helpers.serve_process import wait_healthy
 from tests.helpers.server import KEY, MODEL, free_port, wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,16 +83,7 @@ def test_metainfer_serve_command(model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_healthy(proc, port, timeout=90)
         c = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in c.models.list()] == ["tiny-cli"]
         r = c.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3)

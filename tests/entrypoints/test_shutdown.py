@@ -16,6 +16,7 @@ import pytest
 
 from tests.entrypoints.test_serve_cli import ROOT
 from tests.helpers.processes import wait_gone
+from tests.helpers.serve_process import stream_then_signal, wait_healthy
 from tests.helpers.server import free_port
 
 
@@ -50,16 +51,8 @@ def spawn_server(model_dir: str, port: int, *extra: str, new_session: bool = Fal
 
 def start_server(model_dir: str, port: int, *extra: str, new_session: bool = False) -> subprocess.Popen:
     proc = spawn_server(model_dir, port, *extra, new_session=new_session)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.25)
+    wait_healthy(proc, port, timeout=120)
+    return proc
 
 
 def stop_and_time(proc: subprocess.Popen, port: int, sig: int, max_tokens: int = 480,
@@ -67,22 +60,13 @@ def stop_and_time(proc: subprocess.Popen, port: int, sig: int, max_tokens: int =
     """Open a long stream, send `sig` after its first token (`group`: to the server's whole process group, as
     Ctrl-C in a terminal does); return the stream's events and the seconds from the signal to the process's
     exit."""
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-    events: list[str] = []
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: "):
-                events.append(line[6:])
-                break
-        start = time.monotonic()
+    def send():
         if group:
             os.killpg(os.getpgid(proc.pid), sig)
         else:
             proc.send_signal(sig)
-        for line in lines:
-            if line.startswith("data: "):
-                events.append(line[6:])
+
+    events, start = stream_then_signal(port, "tiny", max_tokens, send, timeout=60)
     proc.wait(timeout=60)
     return events, time.monotonic() - start
 

@@ -129,10 +129,10 @@ def test_cli_serve_with_device_mlx_answers_a_completion(folder):
     """`metainfer serve --device mlx` in its own process answers one completion with exactly the tokens asked."""
     import os
     import subprocess
-    import time
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
+    from tests.helpers.serve_process import wait_healthy
     from tests.helpers.server import free_port
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,16 +144,7 @@ def test_cli_serve_with_device_mlx_answers_a_completion(folder):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_healthy(proc, port, timeout=120)
         r = httpx.post(base + "/v1/completions", timeout=60, json={
             "model": "tiny-mlx", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
         assert r.status_code == 200, r.text
