@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from metainfer.bench.common import environment, sync, write_json
+from metainfer.bench.common import add_batch_shape_args, environment, sync, write_json
 from metainfer.entrypoints.cli import int_at_least
 
 MODES = ("eager", "compile")
@@ -95,9 +95,7 @@ def time_hf(hf_model, batch_size: int, input_len: int, output_len: int, iters: i
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("baseline", help="HF transformers eager / static+compile at the same shapes")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts per batch (default 1)")
-    p.add_argument("--input-len", type=int_at_least(1), default=32, help="prompt tokens (default 32)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens, >= 2 (default 128)")
+    add_batch_shape_args(p)
     p.add_argument("--iters", type=int_at_least(1), default=3, help="timed iterations (default 3)")
     p.add_argument("--modes", type=_modes, default="eager,compile",
                    help="comma-separated: eager, compile (static cache) (default eager,compile)")

@@ -71,6 +71,16 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def add_batch_shape_args(p) -> None:
+    """--batch-size, --input-len, --output-len: the one batch shape that `bench latency` and `bench baseline`
+    both time (the same defaults, so the two records compare)."""
+    from metainfer.entrypoints.cli import int_at_least
+
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts per batch (default 1)")
+    p.add_argument("--input-len", type=int_at_least(1), default=32, help="prompt tokens (default 32)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens, >= 2 (default 128)")
+
+
 def write_json(path: str | None, record: dict) -> None:
     if not path:
         return

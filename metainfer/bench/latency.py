@@ -17,7 +17,14 @@ import time
 
 import torch
 
-from metainfer.bench.common import copy_bandwidth, decode_weight_bytes, run_on_engine, sync, write_json
+from metainfer.bench.common import (
+    add_batch_shape_args,
+    copy_bandwidth,
+    decode_weight_bytes,
+    run_on_engine,
+    sync,
+    write_json,
+)
 from metainfer.entrypoints.cli import check_fits_context, int_at_least
 
 
@@ -99,9 +106,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("latency", help="TTFT / TPOT / bandwidth for one batch shape")
     add_engine_args(p)
-    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts per batch (default 1)")
-    p.add_argument("--input-len", type=int_at_least(1), default=32, help="prompt tokens (default 32)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens, >= 2 (default 128)")
+    add_batch_shape_args(p)
     p.add_argument("--iters", type=int_at_least(1), default=3, help="timed iterations (medians are reported; "
                    "vLLM's benchmark_latency defaults to 30)")
     p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed iterations first (vLLM's default: 10)")
