@@ -8,8 +8,7 @@ import openai
 import pytest
 
 from metainfer import LLM
-from metainfer.entrypoints.openai.api_server import build_app
-from tests.helpers.server import KEY, MODEL, ServerThread
+from tests.helpers.server import KEY, serving
 from tests.helpers.tiny_models import build_tiny_model
 
 
@@ -29,14 +28,8 @@ def ref(model_dir):
 
 @pytest.fixture(scope="package")
 def server(model_dir):
-    llm = LLM(model_dir, device="cpu", dtype="float32")
-    app = build_app(llm, served_model_names=[MODEL], api_key=KEY)
-    srv = ServerThread(app).start()
-    srv.app = app
-    srv.state = app.state.server
-    yield srv
-    srv.stop()
-    llm.close()
+    with serving(LLM(model_dir, device="cpu", dtype="float32"), api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metainfer import LLM, SamplingParams
-from metainfer.entrypoints.openai.api_server import build_app
-from tests.helpers.server import KEY, MODEL, ServerThread, auth, greedy, wait_idle
+from tests.helpers.server import KEY, auth, greedy, serving, wait_idle
 from tests.helpers.tiny_models import make_prompts
 
 # values that broke or could break a step: widths, signs, NaN / inf, wrong types
@@ -45,6 +44,13 @@ class Budget:
             self.skipped += 1
             return True
         return False
+
+
+def _out_of_budget(holder: list[Budget]) -> bool:
+    """Start a hypothesis run's budget at its first example (`holder` keeps it); True once it is spent."""
+    if not holder:
+        holder.append(Budget())
+    return holder[0].spent
 FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 SMALL_INTS = st.integers(min_value=-3, max_value=40)
 BIG_INTS = st.integers(min_value=-(2**70), max_value=2**70)
@@ -79,9 +85,7 @@ _PARAMS_BUDGET: list[Budget] = []
 @given(PARAMS)
 def test_sampling_params_accept_or_name_a_field(kwargs):
     """Construction either succeeds (and re-validation agrees) or raises ValueError naming a field it set."""
-    if not _PARAMS_BUDGET:
-        _PARAMS_BUDGET.append(Budget())
-    if _PARAMS_BUDGET[0].spent:
+    if _out_of_budget(_PARAMS_BUDGET):
         return
     try:
         params = SamplingParams(**kwargs)
@@ -107,9 +111,7 @@ def test_engine_accepts_or_names_a_field(ref, kwargs):
     """What SamplingParams accepts, the engine either queues or refuses naming a field; what it queues runs
     a prefill and a few decode steps (where penalties and min_tokens act) without failing and samples ids
     inside the vocabulary (bounded: the request is aborted after them)."""
-    if not _ENGINE_BUDGET:
-        _ENGINE_BUDGET.append(Budget())
-    if _ENGINE_BUDGET[0].spent:
+    if _out_of_budget(_ENGINE_BUDGET):
         return
     try:
         params = SamplingParams(**kwargs)
@@ -185,13 +187,8 @@ BODIES = st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION_BODY),
 def fuzz_server(model_dir):
     """A server of its own with a short context and a small max_n, so that every valid fuzzed request (say
     max_tokens=2**63-1, clamped to the context) stays short."""
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=48, max_n=4)
-    app = build_app(llm, served_model_names=[MODEL], api_key=KEY)
-    srv = ServerThread(app).start()
-    srv.state = app.state.server
-    yield srv
-    srv.stop()
-    llm.close()
+    with serving(LLM(model_dir, device="cpu", dtype="float32", max_model_len=48, max_n=4), api_key=KEY) as srv:
+        yield srv
 
 
 def post(server, path: str, body) -> httpx.Response:

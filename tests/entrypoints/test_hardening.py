@@ -14,7 +14,17 @@ import pytest
 
 from metainfer import LLM
 from metainfer.entrypoints.openai.api_server import build_app
-from tests.helpers.server import MODEL, ServerThread, assert_error, auth, greedy, metrics, post, wait_idle
+from tests.helpers.server import (
+    MODEL,
+    ServerThread,
+    assert_error,
+    auth,
+    greedy,
+    metrics,
+    post,
+    serving,
+    wait_idle,
+)
 from tests.helpers.tiny_models import make_prompts
 
 MARK = 999  # a prompt holding this token fails its steps (fault hook): a request whose data breaks a step
@@ -218,12 +228,8 @@ def test_served_name_of_a_gguf_file_drops_the_extension():
 def small_server(model_dir):
     """max_n 4, a 96-token KV pool, a 48-token context; request-supplied chat templates allowed."""
     llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=48, max_n=4, num_kv_blocks=6, block_size=16)
-    app = build_app(llm, served_model_names=[MODEL], trust_request_chat_template=True)
-    srv = ServerThread(app).start()
-    srv.state = app.state.server
-    yield srv
-    srv.stop()
-    llm.close()
+    with serving(llm, trust_request_chat_template=True) as srv:
+        yield srv
 
 
 def test_prompt_list_fan_out_is_bounded_and_a_neighbour_is_not_delayed(small_server):

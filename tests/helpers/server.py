@@ -8,6 +8,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import uvicorn
@@ -54,6 +56,23 @@ class ServerThread:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+@contextmanager
+def serving(llm, **app_kw) -> Iterator[ServerThread]:
+    """`llm` served as MODEL by build_app(llm, **app_kw) in a ServerThread (its `app` and `state`, the app's
+    server state, attached); on exit the server stops, then the LLM closes."""
+    from metainfer.entrypoints.openai.api_server import build_app
+
+    app = build_app(llm, served_model_names=[MODEL], **app_kw)
+    srv = ServerThread(app).start()
+    srv.app = app
+    srv.state = app.state.server
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        llm.close()
 
 
 def free_port() -> int:
