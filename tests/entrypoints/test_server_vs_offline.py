@@ -36,6 +36,18 @@ def _check_choice(text, finish, tokens, token_lps, exp, tok, top=None):
             assert {tok.decode([t]): lp for t, lp in best} == pytest.approx(dict(list(got.items())[:2]), abs=1e-4)
 
 
+def _check_streamed(streamed, usages, exp, tok) -> int:
+    """Every streamed choice (by index) against the offline outputs, and each usage's prompt and completion
+    tokens; returns the tokens generated offline."""
+    assert sorted(streamed) == list(range(N))
+    for index, g in streamed.items():
+        _check_choice(g["text"], g["finish"], g["tokens"], g["lps"], exp.outputs[index], tok)
+    num_generated = sum(len(o.token_ids) for o in exp.outputs)
+    for u in usages:
+        assert (u.prompt_tokens, u.completion_tokens) == (len(exp.prompt_token_ids), num_generated)
+    return num_generated
+
+
 def _stream_completion(client, **kw):
     """The streamed choices by index: text, finish reason, tokens, token logprobs; and the usage chunk."""
     got: dict[int, dict] = {}
@@ -70,12 +82,8 @@ def test_completions_equal_offline_generate(server, client, ref):
                       lp.top_logprobs)
     streamed, usage = _stream_completion(client, prompt=prompt, n=N, temperature=1.0, seed=SEED, max_tokens=MAX,
                                          logprobs=2)
-    assert sorted(streamed) == list(range(N))
-    for index, g in streamed.items():
-        _check_choice(g["text"], g["finish"], g["tokens"], g["lps"], exp.outputs[index], tok)
-    num_generated = sum(len(o.token_ids) for o in exp.outputs)
+    num_generated = _check_streamed(streamed, (full.usage, usage), exp, tok)
     for u in (full.usage, usage):
-        assert (u.prompt_tokens, u.completion_tokens) == (len(exp.prompt_token_ids), num_generated)
         assert u.total_tokens == u.prompt_tokens + u.completion_tokens
 
     # a stop string that completes mid-output (greedy): the text is cut there, streamed or not
@@ -139,12 +147,7 @@ def test_chat_equal_offline_chat(server, client, ref):
             if c.logprobs is not None:
                 g["tokens"] += [x.token for x in c.logprobs.content]
                 g["lps"] += [x.logprob for x in c.logprobs.content]
-    assert sorted(got) == list(range(N))
-    for index, g in got.items():
-        _check_choice(g["text"], g["finish"], g["tokens"], g["lps"], exp.outputs[index], tok)
-    num_generated = sum(len(o.token_ids) for o in exp.outputs)
-    for u in (full.usage, usage):
-        assert (u.prompt_tokens, u.completion_tokens) == (len(exp.prompt_token_ids), num_generated)
+    _check_streamed(got, (full.usage, usage), exp, tok)
     wait_idle(server)
 
 
