@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from metainfer.bench import serve as bench_serve
-from tests.helpers.serve_process import wait_healthy
+from tests.helpers.serve_process import terminate, wait_healthy
 from tests.helpers.server import KEY, MODEL, free_port, wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,12 +89,7 @@ def test_metainfer_serve_command(model_dir):
         r = c.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert r.usage.completion_tokens == 3
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc)
     assert proc.returncode is not None
 
 

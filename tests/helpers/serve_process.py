@@ -1,5 +1,5 @@
-"""`metainfer serve` run as a subprocess (tests and tools/measure_shutdown): wait for its /health, and stop it
-with a signal while a stream is open."""
+"""`metainfer serve` run as a subprocess (tests and tools/measure_shutdown): wait for its /health, stop it with a
+signal while a stream is open, or end it."""
 
 from __future__ import annotations
 
@@ -45,3 +45,13 @@ def stream_then_signal(port: int, model: str, max_tokens: int, send: Callable[[]
             if line.startswith("data: "):
                 events.append(line[6:])
     return events, start
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, up to 30 s for the exit, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -132,7 +132,7 @@ def test_cli_serve_with_device_mlx_answers_a_completion(folder):
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from tests.helpers.serve_process import wait_healthy
+    from tests.helpers.serve_process import terminate, wait_healthy
     from tests.helpers.server import free_port
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,9 +150,4 @@ def test_cli_serve_with_device_mlx_answers_a_completion(folder):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc)
