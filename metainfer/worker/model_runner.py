@@ -13,6 +13,7 @@ whether this rank samples or publishes — is made here, once, at build.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -44,6 +45,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self._link = link
         agree = link.agree
+        # wall seconds of each start-up phase (where a cold start's time goes; the engine logs them)
+        self.startup_seconds: dict[str, float] = {}
+        lap = _Laps(self.startup_seconds)
         torch.manual_seed(config.seed)
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.ops = select_ops(self.device, gpu_name=gpu_name, pdl=config.enable_pdl and pdl_supported(self.device),
@@ -57,9 +61,11 @@ class ModelRunner:
         if world_size > 1:
             check_param_shapes(self.model, self.spec, world_size, rank)
         agree(1)  # "built": every rank loaded its shards
+        lap("build_and_load")
         self.attention_layers = self.model.attention_layers()
         self.num_blocks = agree(self._decide_num_blocks())
         self.attn_backend.allocate(self.attention_layers, self.num_blocks, self.block_size)
+        lap("kv_pool")
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.staging = StepStaging(StepLayout(max_tokens, config.max_num_seqs, self.max_blocks_per_seq,
@@ -76,9 +82,12 @@ class ModelRunner:
             self.sampler = Sampler(self.spec.vocab_size, tuple(eos_token_ids), self.device, fused=fused,
                                    seed=config.seed)
             self._sample = self._sample_rows
+        lap("sampler")
         graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs = DecodeGraphs(self, capture=graphs)
+        lap("decode_graphs")
         self.piecewise = PiecewiseGraphs(self, config.max_piecewise_graph_tokens, graphs)
+        lap("piecewise_graphs")
         # one step of every shape class, so every Triton variant is compiled before serving (worker/warmup.py);
         # rank 0 drives it (the workers run what it publishes); the torch references compile nothing
         self.warmup_steps = warmup_plan(config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs,
@@ -88,10 +97,13 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Run the warm-up steps (none on the torch references); the seconds taken. LLMEngine calls it once the
         runner (and under TP every worker) is built, before the engine takes requests."""
-        if not self.warmup_steps:
-            return 0.0
-        seconds = run_warmup(self, self.warmup_steps, torch.cuda.synchronize if self.device.type == "cuda" else None)
-        log.info("warm-up: %d steps in %.1f s", len(self.warmup_steps), seconds)
+        seconds = 0.0
+        if self.warmup_steps:
+            seconds = run_warmup(self, self.warmup_steps,
+                                 torch.cuda.synchronize if self.device.type == "cuda" else None)
+            log.info("warm-up: %d steps in %.1f s", len(self.warmup_steps), seconds)
+        self.startup_seconds["warm_up"] = seconds
+        log.info("start-up by phase: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_seconds.items()))
         return seconds
 
     # -- one step ---------------------------------------------------------------------------
@@ -205,3 +217,14 @@ class ModelRunner:
         log.info("profile: peak %.2f GiB, non-torch %.2f GiB, KV budget %.2f GiB", activation_peak / 2**30,
                  (used - torch.cuda.memory_reserved()) / 2**30, budget / 2**30)
         return budget
+
+
+class _Laps:
+    """Records the wall seconds since the previous lap (or construction) under each phase name."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into, self.last = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name], self.last = now - self.last, now

@@ -48,6 +48,7 @@ def engine_figures(args, name: str) -> dict:
     start = time.perf_counter()
     llm = _engine(folder)
     res = {"startup_s": time.perf_counter() - start}
+    res["startup_phases_s"] = dict(llm.llm_engine.runner.startup_seconds)  # where a cold start's time goes
     try:
         res["bs1"] = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
         show(f"{name} bs1", {k: res["bs1"][k] for k in ("decode_tok_s", "tpot_ms", "roofline_tok_s", "bw_ratio")})

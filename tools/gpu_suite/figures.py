@@ -34,7 +34,7 @@ def latency(args, results) -> dict:
                "bs8": run_latency(llm, batch_size=8, input_len=32, output_len=128, iters=2)}
         runner = llm.llm_engine.runner
         res.update(linear=describe_linear(runner.ops.linear), num_kv_blocks=runner.num_blocks,
-                   graph_batch_sizes=runner.graph_batch_sizes)
+                   graph_batch_sizes=runner.graph_batch_sizes, startup_phases_s=dict(runner.startup_seconds))
         del runner  # a live reference keeps the model and the KV pool: the next engine would find no memory
     finally:
         del llm
