@@ -8,6 +8,11 @@ Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, bloc
   default split rule and a workspace from mla_decode_workspace_numel, timed as a CUDA graph of back-to-back
   launches (device time, as the engine replays decode; it also shows the launch is capturable); the floor is
   the latent bytes read (B * context * (L+R) * 2) at 4.8 TB/s.
+* split sweep (`--split-sweep`, instead of the above): batch {1, 8} decode at the engine's block-table width
+  (`--table-tokens`, the suite's max_model_len 4,096: the engine's split count comes from the width, not the
+  context) over short contexts {40, 100, 160, 256, 512}, for each minimum split length of `--min-split-tokens`
+  and tile of `--block-n`: does a one-pass read of a short context beat 2-3 splits and their merge at batch 1
+  (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
 * prefill, one sequence of {512, ..., 8192} tokens, plain (no prefix):
   (a) absorbed: q_nope[H,T,128] @ W_UK[H,128,512] (bmm), mla_prefill_attention_triton, o[H,T,512] @
       W_UV[H,512,128] (bmm); reported whole and kernel only;
@@ -101,24 +106,29 @@ def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0) -
     return cache, order
 
 
-def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int) -> dict:
+def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int, table_tokens: int | None = None,
+                 min_split_tokens: int | None = None, block_n: int | None = None) -> dict:
+    """One decode launch timed; `table_tokens` the block table's width in tokens (default: the context),
+    `min_split_tokens` / `block_n` the launcher's knobs (default: its own)."""
     from metainfer.kernels.mla_attention import (
         mla_decode_attention_triton,
         mla_decode_num_splits,
         mla_decode_workspace_numel,
     )
 
-    dev, scale, width = cache.device, (NOPE + ROPE) ** -0.5, context // BLOCK
+    table_tokens = max(table_tokens or context, context)
+    dev, scale, width = cache.device, (NOPE + ROPE) ** -0.5, -(-table_tokens // BLOCK)
     tables = order[: batch * width].view(batch, width)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q_lat = torch.randn(HEADS, batch, LORA, device=dev, dtype=torch.bfloat16).transpose(0, 1)  # a bmm's transpose
     q_pe = torch.randn(batch, HEADS, NOPE + ROPE, device=dev, dtype=torch.bfloat16)[..., NOPE:]
-    workspace = torch.empty(max(1, mla_decode_workspace_numel(batch, HEADS, LORA, context)), dtype=torch.float32,
-                            device=dev)
+    workspace = torch.empty(max(1, mla_decode_workspace_numel(batch, HEADS, LORA, width * BLOCK)),
+                            dtype=torch.float32, device=dev)
     out = torch.empty(batch, HEADS, LORA, dtype=torch.bfloat16, device=dev)
 
     def run():
-        mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, scale, workspace=workspace, out=out)
+        mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, scale, workspace=workspace, out=out,
+                                    min_split_tokens=min_split_tokens, block_n=block_n)
 
     try:
         us, timing = _graph_us(run, inner, repeats), "cuda_graph"
@@ -126,9 +136,43 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
         torch.cuda.synchronize()
         us, timing = _median_us(run, 3, repeats), f"eager ({exc!s:.80})"
     floor = decode_floor_us(batch, context)
-    return {"splits": mla_decode_num_splits(batch, HEADS, context), "us": round(us, 3), "timing": timing,
+    splits = mla_decode_num_splits(batch, HEADS, width * BLOCK, block_n or 32)
+    return {"splits": splits, "live_splits": live_splits(context, splits, min_split_tokens or 64, block_n or 32),
+            "us": round(us, 3), "timing": timing,
             "floor_fraction": round(floor / us, 3),
             "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
+
+
+def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int) -> int:
+    """Splits that hold tokens (the kernel's _split_range): chunks of a block_n multiple, >= min_split_tokens."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    chunk = max(cdiv(cdiv(context, splits), block_n) * block_n, cdiv(min_split_tokens, block_n) * block_n)
+    return cdiv(context, chunk)
+
+
+SWEEP_BATCHES = (1, 8)
+SWEEP_CONTEXTS = (40, 100, 160, 256, 512)
+
+
+def bench_split_sweep(batches, contexts, table_tokens: int, min_splits, block_ns, budget_end: float, results: list,
+                      inner: int, repeats: int) -> None:
+    """Decode at the engine's table width for each (min split length, tile): us a launch, splits that hold tokens."""
+    cache, order = _paged_cache(max(batches) * max(table_tokens, max(contexts)), torch.device("cuda"))
+    for context in contexts:
+        for batch in batches:
+            for block_n in block_ns:
+                for min_split in min_splits:
+                    case = dict(kind="split_sweep", batch=batch, context=context, table_tokens=table_tokens,
+                                min_split_tokens=min_split, block_n=block_n,
+                                floor_us=round(decode_floor_us(batch, context), 3))
+                    if time.monotonic() > budget_end:
+                        results.append({**case, "skipped": "budget"})
+                        continue
+                    results.append({**case, **_decode_case(cache, order, batch, context, inner, repeats,
+                                                           table_tokens, min_split, block_n)})
+                    print(json.dumps(results[-1]), flush=True)
 
 
 def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int) -> None:
@@ -220,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", type=int, default=10, help="decode calls per CUDA graph")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="only the short-context split sweep at the engine's table width (module docstring)")
+    parser.add_argument("--table-tokens", type=int, default=4096, help="split sweep: the block table's width")
+    parser.add_argument("--min-split-tokens", type=int, nargs="*", default=[64, 128, 256, 512])
+    parser.add_argument("--block-n", type=int, nargs="*", default=[32, 64])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA GPU", file=sys.stderr)
@@ -227,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     budget_end = start + args.budget_s
     results: list[dict] = []
-    if not args.skip_decode:
+    if args.split_sweep:
+        batches = args.batches if args.batches != list(DECODE_BATCHES) else list(SWEEP_BATCHES)
+        contexts = args.contexts if args.contexts != list(DECODE_CONTEXTS) else list(SWEEP_CONTEXTS)
+        bench_split_sweep(batches, contexts, args.table_tokens, args.min_split_tokens, args.block_n, budget_end,
+                          results, args.inner, args.repeats)
+    elif not args.skip_decode:
         # decode first, but keep ~40% of the budget for prefill
         decode_end = budget_end if args.skip_prefill else start + 0.6 * args.budget_s
         bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats)
-    if not args.skip_prefill:
+    if not args.skip_prefill and not args.split_sweep:
         bench_prefill(args.prefill_lens, budget_end, results, max(5, args.repeats // 2))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=HEADS, kv_lora_rank=LORA,
                 rope_dim=ROPE, nope_dim=NOPE, v_dim=V_DIM, block_size=BLOCK, dtype="bf16",

@@ -42,3 +42,14 @@ def test_main_refuses_without_gpu(capsys):
 
     assert bench_mla.main(["--budget-s", "1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_live_splits_follow_the_kernel_rule():
+    """The sweep's live-split count is _split_range's: chunks of a block_n multiple of at least the minimum."""
+    from tools import bench_mla
+
+    # the engine at batch 1 over a 4,096-token table: 64 splits of >= 64 tokens
+    assert [bench_mla.live_splits(c, 64, 64, 32) for c in (40, 64, 65, 100, 160, 512)] == [1, 1, 2, 2, 3, 8]
+    assert bench_mla.live_splits(160, 64, 256, 32) == 1
+    assert bench_mla.live_splits(512, 64, 128, 64) == 4
+    assert bench_mla.live_splits(8192, 8, 64, 32) == 8  # long contexts: the split count bounds it

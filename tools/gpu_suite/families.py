@@ -213,6 +213,12 @@ def bench_mla(args, results) -> dict:
     return _tool("tools.bench_mla", ["--budget-s", "90"], "bench_mla.json")
 
 
+def mla_split_sweep(args, results) -> dict:
+    """MLA decode at batch 1 and 8 over short contexts at the engine's table width, per minimum split length
+    and tile (tools/bench_mla.py --split-sweep): does one pass beat 2-3 splits and their merge at batch 1?"""
+    return _tool("tools.bench_mla", ["--split-sweep", "--budget-s", "60"], "bench_mla_split_sweep.json")
+
+
 # the batch-1 GEMM shapes of the MoE families (tp=1): DeepSeek-V2-Lite's stacked q + latent projection,
 # o_proj, its dense first layer's MLP and LM head; Qwen3-30B-A3B's qkv, o_proj and LM head
 MOE_FAMILY_GEMV_SHAPES = {"ds_qkv_a": (3648, 2048), "ds_o_proj": (2048, 2048), "ds_gate_up": (21888, 2048),

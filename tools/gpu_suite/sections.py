@@ -31,6 +31,7 @@ SECTIONS = {
     "tune_moe": families.tune_moe,
     "bench_moe": families.bench_moe,
     "bench_mla": families.bench_mla,
+    "mla_split_sweep": families.mla_split_sweep,
     "tune_gemv_moe": families.tune_gemv_moe,
     "serving": serving.serving,
 }
