@@ -83,17 +83,17 @@ class MLABackend(AttentionBackend):
 
     def prefill(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._expanded_wins(meta):
-            return _into(out, self._prefill_expanded(layer, q, meta))
+            return self._prefill_expanded(layer, q, meta, out)
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
                               meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
-        return _into(out, self._value_up(o_lat, layer.w_uv))
+        return self._value_up(o_lat, layer.w_uv, out)
 
     def decode(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
                              meta.context_lens, layer.scale)
-        return _into(out, self._value_up(o_lat, layer.w_uv))
+        return self._value_up(o_lat, layer.w_uv, out)
 
     def _expanded_wins(self, meta) -> bool:
         """The expanded form where it was measured faster: a step of plain prefills (no cached prefix, no
@@ -103,13 +103,14 @@ class MLABackend(AttentionBackend):
         return (meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q
                 and all(q_len == ctx for q_len, ctx in meta.seq_lens))
 
-    def _prefill_expanded(self, layer, q: torch.Tensor, meta) -> torch.Tensor:
+    def _prefill_expanded(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         """Per sequence of a step of plain prefills (host lengths from meta.seq_lens): K = [c @ W_UK^T, k_pe],
-        V = c @ W_UV^T over its tokens (read back from the cache, as stored), causal SDPA -> [T, Hr * Dv]."""
+        V = c @ W_UV^T over its tokens (read back from the cache, as stored), causal SDPA -> [T, Hr * Dv]
+        (into `out` when given)."""
         heads, nope, lat = self.num_heads, self.nope_dim, self.kv_lora_rank
         kv_b = layer.kv_b_weight  # [Hr * (Dn + Dv), L]
         block_size = layer.latent_cache.shape[1]
-        out = q.new_empty(q.shape[0], heads, layer.v_head_dim)
+        out = (q.new_empty(q.shape[0], heads * layer.v_head_dim) if out is None else out).view(q.shape[0], heads, -1)
         start = meta.first_row  # a mixed step's prefill part starts after its decode rows
         for b, (length, _) in enumerate(meta.seq_lens):
             blocks = meta.block_tables[b, : -(-length // block_size)].long()
@@ -121,8 +122,3 @@ class MLABackend(AttentionBackend):
             out[start:start + length] = o[0].transpose(0, 1)
             start += length
         return out.view(q.shape[0], -1)
-
-
-def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
-    """`result` in `out` when one is given (the value-up GEMMs allocate their own output)."""
-    return result if out is None else out.copy_(result)

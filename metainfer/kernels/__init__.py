@@ -27,17 +27,24 @@ from .attention_decode import (
 from .attention_prefill import paged_prefill_attention_triton
 from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
-from .fused_moe import fused_moe_triton, parse_moe_table
+from .fused_moe import fused_moe_slots_triton, fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
 from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
 from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
 from .mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref
-from .moe_ref import fused_moe_ref, route_topk_ref, router_topk_ref
+from .moe_ref import ExpertSlots, fused_moe_ref, fused_moe_slots_ref, route_topk_ref, router_topk_ref
 from .moe_routing import route_topk_triton, router_topk_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
-from .rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from .rms_norm import (
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_slots_ref,
+    fused_add_rms_norm_slots_triton,
+    fused_add_rms_norm_triton,
+    rms_norm_ref,
+    rms_norm_triton,
+)
 from .rotary import build_cos_sin_cache, rope_mscale, rotary_neox_ref, rotary_neox_triton, yarn_get_mscale
 from .sampling import GumbelSampler
 from .skinny_gemm import linear_with_skinny, parse_skinny_table
@@ -65,6 +72,9 @@ class KernelOps:
     # a decode-sized router whole (GEMM + routing, <= ROUTER_FUSED_MAX_TOKENS tokens; moe_routing.py)
     router_topk: Callable = router_topk_ref
     fused_moe: Callable = fused_moe_ref
+    # the same before the K-slot sum (ExpertSlots), and the residual add + RMSNorm that sums them in its launch
+    fused_moe_slots: Callable = fused_moe_slots_ref
+    fused_add_rms_norm_slots: Callable = fused_add_rms_norm_slots_ref
     # MLA (kernels/mla_prep.py, mla_ref.py, mla_attention.py): latent norm + rope + store; latent attention
     mla_latent_prep: Callable = mla_latent_prep_ref
     mla_decode_attention: Callable = mla_decode_attention_ref
@@ -121,6 +131,8 @@ TRITON_OPS = with_linear(KernelOps(
     route_topk=route_topk_triton,
     router_topk=router_topk_triton,
     fused_moe=fused_moe_triton,
+    fused_moe_slots=fused_moe_slots_triton,
+    fused_add_rms_norm_slots=fused_add_rms_norm_slots_triton,
     mla_latent_prep=mla_latent_prep_triton,
     mla_decode_attention=mla_decode_attention_triton,
     mla_prefill_attention=mla_prefill_attention_triton,
@@ -176,12 +188,15 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     if skinny_gemm and skinny:
         linear = functools.partial(linear_with_skinny, base=linear, pdl=pdl, table=parse_skinny_table(skinny))
     if tuned.get("moe"):  # the fused MoE's tuned launch configs by (E, N, H) and token bucket
-        ops = replace(ops, fused_moe=functools.partial(ops.fused_moe, table=parse_moe_table(tuned["moe"])))
+        moe_table = parse_moe_table(tuned["moe"])
+        ops = replace(ops, fused_moe=functools.partial(ops.fused_moe, table=moe_table),
+                      fused_moe_slots=functools.partial(ops.fused_moe_slots, table=moe_table))
     return with_linear(ops, linear, table, fuse_activation)
 
 
 __all__ = [
     "DEFAULT_MAX_NUM_SPLITS",
+    "ExpertSlots",
     "FP8_KV_DTYPE",
     "GumbelSampler",
     "HAS_TRITON",

@@ -21,6 +21,9 @@ Contracts (the math and rounding of kernels/moe_ref.py, docs/CONTRACTS.md "MoE")
   table=None, pdl=False, config=None) -> y[T,H]` in x's dtype: fused_moe_ref's math. The gate/up
   GEMM output is rounded to x's dtype, SiLU(gate)*up computed in fp32 and rounded; the down GEMM
   output rounded, times the routing weight in fp32; the K terms summed in fp32, rounded once.
+- `fused_moe_slots_triton(...same...) -> ExpertSlots` (kernels/moe_ref.py): kernels 1-4 below, the fp32
+  [T*K, H] slot terms before the sum; `moe_sum_triton(slots, dtype)` is kernel 5. The engine's MoE block at
+  tp = 1 hands the slots to the next RMSNorm, which sums them in its own launch (kernels/rms_norm.py).
 Routing (route_topk_triton, router_topk_triton) lives in kernels/moe_routing.py.
 Kernels (each launched with pdl_enter first, so `pdl=True` chains them under programmatic
 dependent launch):
@@ -65,6 +68,7 @@ from ._triton import (
     tl,
     triton,
 )
+from .moe_ref import ExpertSlots
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _COUNT_BLOCK = 4096  # pairs a step of the one-program count kernel (few serial steps at prefill sizes)
@@ -386,6 +390,28 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     """fused_moe_ref's y[T, H] in x's dtype (see the module docstring). `config` forces a launch
     config; otherwise `table` (the `moe` section, raw or parsed) by (E, N, H) and T, else
     default_moe_config(T). `pdl`: every launch under programmatic dependent launch (sm_90+)."""
+    slots = fused_moe_slots_triton(x, w13, w2, topk_weights, topk_ids, table=table, pdl=pdl, config=config)
+    return moe_sum_triton(slots, x.dtype, pdl=pdl)
+
+
+def moe_sum_triton(slots: ExpertSlots, dtype: torch.dtype, *, pdl: bool = False) -> torch.Tensor:
+    """moe_sum_ref's y[T, H]: each token's valid slots summed in fp32, rounded once to `dtype`."""
+    num_tokens, top_k = slots.ids.shape
+    hidden = slots.out.shape[1]
+    y = torch.empty(num_tokens, hidden, dtype=dtype, device=slots.out.device)
+    if num_tokens == 0 or top_k == 0:
+        return y.zero_()
+    block = min(_SUM_BLOCK, next_pow2(hidden))
+    _moe_sum_kernel[(num_tokens, cdiv(hidden, block))](
+        slots.out, slots.ids, y, hidden, slots.num_experts, slots.out.stride(0), y.stride(0), TOP_K=top_k,
+        BLOCK=block, num_warps=4, **pdl_args(pdl))
+    return y
+
+
+def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, *, table: Mapping | None = None, pdl: bool = False,
+                           config: MoeConfig | None = None) -> ExpertSlots:
+    """fused_moe_slots_ref's ExpertSlots: the grouped GEMMs without the sum (arguments: fused_moe_triton's)."""
     require_triton()
     num_experts, n2, hidden = w13.shape if w13.dim() == 3 else (0, 0, 0)
     n = n2 // 2
@@ -399,11 +425,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                          f"{w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, weights {tuple(topk_weights.shape)}, "
                          f"ids {tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
-    y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    if num_tokens == 0 or top_k == 0:
-        return y.zero_()
-    cfg = config or moe_config(table, num_experts, n, hidden, num_tokens)
     ids = topk_ids.to(torch.int32).contiguous()
+    if num_tokens == 0 or top_k == 0:
+        return ExpertSlots(torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device), ids,
+                           num_experts)
+    cfg = config or moe_config(table, num_experts, n, hidden, num_tokens)
     routed = topk_weights.to(torch.float32).contiguous()
     num_pairs = ids.numel()
     if num_pairs <= PAIR_BLOCKS_MAX_PAIRS:
@@ -422,13 +448,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     _moe_down_kernel[(num_m_blocks * cdiv(hidden, cfg.block_n),)](
         inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, hidden,
         n, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **launch)
-    block = min(_SUM_BLOCK, next_pow2(hidden))
-    _moe_sum_kernel[(num_tokens, cdiv(hidden, block))](
-        out, ids, y, hidden, num_experts, out.stride(0), y.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
-        **pdl_args(pdl))
-    return y
+    return ExpertSlots(out, ids, num_experts)
 
 
 __all__ = ["MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
-           "fused_moe_triton", "moe_align", "moe_config",
+           "fused_moe_slots_triton", "fused_moe_triton", "moe_align", "moe_config", "moe_sum_triton",
            "moe_max_padded", "moe_table_key", "parse_moe_table", "pick_bucket"]

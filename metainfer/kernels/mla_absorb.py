@@ -11,8 +11,9 @@ under PDL the weight read overlaps that kernel's tail; each row of the batch is 
 Contracts (shapes per rank: H = heads / tp):
 - `mla_absorb_ref(q_nope [T, H, Dn] (any strides), w_uk [H, Dn, L] (any strides)) -> q_lat [T, H, L]`:
   q_lat[t, h] = q_nope[t, h] @ w_uk[h], fp32 accumulation, one rounding to q's dtype (torch.bmm).
-- `mla_value_up_ref(o_lat [T, H, L], w_uv [H, Dv, L]) -> [T, H * Dv]`: out[t, h*Dv + v] =
-  o_lat[t, h] . w_uv[h, v], likewise.
+- `mla_value_up_ref(o_lat [T, H, L], w_uv [H, Dv, L], out=None) -> [T, H * Dv]`: out[t, h*Dv + v] =
+  o_lat[t, h] . w_uv[h, v], likewise; written into `out` ([T, H * Dv], unit last stride) when given (the
+  piecewise graphs' static attention output: no copy after the GEMM).
 - `mla_absorb_triton` / `mla_value_up_triton`: the same results (fp32 accumulation in another order) for
   T <= max_rows (default MAX_ROWS), the refs beyond (tensor-core GEMMs win once every weight tile serves
   many rows). H200 A/B in the engine (run 62, DeepSeek-V2-Lite bs1 decode): 2.38 -> 2.22 ms a token
@@ -35,10 +36,14 @@ def mla_absorb_ref(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
 
-def mla_value_up_ref(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [T, H, L] @ w_uv [H, Dv, L]^T per head -> [T, H * Dv]."""
-    out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, Dv]
-    return out.transpose(0, 1).reshape(o_lat.shape[0], -1)
+def mla_value_up_ref(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """o_lat [T, H, L] @ w_uv [H, Dv, L]^T per head -> [T, H * Dv] (into `out` when given)."""
+    if out is None:
+        result = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, Dv]
+        return result.transpose(0, 1).reshape(o_lat.shape[0], -1)
+    heads, dv, _ = w_uv.shape
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.view(o_lat.shape[0], heads, dv).transpose(0, 1))
+    return out
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -108,14 +113,18 @@ def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = F
     return out
 
 
-def mla_value_up_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, *, pdl: bool = False,
-                        max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """mla_value_up_ref's [T, H * Dv] by the Triton kernel for T <= max_rows (else the ref)."""
+def mla_value_up_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None, *,
+                        pdl: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
+    """mla_value_up_ref's [T, H * Dv] by the Triton kernel for T <= max_rows (else the ref), into `out`."""
     if not _takes_triton(o_lat, w_uv, max_rows, "mla_value_up_triton", 2):
-        return mla_value_up_ref(o_lat, w_uv)
+        return mla_value_up_ref(o_lat, w_uv, out)
     num_tokens = o_lat.shape[0]
     heads, dv, lat = w_uv.shape
-    out = torch.empty(num_tokens, heads * dv, dtype=o_lat.dtype, device=o_lat.device)
+    if out is None:
+        out = torch.empty(num_tokens, heads * dv, dtype=o_lat.dtype, device=o_lat.device)
+    elif out.shape != (num_tokens, heads * dv) or out.stride(-1) != 1 or out.dtype != o_lat.dtype:
+        raise ValueError(f"mla_value_up_triton: out must be [{num_tokens}, {heads * dv}] {o_lat.dtype} with a unit "
+                         f"last stride, got {tuple(out.shape)} {out.dtype}")
     block_v = min(_VALUE_UP_BLOCK_V, next_pow2(dv))
     _mla_value_up_kernel[(heads, cdiv(dv, block_v))](
         o_lat, w_uv, out, num_tokens, dv, lat, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),

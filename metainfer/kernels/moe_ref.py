@@ -15,13 +15,28 @@ Contracts (docs/CONTRACTS.md, "MoE"):
   Rounding: each GEMM's output is rounded to x's dtype (as a grouped GEMM writes it), the activation
   product too; the K weighted terms are summed in fp32 and rounded once. Ids outside [0, E) contribute
   nothing (a rank that holds a slice of the experts: none here, experts are sharded by N).
-The Triton kernels: kernels/fused_moe.py.
+- `fused_moe_slots(x, w13, w2, weights, ids) -> ExpertSlots(out f32[T*K,H], ids, num_experts)`: the same
+  before the K-slot sum: row t*K+k holds slot k's weighted term (rows of invalid ids are never read).
+  `moe_sum(slots, dtype) -> y[T,H]` is the sum; `fused_add_rms_norm_slots(slots, residual, weight, eps)` is
+  `fused_add_rms_norm(moe_sum(slots, residual.dtype), residual, ...)` in one launch on the GPU (the MoE
+  block at tp = 1 hands its slots to the next norm: layers/moe.py).
+The Triton kernels: kernels/fused_moe.py (the norm over slots: kernels/rms_norm.py).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class ExpertSlots(NamedTuple):
+    """A fused MoE's output before the sum over each token's K slots (see the module docstring)."""
+
+    out: torch.Tensor  # fp32 [T*K, H]: slot k of token t at row t*K + k, its routing weight applied
+    ids: torch.Tensor  # int32 [T, K]: the slot's expert; ids outside [0, num_experts) contribute nothing
+    num_experts: int
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, method: str = "greedy", n_group: int = 1,
@@ -58,10 +73,11 @@ def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, workspace=None, top_k
     logits = F.linear(x.to(weight.dtype), weight)
     return route_topk_ref(logits, top_k, method, n_group, topk_group, renormalize, scaling, num_shared)
 
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_slots_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> ExpertSlots:
     num_experts, n2, _ = w13.shape
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(x.shape[0] * top_k, w2.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for expert in torch.unique(ids).tolist():
         if not 0 <= expert < num_experts:
@@ -70,5 +86,18 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         gate_up = F.linear(x[token_idx], w13[expert])
         hidden = (F.silu(gate_up[:, : n2 // 2].float()) * gate_up[:, n2 // 2:].float()).to(x.dtype)
         y = F.linear(hidden, w2[expert])
-        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None].float())
-    return out.to(x.dtype)
+        out[token_idx * top_k + slot] = y.float() * topk_weights[token_idx, slot, None].float()
+    return ExpertSlots(out, topk_ids.to(torch.int32), num_experts)
+
+
+def moe_sum_ref(slots: ExpertSlots, dtype: torch.dtype) -> torch.Tensor:
+    """y[t] = the fp32 sum of token t's slots with a valid id, rounded once to `dtype`."""
+    num_tokens, top_k = slots.ids.shape
+    valid = (slots.ids >= 0) & (slots.ids < slots.num_experts)
+    terms = torch.where(valid[..., None], slots.out.view(num_tokens, top_k, -1), 0.0)  # unwritten rows may be NaN
+    return terms.sum(dim=1).to(dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    return moe_sum_ref(fused_moe_slots_ref(x, w13, w2, topk_weights, topk_ids), x.dtype)

@@ -4,7 +4,10 @@ Contract (docs/CONTRACTS.md): y = w * n with n = x * rsqrt(mean(x^2) + eps), out
 dtype; any leading shape `[..., H]` (Qwen3's q_norm/k_norm run on `[T, heads, D]` views of
 the qkv projection, so the kernels take strided rows instead of forcing a copy).
 The fused variant first stores residual <- x + residual (rounded to residual's dtype, as an
-unfused model would) and normalises that rounded sum.
+unfused model would) and normalises that rounded sum. `fused_add_rms_norm_slots(slots, residual, weight,
+eps)` takes a fused MoE's unsummed output (kernels/moe_ref.py: ExpertSlots) as x: x = moe_sum(slots,
+residual.dtype), the fp32 sum over a token's valid slots rounded once, read in the same launch (the MoE's
+sum kernel and its [T, H] round trip folded away: one launch a MoE layer fewer).
 
 Rounding points follow HF transformers' `Qwen3RMSNorm` (`weight * hidden.to(input_dtype)`):
 the mean of squares, rsqrt and n are fp32 math on the fp32-converted input, n is rounded to the
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .moe_ref import ExpertSlots, moe_sum_ref
 
 # ----------------------------------------------------------------------------------------------
 # torch reference (the CPU path)
@@ -39,6 +43,12 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps).to(x.dtype), residual
 
 
+def fused_add_rms_norm_slots_ref(
+    slots: ExpertSlots, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_add_rms_norm_ref(moe_sum_ref(slots, residual.dtype), residual, weight, eps)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton
 # ----------------------------------------------------------------------------------------------
@@ -47,13 +57,15 @@ def fused_add_rms_norm_ref(
 # n_rows changes with every prefill's token count: not specialised (no recompile per size class)
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, y_ptr, w_ptr,
-    n_rows, inner_rows, hidden, eps,
+    x_ptr, res_ptr, y_ptr, w_ptr, ids_ptr,
+    n_rows, inner_rows, hidden, eps, num_experts,
     x_stride0, x_stride1, r_stride0, r_stride1, y_stride0, y_stride1,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Rows are addressed as (outer, inner) of a [outer, inner, H] view so that strided views
-    # (e.g. per-head slices of a fused qkv tensor) need no copy.
+    # (e.g. per-head slices of a fused qkv tensor) need no copy. TOP_K > 0: x is a fused MoE's fp32 slots
+    # [n_rows * TOP_K, H] (row stride x_stride0), summed over each row's slots with a valid id.
     pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -63,8 +75,17 @@ def _rms_norm_kernel(
     col_mask = cols < hidden
     mask = row_mask[:, None] & col_mask[None, :]
 
-    x_off = (outer * x_stride0 + inner * x_stride1)[:, None] + cols[None, :]
-    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    if TOP_K > 0:
+        x = tl.zeros([BLOCK_ROWS, BLOCK_H], tl.float32)
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + rows * TOP_K + k, mask=row_mask, other=-1)
+            valid = (expert >= 0) & (expert < num_experts)
+            x += tl.load(x_ptr + (rows * TOP_K + k)[:, None] * x_stride0 + cols[None, :],
+                         mask=mask & valid[:, None], other=0.0)
+        x = x.to(res_ptr.dtype.element_ty).to(tl.float32)  # the MoE output's one rounding (its sum kernel's)
+    else:
+        x_off = (outer * x_stride0 + inner * x_stride1)[:, None] + cols[None, :]
+        x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r_off = (outer * r_stride0 + inner * r_stride1)[:, None] + cols[None, :]
         summed = (x + tl.load(res_ptr + r_off, mask=mask, other=0.0).to(tl.float32))
@@ -95,8 +116,15 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 1, t.shape[-1])
 
 
-def _launch_rms_norm(x, residual, weight, eps, pdl):
+def _launch_rms_norm(x, residual, weight, eps, pdl, slots: ExpertSlots | None = None):
     require_triton()
+    if slots is not None:  # x: the slots' [T*K, H] fp32 rows, read by token; the shapes are the residual's
+        num_tokens, top_k = slots.ids.shape
+        if (slots.out.dim() != 2 or slots.out.shape[0] != num_tokens * top_k or slots.out.stride(-1) != 1
+                or residual.dim() != 2 or residual.shape != (num_tokens, slots.out.shape[1])):
+            raise ValueError(f"slots out {tuple(slots.out.shape)} / ids {tuple(slots.ids.shape)} do not fit the "
+                             f"residual {tuple(residual.shape)}")
+        x = residual
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
@@ -115,6 +143,9 @@ def _launch_rms_norm(x, residual, weight, eps, pdl):
     n_rows = x3.shape[0] * x3.shape[1]
     if n_rows == 0:
         return y
+    top_k = 0 if slots is None else slots.ids.shape[1]
+    source, ids = (x3, y3) if slots is None else (slots.out, slots.ids.contiguous())
+    source_strides = (x3.stride(0), x3.stride(1)) if slots is None else (slots.out.stride(0), 0)
 
     block_h = next_pow2(hidden)
     if block_h > 65536:
@@ -124,10 +155,10 @@ def _launch_rms_norm(x, residual, weight, eps, pdl):
     num_warps = max(1, min(16, block_rows * block_h // 512))
     grid = (triton.cdiv(n_rows, block_rows),)
     _rms_norm_kernel[grid](
-        x3, r3, y3, weight,
-        n_rows, x3.shape[1], hidden, float(eps),
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        source, r3, y3, weight, ids,
+        n_rows, x3.shape[1], hidden, float(eps), 0 if slots is None else slots.num_experts,
+        *source_strides, r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1),
+        HAS_RESIDUAL=residual is not None, TOP_K=top_k, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
         num_warps=num_warps, **pdl_args(pdl),
     )
     return y
@@ -142,3 +173,10 @@ def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_rms_norm(x, residual, weight, eps, pdl), residual
+
+
+def fused_add_rms_norm_slots_triton(
+    slots: ExpertSlots, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm_slots_ref's result in one launch (the module docstring)."""
+    return _launch_rms_norm(None, residual, weight, eps, pdl, slots), residual

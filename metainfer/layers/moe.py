@@ -26,6 +26,7 @@ from torch import nn
 
 from metainfer.distributed.communication import reducer
 from metainfer.distributed.parallel_state import get_tp_rank, get_tp_size
+from metainfer.kernels.moe_ref import ExpertSlots
 from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS, router_fusable, router_workspace
 from metainfer.layers.linear import ReplicatedLinear
 
@@ -63,10 +64,14 @@ class FusedExperts(nn.Module):
         self.bind_ops(ops)
 
     def bind_ops(self, ops) -> None:
-        self._fused_moe = ops.fused_moe
+        self._fused_moe, self._fused_moe_slots = ops.fused_moe, ops.fused_moe_slots
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self._fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def slots(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> ExpertSlots:
+        """The same before the sum over each token's K slots (kernels/moe_ref.py: ExpertSlots)."""
+        return self._fused_moe_slots(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def _load(self, param, loaded, shard_id=None, name="", parts=()):
         """One expert's tensor (shard_id (expert, part)) or the fused [E, ...] tensor (shard_id None);
@@ -149,7 +154,12 @@ class TopKRouter(ReplicatedLinear):
 
 class SparseMoeBlock(nn.Module):
     """Routed (+ DeepSeek's shared) experts in one fused call, all-reduced once. Parameter names follow
-    the checkpoint: `gate.weight` (router), `experts.*` (shared_experts.* load into experts E..E+S-1)."""
+    the checkpoint: `gate.weight` (router), `experts.*` (shared_experts.* load into experts E..E+S-1).
+
+    At tp = 1 (nothing to all-reduce) the block returns the experts' unsummed slots (`returns_slots`): the
+    decoder hands them to the next residual add + RMSNorm, which sums them in its own launch (one launch and a
+    [T, H] round trip a layer fewer: DecoderModel wires the norm); under TP the sum comes first, then the
+    all-reduce of [T, H]. Chosen here, at build."""
 
     def __init__(self, spec, ops, dtype):
         super().__init__()
@@ -160,7 +170,11 @@ class SparseMoeBlock(nn.Module):
         for param in self.experts.parameters():  # what one token reads of them (bench/common.py's floor)
             param.active_fraction = (spec.num_experts_per_tok + shared) / (spec.num_experts + shared)
         self.reduce = reducer()
+        self.returns_slots = get_tp_size() == 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """[T, H], or at tp = 1 the ExpertSlots the next norm sums."""
         weights, ids = self.gate(x)
+        if self.returns_slots:
+            return self.experts.slots(x, weights, ids)
         return self.reduce(self.experts(x, weights, ids))

@@ -43,6 +43,10 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype)
         self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, dtype)
+        # a MoE block that returns unsummed expert slots hands them to the norm after it (layers/moe.py)
+        for layer, next_norm in zip(self.layers, [*(layer.input_layernorm for layer in self.layers[1:]), self.norm]):
+            if getattr(layer.mlp, "returns_slots", False):
+                next_norm.take_expert_slots(ops)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Positions reach the attention backend through the forward context (AttentionMetadata)."""

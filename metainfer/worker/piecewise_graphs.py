@@ -16,8 +16,8 @@ A bucket's steps are packed at one layout (`pack_step(token_rows=T_b)`: the toke
 the staging buffer, padded rows with slot -1), so the captured step inputs and stores read each replay's
 values in place. Each piece ends by copying the store's query into one static buffer shared by every layer
 and bucket; `backend.attend` runs eagerly on its first T rows under the step's metadata (prefill and decode
-kernels only: two launches a layer for a dense mixed step; MLA adds its absorb / value-up GEMMs and one copy a
-part) and writes into one static output the next piece reads.
+kernels only: two launches a layer for a dense mixed step; MLA adds its absorb / value-up GEMMs, the value-up
+writing its rows in place) and writes into one static output the next piece reads.
 Rows T..T_b are padding: their ids are 0, they store nothing and their attention output is whatever the buffer
 held; rows never mix outside attention, so they cannot reach the real rows, and the logits are taken at the
 real rows only.

@@ -410,3 +410,55 @@ def test_aot_compile_sm90_fused_moe_kernels():
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     for name in ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_align_scatter_kernel", "_route_topk_kernel"):
         assert name in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the K-slot sum folded into the norm
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_slots_then_norm_equal_the_summed_path(dtype, num_tokens):
+    """The engine at tp = 1: fused_moe_slots, then the residual add + RMSNorm over the slots, is bit for bit the
+    unfused chain (fused_moe's sum kernel, then fused_add_rms_norm) on the same device, residual included; the
+    slots themselves match the reference's; an id outside [0, E) (slot rows never written) counts nothing."""
+    from metainfer.kernels.fused_moe import fused_moe_slots_triton, moe_sum_triton
+    from metainfer.kernels.moe_ref import fused_moe_slots_ref, moe_sum_ref
+    from metainfer.kernels.rms_norm import (
+        fused_add_rms_norm_slots_ref,
+        fused_add_rms_norm_slots_triton,
+        fused_add_rms_norm_triton,
+    )
+
+    hidden, experts, top_k = 48, 6, 3
+    args = _moe_inputs(num_tokens, experts, 40, hidden, top_k, dtype, seed=num_tokens)
+    args[4][0, 1] = experts  # out of range: its slot row is left unwritten by the kernels
+    slots = fused_moe_slots_triton(*args, config=SMALL)
+    ref_slots = fused_moe_slots_ref(*args)
+    assert slots.out.shape == (num_tokens * top_k, hidden) and slots.out.dtype == torch.float32
+    valid = ((ref_slots.ids >= 0) & (ref_slots.ids < experts)).flatten()
+    err = (slots.out[valid].double() - ref_slots.out[valid].double()).abs().max().item()
+    assert err / ref_slots.out[valid].double().abs().max().item() < TOL[dtype]
+    slots.out[~valid] = float("nan")  # whatever an unwritten row holds must not reach the sum
+    weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))).to(DEVICE, dtype)
+    residual = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+
+    res_folded, res_chain, res_ref = residual.clone(), residual.clone(), residual.clone()
+    folded, _ = fused_add_rms_norm_slots_triton(slots, res_folded, weight, 1e-6)
+    chain, _ = fused_add_rms_norm_triton(moe_sum_triton(slots, dtype), res_chain, weight, 1e-6)
+    assert torch.equal(folded, chain) and torch.equal(res_folded, res_chain)
+    assert torch.equal(moe_sum_triton(slots, dtype), _check_moe(args, dtype, config=SMALL))
+    ref, _ = fused_add_rms_norm_slots_ref(ref_slots, res_ref, weight, 1e-6)
+    assert torch.isfinite(folded).all()
+    for got, want in ((folded, ref), (res_folded, res_ref)):
+        err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
+        assert err < TOL[dtype], f"relative error {err:.2e}"
+    assert torch.equal(moe_sum_ref(ref_slots, dtype), fused_moe_ref(*args))
+
+
+def test_norm_over_slots_rejects_mismatched_shapes():
+    from metainfer.kernels.moe_ref import ExpertSlots
+    from metainfer.kernels.rms_norm import fused_add_rms_norm_slots_triton
+
+    slots = ExpertSlots(torch.zeros(6, 16, device=DEVICE), torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), 4)
+    with pytest.raises(ValueError, match="slots"):
+        fused_add_rms_norm_slots_triton(slots, torch.zeros(2, 16, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6)

@@ -93,3 +93,20 @@ def test_real_shapes_under_pdl_and_graphs_gpu(heads, tokens):
         captured = mla_value_up_triton(o_lat, w_uv, max_rows=MAX_ROWS, pdl=pdl)
     graph.replay()
     torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [3, MAX_ROWS + 2])  # the Triton kernel, and the reference past its row limit
+def test_value_up_writes_into_out_rows(rows):
+    """`out=` (the piecewise graphs' static output): the first T rows of a larger buffer, written in place with
+    the same values as a fresh output; the rows after them untouched."""
+    q_nope, w_uk, w_uv, o_lat = _inputs(rows, 3, 16, 24, 32, 8, torch.float32, DEVICE, seed=rows)
+    buffer = torch.full((rows + 4, 3 * 24), 7.0, device=DEVICE)
+    got = mla_value_up_triton(o_lat, w_uv, buffer[:rows], max_rows=MAX_ROWS)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:rows], mla_value_up_triton(o_lat, w_uv, max_rows=MAX_ROWS))
+    assert torch.equal(buffer[rows:], torch.full_like(buffer[rows:], 7.0))
+    ref_buffer = torch.zeros(rows, 3 * 24, device=DEVICE)
+    assert mla_value_up_ref(o_lat, w_uv, ref_buffer).data_ptr() == ref_buffer.data_ptr()
+    assert torch.equal(ref_buffer, mla_value_up_ref(o_lat, w_uv))
+    with pytest.raises(ValueError, match="mla_value_up_triton"):
+        mla_value_up_triton(o_lat[:2], w_uv, buffer[:3], max_rows=MAX_ROWS)  # out's rows differ

@@ -184,3 +184,25 @@ def test_h200_moe_table_has_the_engine_keys(config, tp):
         assert key in table and dims in parsed, (
             f"{config} at tp={tp}: the fused MoE looks up {key} (stacked experts, N per rank, hidden), which the "
             f"{TUNED_GPU} table lacks (it has {sorted(table)})")
+
+
+def test_the_norm_after_each_moe_layer_sums_its_slots(tmp_path):
+    """At tp = 1 each MoE block returns its unsummed expert slots and exactly the norm after it (the next layer's
+    input norm, or the final norm after the last layer) takes them; a norm after a dense layer does not. Layout:
+    DeepSeek's formula over 5 layers (dense, dense, MoE, dense, MoE), so both kinds of successor occur."""
+    from metainfer.kernels import REF_OPS
+    from metainfer.models.registry import model_class
+
+    folder = str(tmp_path)
+    build_tiny_model(folder, "deepseek_v2", **DEEPSEEK_LAYOUTS["deepseek_formula"])
+    spec = ModelSpec.from_file(os.path.join(folder, "config.json"))
+    with torch.device("meta"):
+        model = model_class(spec)(spec, REF_OPS, None, dtype=torch.float32)
+    layers = model.model.layers
+    assert _kinds_of(model) == ["dense", "dense", "moe", "dense", "moe"]
+    assert all(layer.mlp.returns_slots for layer in layers if isinstance(layer.mlp, SparseMoeBlock))
+    following = [*(layer.input_layernorm for layer in layers[1:]), model.model.norm]
+    assert [norm.sums_expert_slots for norm in following] == [False, False, True, False, True]
+    assert not any(layer.post_attention_layernorm.sums_expert_slots for layer in layers)
+    assert following[2]._add_norm is REF_OPS.fused_add_rms_norm_slots
+    assert following[1]._add_norm is REF_OPS.fused_add_rms_norm

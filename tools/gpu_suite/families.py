@@ -154,10 +154,42 @@ def family_agreement(args, name: str) -> dict:
     return res
 
 
-def moe_families(args, results) -> dict:
-    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement."""
+def fold_ab(args, name: str) -> dict:
+    """In one engine, bs1 decode (10 timed iterations each): the MoE block's slots summed inside the next
+    norm's launch (the default since session 19) against the same slots summed by the MoE sum kernel and
+    then normed (the earlier two launches: `moe_sum` + `fused_add_rms_norm`), the default again last (the
+    run's own noise). The fold is kept or deleted by this A/B."""
+    from dataclasses import replace
+
+    from metainfer.bench.latency import run_latency
+    from metainfer.kernels.fused_moe import moe_sum_triton
+
+    llm = _engine(family_dir(args, name))
+    runner = llm.llm_engine.runner
+    default = runner.ops
+
+    def unfolded(slots, residual, weight, eps):
+        return default.fused_add_rms_norm(moe_sum_triton(slots, residual.dtype, pdl=default.pdl), residual,
+                                          weight, eps)
+
     res = {}
-    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement}
+    try:
+        for variant, ops in (("folded", default), ("unfolded", replace(default, fused_add_rms_norm_slots=unfolded)),
+                             ("folded_again", default)):
+            runner.swap_kernels(ops)
+            r = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
+            res[variant] = {k: r[k] for k in ("decode_tok_s", "tpot_ms")}
+            print(f"{name} fold_ab {variant}", round(r["decode_tok_s"], 1), flush=True)
+    finally:
+        del runner, llm
+        release()
+    return res
+
+
+def moe_families(args, results) -> dict:
+    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, fold_ab."""
+    res = {}
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "fold_ab": fold_ab}
     for name in args.moe_models.split(","):
         res[name] = {}
         for part in args.moe_parts.split(","):
