@@ -8,11 +8,13 @@ Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, bloc
   default split rule and a workspace from mla_decode_workspace_numel, timed as a CUDA graph of back-to-back
   launches (device time, as the engine replays decode; it also shows the launch is capturable); the floor is
   the latent bytes read (B * context * (L+R) * 2) at 4.8 TB/s.
-* split sweep (`--split-sweep`, instead of the above): batch {1, 8} decode at the engine's block-table width
-  (`--table-tokens`, the suite's max_model_len 4,096: the engine's split count comes from the width, not the
-  context) over short contexts {40, 100, 160, 256, 512}, for each minimum split length of `--min-split-tokens`
-  and tile of `--block-n`: does a one-pass read of a short context beat 2-3 splits and their merge at batch 1
-  (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
+* sweeps (instead of the above), decode at the engine's block-table width (`--table-tokens`, the suite's
+  max_model_len 4,096: the engine's split count comes from the width, not the context), each launcher knob
+  combination timed: `--split-sweep`, batch {1, 8} over contexts {40, 100, 160, 256, 512}, minimum split
+  {64, 128, 256, 512} x tile {32, 64} tokens: does one pass over a short context beat 2-3 splits and their merge at
+  batch 1 (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
+  `--large-batch-sweep`, batch 256 at context 600 (the throughput protocol's step, 50-56% of the latent-read floor
+  in run 49): splits {1, 2, 4} x tile {32, 64} x warps {4, 8} x stages {2, 3}.
 * prefill, one sequence of {512, ..., 8192} tokens, plain (no prefix):
   (a) absorbed: q_nope[H,T,128] @ W_UK[H,128,512] (bmm), mla_prefill_attention_triton, o[H,T,512] @
       W_UV[H,512,128] (bmm); reported whole and kernel only;
@@ -26,6 +28,7 @@ skipped. Importing this module makes no CUDA call.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -107,28 +110,31 @@ def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0) -
 
 
 def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int, table_tokens: int | None = None,
-                 min_split_tokens: int | None = None, block_n: int | None = None) -> dict:
-    """One decode launch timed; `table_tokens` the block table's width in tokens (default: the context),
-    `min_split_tokens` / `block_n` the launcher's knobs (default: its own)."""
+                 **knobs) -> dict:
+    """One decode launch timed; `table_tokens` the block table's width in tokens (default: the context);
+    `knobs` the launcher's tuning arguments (min_split_tokens, block_n, num_splits, num_warps, num_stages;
+    None or absent: its own default)."""
     from metainfer.kernels.mla_attention import (
         mla_decode_attention_triton,
         mla_decode_num_splits,
         mla_decode_workspace_numel,
     )
 
+    knobs = {k: v for k, v in knobs.items() if v is not None}
     table_tokens = max(table_tokens or context, context)
     dev, scale, width = cache.device, (NOPE + ROPE) ** -0.5, -(-table_tokens // BLOCK)
     tables = order[: batch * width].view(batch, width)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q_lat = torch.randn(HEADS, batch, LORA, device=dev, dtype=torch.bfloat16).transpose(0, 1)  # a bmm's transpose
     q_pe = torch.randn(batch, HEADS, NOPE + ROPE, device=dev, dtype=torch.bfloat16)[..., NOPE:]
-    workspace = torch.empty(max(1, mla_decode_workspace_numel(batch, HEADS, LORA, width * BLOCK)),
-                            dtype=torch.float32, device=dev)
+    block_n = knobs.get("block_n", 32)
+    splits = knobs.get("num_splits") or mla_decode_num_splits(batch, HEADS, width * BLOCK, block_n)
+    numel = max(mla_decode_workspace_numel(batch, HEADS, LORA, width * BLOCK), batch * HEADS * splits * (LORA + 1))
+    workspace = torch.empty(numel, dtype=torch.float32, device=dev)
     out = torch.empty(batch, HEADS, LORA, dtype=torch.bfloat16, device=dev)
 
     def run():
-        mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, scale, workspace=workspace, out=out,
-                                    min_split_tokens=min_split_tokens, block_n=block_n)
+        mla_decode_attention_triton(q_lat, q_pe, cache, tables, lens, scale, workspace=workspace, out=out, **knobs)
 
     try:
         us, timing = _graph_us(run, inner, repeats), "cuda_graph"
@@ -136,8 +142,7 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
         torch.cuda.synchronize()
         us, timing = _median_us(run, 3, repeats), f"eager ({exc!s:.80})"
     floor = decode_floor_us(batch, context)
-    splits = mla_decode_num_splits(batch, HEADS, width * BLOCK, block_n or 32)
-    return {"splits": splits, "live_splits": live_splits(context, splits, min_split_tokens or 64, block_n or 32),
+    return {"splits": splits, "live_splits": live_splits(context, splits, knobs.get("min_split_tokens", 64), block_n),
             "us": round(us, 3), "timing": timing,
             "floor_fraction": round(floor / us, 3),
             "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
@@ -152,27 +157,34 @@ def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int) 
     return cdiv(context, chunk)
 
 
-SWEEP_BATCHES = (1, 8)
-SWEEP_CONTEXTS = (40, 100, 160, 256, 512)
+# --split-sweep: batch 1 and 8 over short contexts, the minimum split length and the tile
+SPLIT_SWEEP = dict(batches=(1, 8), contexts=(40, 100, 160, 256, 512),
+                   grid=dict(min_split_tokens=(64, 128, 256, 512), block_n=(32, 64)))
+# --large-batch-sweep: the throughput protocol's 256-row step (context ~600), splits and launch shape
+LARGE_BATCH_SWEEP = dict(batches=(256,), contexts=(600,),
+                         grid=dict(num_splits=(1, 2, 4), block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3)))
 
 
-def bench_split_sweep(batches, contexts, table_tokens: int, min_splits, block_ns, budget_end: float, results: list,
-                      inner: int, repeats: int) -> None:
-    """Decode at the engine's table width for each (min split length, tile): us a launch, splits that hold tokens."""
-    cache, order = _paged_cache(max(batches) * max(table_tokens, max(contexts)), torch.device("cuda"))
+def bench_decode_sweep(batches, contexts, table_tokens: int, grid: dict, budget_end: float, results: list,
+                       inner: int, repeats: int, kind: str, device: str = "cuda") -> None:
+    """Decode at the engine's table width for every combination of the launcher knobs in `grid`."""
+    cache, order = _paged_cache(max(batches) * max(table_tokens, max(contexts)), torch.device(device))
+    names = list(grid)
     for context in contexts:
         for batch in batches:
-            for block_n in block_ns:
-                for min_split in min_splits:
-                    case = dict(kind="split_sweep", batch=batch, context=context, table_tokens=table_tokens,
-                                min_split_tokens=min_split, block_n=block_n,
-                                floor_us=round(decode_floor_us(batch, context), 3))
-                    if time.monotonic() > budget_end:
-                        results.append({**case, "skipped": "budget"})
-                        continue
-                    results.append({**case, **_decode_case(cache, order, batch, context, inner, repeats,
-                                                           table_tokens, min_split, block_n)})
-                    print(json.dumps(results[-1]), flush=True)
+            for values in itertools.product(*(grid[n] for n in names)):
+                knobs = dict(zip(names, values))
+                case = dict(kind=kind, batch=batch, context=context, table_tokens=table_tokens, **knobs,
+                            floor_us=round(decode_floor_us(batch, context), 3))
+                if time.monotonic() > budget_end:
+                    results.append({**case, "skipped": "budget"})
+                    continue
+                try:
+                    results.append({**case, **_decode_case(cache, order, batch, context, inner, repeats, table_tokens,
+                                                           **knobs)})
+                except Exception as exc:  # a launch shape the GPU refuses (registers, shared memory): say so
+                    results.append({**case, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                print(json.dumps(results[-1]), flush=True)
 
 
 def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int) -> None:
@@ -266,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--split-sweep", action="store_true",
                         help="only the short-context split sweep at the engine's table width (module docstring)")
-    parser.add_argument("--table-tokens", type=int, default=4096, help="split sweep: the block table's width")
-    parser.add_argument("--min-split-tokens", type=int, nargs="*", default=[64, 128, 256, 512])
-    parser.add_argument("--block-n", type=int, nargs="*", default=[32, 64])
+    parser.add_argument("--large-batch-sweep", action="store_true",
+                        help="only the 256-row launch-shape sweep at the engine's table width (module docstring)")
+    parser.add_argument("--table-tokens", type=int, default=4096, help="the sweeps' block-table width in tokens")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA GPU", file=sys.stderr)
@@ -276,16 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     budget_end = start + args.budget_s
     results: list[dict] = []
-    if args.split_sweep:
-        batches = args.batches if args.batches != list(DECODE_BATCHES) else list(SWEEP_BATCHES)
-        contexts = args.contexts if args.contexts != list(DECODE_CONTEXTS) else list(SWEEP_CONTEXTS)
-        bench_split_sweep(batches, contexts, args.table_tokens, args.min_split_tokens, args.block_n, budget_end,
-                          results, args.inner, args.repeats)
-    elif not args.skip_decode:
+    sweeps = [(name, sweep) for name, sweep, on in (("split_sweep", SPLIT_SWEEP, args.split_sweep),
+                                                    ("large_batch_sweep", LARGE_BATCH_SWEEP, args.large_batch_sweep))
+              if on]
+    for i, (name, sweep) in enumerate(sweeps):  # an even share of the budget each
+        end = start + (i + 1) * args.budget_s / len(sweeps)
+        bench_decode_sweep(sweep["batches"], sweep["contexts"], args.table_tokens, sweep["grid"], end, results,
+                           args.inner, args.repeats, name)
+    if not sweeps and not args.skip_decode:
         # decode first, but keep ~40% of the budget for prefill
         decode_end = budget_end if args.skip_prefill else start + 0.6 * args.budget_s
         bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats)
-    if not args.skip_prefill and not args.split_sweep:
+    if not args.skip_prefill and not sweeps:
         bench_prefill(args.prefill_lens, budget_end, results, max(5, args.repeats // 2))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=HEADS, kv_lora_rank=LORA,
                 rope_dim=ROPE, nope_dim=NOPE, v_dim=V_DIM, block_size=BLOCK, dtype="bf16",

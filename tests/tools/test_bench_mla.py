@@ -53,3 +53,27 @@ def test_live_splits_follow_the_kernel_rule():
     assert bench_mla.live_splits(160, 64, 256, 32) == 1
     assert bench_mla.live_splits(512, 64, 128, 64) == 4
     assert bench_mla.live_splits(8192, 8, 64, 32) == 8  # long contexts: the split count bounds it
+
+
+def test_decode_sweep_runs_every_knob_combination(monkeypatch):
+    """The sweep on the CPU (the Triton interpreter; timing stubbed): one record per knob combination, each with
+    the split counts the launch used, and a refused launch recorded as an error, not raised."""
+    import os
+
+    import torch
+
+    from tools import bench_mla
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("the interpreter run of the sweep (CPU tier)")
+    monkeypatch.setattr(bench_mla, "_graph_us", lambda fn, inner, repeats: (fn(), 1.0)[1])
+    results = []
+    grid = dict(min_split_tokens=(16, 64), block_n=(16, 24))  # 24: not a power of two, refused by the launcher
+    bench_mla.bench_decode_sweep([1], [40], 128, grid, float("inf"), results, 1, 1, "split_sweep", device="cpu")
+    assert [(r["min_split_tokens"], r["block_n"]) for r in results] == [(16, 16), (16, 24), (64, 16), (64, 24)]
+    ok = [r for r in results if r["block_n"] == 16]
+    # the launcher's split count comes from the 128-token table width (2 splits of >= 64 tokens), the knob then
+    # sets how short a split may be: 40 tokens in two 32-token chunks, or one split of >= 64
+    assert all(r["us"] == 1.0 and r["timing"] == "cuda_graph" and r["splits"] == 2 for r in ok)
+    assert [r["live_splits"] for r in ok] == [2, 1]
+    assert all("block_n must be a power of two" in r["error"] for r in results if r["block_n"] == 24)

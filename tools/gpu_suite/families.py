@@ -246,9 +246,11 @@ def bench_mla(args, results) -> dict:
 
 
 def mla_split_sweep(args, results) -> dict:
-    """MLA decode at batch 1 and 8 over short contexts at the engine's table width, per minimum split length
-    and tile (tools/bench_mla.py --split-sweep): does one pass beat 2-3 splits and their merge at batch 1?"""
-    return _tool("tools.bench_mla", ["--split-sweep", "--budget-s", "60"], "bench_mla_split_sweep.json")
+    """MLA decode launch knobs at the engine's table width (tools/bench_mla.py): batch 1 and 8 over short contexts
+    per minimum split length and tile (does one pass beat 2-3 splits and their merge at batch 1?), and the
+    256-row step's splits, tile, warps and stages."""
+    return _tool("tools.bench_mla", ["--split-sweep", "--large-batch-sweep", "--budget-s", "90"],
+                 "bench_mla_sweeps.json")
 
 
 # the batch-1 GEMM shapes of the MoE families (tp=1): DeepSeek-V2-Lite's stacked q + latent projection,
