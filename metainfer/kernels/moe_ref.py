@@ -94,7 +94,8 @@ def moe_sum_ref(slots: ExpertSlots, dtype: torch.dtype) -> torch.Tensor:
     """y[t] = the fp32 sum of token t's slots with a valid id, rounded once to `dtype`."""
     num_tokens, top_k = slots.ids.shape
     valid = (slots.ids >= 0) & (slots.ids < slots.num_experts)
-    terms = torch.where(valid[..., None], slots.out.view(num_tokens, top_k, slots.out.shape[1]), 0.0)  # unwritten rows may be NaN
+    terms = slots.out.view(num_tokens, top_k, slots.out.shape[1])
+    terms = torch.where(valid[..., None], terms, 0.0)  # the kernels leave invalid slots' rows unwritten (maybe NaN)
     return terms.sum(dim=1).to(dtype)
 
 
