@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from tools.bench_moe import time_eager
 
 HEADS, LORA, ROPE, NOPE, V_DIM, BLOCK = 16, 512, 64, 128, 128, 16
 HBM_BYTES_PER_S = 4.8e12
@@ -67,21 +68,6 @@ def faster_form(absorbed_us: float | None, expanded_us: float | None) -> str | N
     return "absorbed" if absorbed_us <= expanded_us else "expanded"
 
 
-def _median_us(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def _graph_us(fn, inner: int, repeats: int) -> float:
     """Per-call device time of `inner` calls captured in one CUDA graph (fn warmed up eagerly first)."""
     fn()
@@ -95,7 +81,7 @@ def _graph_us(fn, inner: int, repeats: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(inner):
             fn()
-    us = _median_us(graph.replay, 2, repeats) / inner
+    us = time_eager(graph.replay, iters=repeats, warmup=2) / inner
     del graph
     return us
 
@@ -140,7 +126,7 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
         us, timing = _graph_us(run, inner, repeats), "cuda_graph"
     except RuntimeError as exc:  # capture refused: report the eager time and why
         torch.cuda.synchronize()
-        us, timing = _median_us(run, 3, repeats), f"eager ({exc!s:.80})"
+        us, timing = time_eager(run, iters=repeats, warmup=3), f"eager ({exc!s:.80})"
     floor = decode_floor_us(batch, context)
     return {"splits": splits, "live_splits": live_splits(context, splits, knobs.get("min_split_tokens", 64), block_n),
             "us": round(us, 3), "timing": timing,
@@ -244,9 +230,9 @@ def _prefill_case(q_len: int, weights, repeats: int) -> dict:
     ref, got = expanded().float(), absorbed().float()
     err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
     q_lat_pre = torch.bmm(q_nope_h, w_uk).transpose(0, 1)
-    kernel_us = _median_us(lambda: absorbed_kernel(q_lat_pre), 2, repeats)
-    absorbed_us = _median_us(absorbed, 2, repeats)
-    expanded_us = _median_us(expanded, 2, repeats)
+    kernel_us = time_eager(lambda: absorbed_kernel(q_lat_pre), iters=repeats, warmup=2)
+    absorbed_us = time_eager(absorbed, iters=repeats, warmup=2)
+    expanded_us = time_eager(expanded, iters=repeats, warmup=2)
     return {"absorbed_us": round(absorbed_us, 2), "absorbed_kernel_us": round(kernel_us, 2),
             "expanded_us": round(expanded_us, 2), "faster": faster_form(absorbed_us, expanded_us),
             "absorbed_kernel_tflops": round(absorbed_prefill_flops(q_len) / kernel_us / 1e6, 1),
