@@ -82,6 +82,7 @@ def _cases(op: str):
         skinny_gemm,
         step_inputs,
     )
+    from metainfer.kernels.moe_ref import ExpertSlots
 
     bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn  # fp8: kv_cache_dtype="fp8"
     cases = []
@@ -93,6 +94,11 @@ def _cases(op: str):
                           lambda pdl, x=x, w=w: rms_norm.rms_norm_triton(x, w, 1e-6, pdl=pdl)))
             cases.append((f"fused_add_rms_norm {dtype} H={hidden}",
                           lambda pdl, x=x, w=w: rms_norm.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6, pdl=pdl)))
+        # the norm after a MoE block at tp = 1: DeepSeek-V2-Lite's 8 slots (6 routed + 2 shared of 66) summed in it
+        slots = ExpertSlots(torch.zeros(3 * 8, 2048, dtype=fp32), torch.zeros(3, 8, dtype=torch.int32), 66)
+        cases.append(("fused_add_rms_norm_slots bf16 H=2048 K=8",
+                      lambda pdl, s=slots: rms_norm.fused_add_rms_norm_slots_triton(
+                          s, torch.zeros(3, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, pdl=pdl)))
         qkv = torch.zeros(3, (32 + 2 * 8) * 128, dtype=bf16)
         q_heads = qkv[:, : 32 * 128].view(3, 32, 128)
         cases.append(("rms_norm bf16 head-norm [T,32,128] strided",

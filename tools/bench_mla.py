@@ -101,6 +101,8 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
     `knobs` the launcher's tuning arguments (min_split_tokens, block_n, num_splits, num_warps, num_stages;
     None or absent: its own default)."""
     from metainfer.kernels.mla_attention import (
+        _MLA_DECODE_BLOCK_N,
+        _MLA_MIN_SPLIT_TOKENS,
         mla_decode_attention_triton,
         mla_decode_num_splits,
         mla_decode_workspace_numel,
@@ -113,7 +115,7 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q_lat = torch.randn(HEADS, batch, LORA, device=dev, dtype=torch.bfloat16).transpose(0, 1)  # a bmm's transpose
     q_pe = torch.randn(batch, HEADS, NOPE + ROPE, device=dev, dtype=torch.bfloat16)[..., NOPE:]
-    block_n = knobs.get("block_n", 32)
+    block_n = knobs.get("block_n", _MLA_DECODE_BLOCK_N)
     splits = knobs.get("num_splits") or mla_decode_num_splits(batch, HEADS, width * BLOCK, block_n)
     numel = max(mla_decode_workspace_numel(batch, HEADS, LORA, width * BLOCK), batch * HEADS * splits * (LORA + 1))
     workspace = torch.empty(numel, dtype=torch.float32, device=dev)
@@ -128,7 +130,8 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
         torch.cuda.synchronize()
         us, timing = time_eager(run, iters=repeats, warmup=3), f"eager ({exc!s:.80})"
     floor = decode_floor_us(batch, context)
-    return {"splits": splits, "live_splits": live_splits(context, splits, knobs.get("min_split_tokens", 64), block_n),
+    min_split = knobs.get("min_split_tokens", _MLA_MIN_SPLIT_TOKENS)
+    return {"splits": splits, "live_splits": live_splits(context, splits, min_split, block_n),
             "us": round(us, 3), "timing": timing,
             "floor_fraction": round(floor / us, 3),
             "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
@@ -154,7 +157,8 @@ LARGE_BATCH_SWEEP = dict(batches=(256,), contexts=(600,),
 def bench_decode_sweep(batches, contexts, table_tokens: int, grid: dict, budget_end: float, results: list,
                        inner: int, repeats: int, kind: str, device: str = "cuda") -> None:
     """Decode at the engine's table width for every combination of the launcher knobs in `grid`."""
-    cache, order = _paged_cache(max(batches) * max(table_tokens, max(contexts)), torch.device(device))
+    cache, order = _paged_cache(max(batches) * -(-max(table_tokens, max(contexts)) // BLOCK) * BLOCK,
+                                torch.device(device))
     names = list(grid)
     for context in contexts:
         for batch in batches:
@@ -174,7 +178,7 @@ def bench_decode_sweep(batches, contexts, table_tokens: int, grid: dict, budget_
 
 
 def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int) -> None:
-    cache, order = _paged_cache(max(batches) * max(contexts), torch.device("cuda"))
+    cache, order = _paged_cache(max(batches) * -(-max(contexts) // BLOCK) * BLOCK, torch.device("cuda"))
     for context in contexts:
         for batch in batches:
             case = dict(kind="decode", batch=batch, context=context, floor_us=round(decode_floor_us(batch, context), 3))

@@ -116,15 +116,18 @@ def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = F
 def mla_value_up_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None, *,
                         pdl: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
     """mla_value_up_ref's [T, H * Dv] by the Triton kernel for T <= max_rows (else the ref), into `out`."""
+    if out is not None:  # checked on both paths: a bad buffer is the caller's error, whichever GEMM runs
+        _check(o_lat, w_uv, "mla_value_up_triton", 2)
+        width = w_uv.shape[0] * w_uv.shape[1]
+        if out.shape != (o_lat.shape[0], width) or out.stride(-1) != 1 or out.dtype != o_lat.dtype:
+            raise ValueError(f"mla_value_up_triton: out must be [{o_lat.shape[0]}, {width}] {o_lat.dtype} with a "
+                             f"unit last stride, got {tuple(out.shape)} {out.dtype}")
     if not _takes_triton(o_lat, w_uv, max_rows, "mla_value_up_triton", 2):
         return mla_value_up_ref(o_lat, w_uv, out)
     num_tokens = o_lat.shape[0]
     heads, dv, lat = w_uv.shape
     if out is None:
         out = torch.empty(num_tokens, heads * dv, dtype=o_lat.dtype, device=o_lat.device)
-    elif out.shape != (num_tokens, heads * dv) or out.stride(-1) != 1 or out.dtype != o_lat.dtype:
-        raise ValueError(f"mla_value_up_triton: out must be [{num_tokens}, {heads * dv}] {o_lat.dtype} with a unit "
-                         f"last stride, got {tuple(out.shape)} {out.dtype}")
     block_v = min(_VALUE_UP_BLOCK_V, next_pow2(dv))
     _mla_value_up_kernel[(heads, cdiv(dv, block_v))](
         o_lat, w_uv, out, num_tokens, dv, lat, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),

@@ -60,12 +60,12 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, y_ptr, w_ptr, ids_ptr,
     n_rows, inner_rows, hidden, eps, num_experts,
     x_stride0, x_stride1, r_stride0, r_stride1, y_stride0, y_stride1,
-    HAS_RESIDUAL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SLOTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Rows are addressed as (outer, inner) of a [outer, inner, H] view so that strided views
-    # (e.g. per-head slices of a fused qkv tensor) need no copy. TOP_K > 0: x is a fused MoE's fp32 slots
-    # [n_rows * TOP_K, H] (row stride x_stride0), summed over each row's slots with a valid id.
+    # (e.g. per-head slices of a fused qkv tensor) need no copy. SLOTS: x is a fused MoE's fp32 slots
+    # [n_rows * TOP_K, H] (row stride x_stride0), summed over each row's slots with a valid id (0 if TOP_K is 0).
     pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -75,7 +75,7 @@ def _rms_norm_kernel(
     col_mask = cols < hidden
     mask = row_mask[:, None] & col_mask[None, :]
 
-    if TOP_K > 0:
+    if SLOTS:
         x = tl.zeros([BLOCK_ROWS, BLOCK_H], tl.float32)
         for k in tl.static_range(TOP_K):
             expert = tl.load(ids_ptr + rows * TOP_K + k, mask=row_mask, other=-1)
@@ -158,7 +158,8 @@ def _launch_rms_norm(x, residual, weight, eps, pdl, slots: ExpertSlots | None = 
         source, r3, y3, weight, ids,
         n_rows, x3.shape[1], hidden, float(eps), 0 if slots is None else slots.num_experts,
         *source_strides, r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1),
-        HAS_RESIDUAL=residual is not None, TOP_K=top_k, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+        HAS_RESIDUAL=residual is not None, SLOTS=slots is not None, TOP_K=top_k, BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
         num_warps=num_warps, **pdl_args(pdl),
     )
     return y

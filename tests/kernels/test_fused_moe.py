@@ -422,7 +422,7 @@ def test_slots_then_norm_equal_the_summed_path(dtype, num_tokens):
     unfused chain (fused_moe's sum kernel, then fused_add_rms_norm) on the same device, residual included; the
     slots themselves match the reference's; an id outside [0, E) (slot rows never written) counts nothing."""
     from metainfer.kernels.fused_moe import fused_moe_slots_triton, moe_sum_triton
-    from metainfer.kernels.moe_ref import fused_moe_slots_ref, moe_sum_ref
+    from metainfer.kernels.moe_ref import fused_moe_slots_ref
     from metainfer.kernels.rms_norm import (
         fused_add_rms_norm_slots_ref,
         fused_add_rms_norm_slots_triton,
@@ -452,7 +452,40 @@ def test_slots_then_norm_equal_the_summed_path(dtype, num_tokens):
     for got, want in ((folded, ref), (res_folded, res_ref)):
         err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
         assert err < TOL[dtype], f"relative error {err:.2e}"
-    assert torch.equal(moe_sum_ref(ref_slots, dtype), fused_moe_ref(*args))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled kernels at a real width (GPU tier)")
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_slots_norm_is_the_chain_bit_for_bit_at_real_width(num_tokens):
+    """Compiled, bf16, DeepSeek-V2-Lite's width (H = 2,048, 6 routed + 2 shared of 66 experts): the folded norm
+    against the sum kernel + add-norm chain, bit for bit, output and residual."""
+    from metainfer.kernels.fused_moe import fused_moe_slots_triton, moe_sum_triton
+    from metainfer.kernels.rms_norm import fused_add_rms_norm_slots_triton, fused_add_rms_norm_triton
+
+    args = _moe_inputs(num_tokens, 66, 1408, 2048, 8, torch.bfloat16, seed=num_tokens)
+    slots = fused_moe_slots_triton(*args)
+    weight = torch.rand(2048, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    residual = torch.randn(num_tokens, 2048, device=DEVICE, dtype=torch.bfloat16)
+    res_folded, res_chain = residual.clone(), residual.clone()
+    folded, _ = fused_add_rms_norm_slots_triton(slots, res_folded, weight, 1e-6, pdl=True)
+    chain, _ = fused_add_rms_norm_triton(moe_sum_triton(slots, torch.bfloat16, pdl=True), res_chain, weight, 1e-6,
+                                         pdl=True)
+    assert torch.equal(folded, chain) and torch.equal(res_folded, res_chain)
+
+
+def test_norm_over_zero_slots_adds_nothing():
+    """K = 0 (a token with no slots): the residual is normed as it is (the sum is 0), as the chain gives."""
+    from metainfer.kernels.moe_ref import ExpertSlots
+    from metainfer.kernels.rms_norm import fused_add_rms_norm_slots_ref, fused_add_rms_norm_slots_triton
+
+    slots = ExpertSlots(torch.zeros(0, 16, device=DEVICE), torch.zeros(3, 0, dtype=torch.int32, device=DEVICE), 4)
+    residual = torch.randn(3, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    weight = torch.ones(16, device=DEVICE)
+    res_t, res_r = residual.clone(), residual.clone()
+    got, _ = fused_add_rms_norm_slots_triton(slots, res_t, weight, 1e-6)
+    want, _ = fused_add_rms_norm_slots_ref(slots, res_r, weight, 1e-6)
+    assert torch.equal(res_t, residual) and torch.equal(res_r, residual)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_norm_over_slots_rejects_mismatched_shapes():

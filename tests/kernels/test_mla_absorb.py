@@ -110,3 +110,5 @@ def test_value_up_writes_into_out_rows(rows):
     assert torch.equal(ref_buffer, mla_value_up_ref(o_lat, w_uv))
     with pytest.raises(ValueError, match="mla_value_up_triton"):
         mla_value_up_triton(o_lat[:2], w_uv, buffer[:3], max_rows=MAX_ROWS)  # out's rows differ
+    with pytest.raises(ValueError, match="mla_value_up_triton"):  # the reference's path checks it too
+        mla_value_up_triton(o_lat, w_uv, buffer[:rows].half(), max_rows=0)

@@ -61,6 +61,30 @@ def test_batch_matches_hf(reference):
 
 
 @BOTH_FAMILIES
+def test_summed_moe_path_matches_hf(reference):
+    """The MoE path tensor parallelism takes (the block sums its slots, `FusedExperts.forward` -> ops.fused_moe,
+    then the plain residual add + norm), forced at tp = 1: still HF's tokens. The engine at tp = 1 otherwise hands
+    the unsummed slots to the next norm, so this is what keeps the summed path checked on one process."""
+    from metainfer.layers.moe import SparseMoeBlock
+    from metainfer.layers.norm import RMSNorm
+
+    folder, prompts, expected, model = reference
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    modules = list(runner.model.modules())
+    blocks = [m for m in modules if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.returns_slots for b in blocks)
+    for module in modules:
+        if isinstance(module, SparseMoeBlock):
+            module.returns_slots = False
+        elif isinstance(module, RMSNorm) and module.sums_expert_slots:
+            module.sums_expert_slots = False
+            module.bind_ops(runner.ops)
+    got = generate_ids(llm, prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert got == [e[:8] for e in expected[:4]]
+
+
+@BOTH_FAMILIES
 def test_first_token_logprobs_equal_hf(reference):
     """The prefill's last-position log-probabilities equal HF's within fp32 noise. Greedy parity alone misses a
     small change that moves no argmax (a 1% scaled attention output ahead of scale-invariant norms)."""
@@ -159,15 +183,16 @@ def test_real_configs_route_and_shape():
 
 @BOTH_FAMILIES
 def test_triton_kernels_in_the_engine_match_hf(reference):
-    """The GPU path's MoE and MLA kernels (routing, fused MoE, latent norm + rope + store, split-KV latent
-    decode, absorbed prefill; interpreted on the CPU) bound into a running engine: still HF's tokens."""
+    """The GPU path's MoE and MLA kernels (routing, fused MoE and its slots summed in the next norm, latent norm +
+    rope + store, split-KV latent decode, absorbed prefill; interpreted on the CPU) bound into a running engine:
+    still HF's tokens."""
     import dataclasses
 
     from metainfer.kernels import REF_OPS, TRITON_OPS
 
     folder, prompts, expected, model = reference
-    names = ("route_topk", "fused_moe", "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
-             "mla_decode_workspace_numel")
+    names = ("route_topk", "fused_moe", "fused_moe_slots", "fused_add_rms_norm_slots", "mla_latent_prep",
+             "mla_decode_attention", "mla_prefill_attention", "mla_decode_workspace_numel")
     ops = dataclasses.replace(REF_OPS, backend="triton", **{n: getattr(TRITON_OPS, n) for n in names})
     llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
     llm.llm_engine.runner.swap_kernels(ops)
@@ -188,7 +213,8 @@ def test_triton_moe_and_mla_kernels_in_the_engine_match_hf(reference):
     folder, prompts, expected, model = reference
     ops = dataclasses.replace(
         REF_OPS, backend="triton",
-        **{n: getattr(TRITON_OPS, n) for n in ("route_topk", "fused_moe", "mla_absorb", "mla_value_up",
+        **{n: getattr(TRITON_OPS, n) for n in ("route_topk", "fused_moe", "fused_moe_slots",
+                                               "fused_add_rms_norm_slots", "mla_absorb", "mla_value_up",
                                                "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
                                                "mla_decode_workspace_numel")})
     llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
