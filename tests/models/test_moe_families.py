@@ -60,28 +60,40 @@ def test_batch_matches_hf(reference):
     assert_matches_hf(model, prompts, got, expected)
 
 
-@BOTH_FAMILIES
-def test_summed_moe_path_matches_hf(reference):
-    """The MoE path tensor parallelism takes (the block sums its slots, `FusedExperts.forward` -> ops.fused_moe,
-    then the plain residual add + norm), forced at tp = 1: still HF's tokens. The engine at tp = 1 otherwise hands
-    the unsummed slots to the next norm, so this is what keeps the summed path checked on one process."""
+def _summed_moe_path(llm) -> None:
+    """Force the MoE path tensor parallelism takes (each block sums its slots, FusedExperts.forward ->
+    ops.fused_moe, then the plain residual add + norm) on an engine built at tp = 1."""
     from metainfer.layers.moe import SparseMoeBlock
     from metainfer.layers.norm import RMSNorm
 
-    folder, prompts, expected, model = reference
-    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
     runner = llm.llm_engine.runner
     modules = list(runner.model.modules())
-    blocks = [m for m in modules if isinstance(m, SparseMoeBlock)]
-    assert blocks and all(b.returns_slots for b in blocks)
+    assert any(isinstance(m, SparseMoeBlock) and m.returns_slots for m in modules)
     for module in modules:
         if isinstance(module, SparseMoeBlock):
             module.returns_slots = False
         elif isinstance(module, RMSNorm) and module.sums_expert_slots:
             module.sums_expert_slots = False
             module.bind_ops(runner.ops)
+
+
+@BOTH_FAMILIES
+def test_summed_moe_path_matches_hf(reference):
+    """The summed MoE path (what tp > 1 runs, forced at tp = 1: the engine otherwise hands the unsummed slots to
+    the next norm): greedy tokens and the first token's log-probabilities equal HF's (logprobs catch a small
+    change of the MoE output that moves no argmax)."""
+    folder, prompts, expected, model = reference
+    llm = LLM(folder, device="cpu", dtype="float32", max_num_seqs=4)
+    _summed_moe_path(llm)
     got = generate_ids(llm, prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert got == [e[:8] for e in expected[:4]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                        SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert logprob == pytest.approx(want[token].item(), abs=2e-4), (len(prompt), token)
 
 
 @BOTH_FAMILIES
