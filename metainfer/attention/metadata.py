@@ -9,7 +9,7 @@ signature and CUDA graphs capture the same buffers every replay. Flat, unpadded 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class AttentionMetadata:
     decode_part: AttentionMetadata | None = None
     prefill_part: AttentionMetadata | None = None
     first_row: int = 0
+    # the step's attention launches, planned by its first layer and replayed by the others (kernels/_triton.py:
+    # PlannedLaunch): every layer of a step launches the same kernel over its own cache views
+    launch_plans: dict = field(default_factory=dict)
 
 
 _CURRENT: list[AttentionMetadata | None] = [None]

@@ -75,12 +75,12 @@ class PagedAttentionBackend(AttentionBackend):
     def prefill(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         out = self._prefill(q, layer.k_cache, layer.v_cache, meta.cu_seqlens_q, meta.context_lens,
                             meta.block_tables, meta.max_seqlen_q, layer.scale,
-                            out=None if out is None else out.view(q.shape))
+                            out=None if out is None else out.view(q.shape), plans=meta.launch_plans)
         return out.reshape(-1, self.q_size)
 
     def decode(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         out = self._decode(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.context_lens, layer.scale,
-                           out=None if out is None else out.view(q.shape))
+                           out=None if out is None else out.view(q.shape), plans=meta.launch_plans)
         return out.reshape(-1, self.q_size)
 
 

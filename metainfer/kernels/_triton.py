@@ -101,5 +101,29 @@ def require_triton() -> None:
         raise RuntimeError("triton is not installed: use the *_ref kernels (select_ops('cpu'))")
 
 
-__all__ = ["HAS_TRITON", "cdiv", "next_pow2", "pdl_args", "pdl_enter", "pdl_supported", "require_triton", "tl",
-           "triton"]
+class PlannedLaunch:
+    """An attention launch with everything but q, the layer's K/V cache views and out worked out once (checks,
+    split rule, tiles, strides, constexprs): the layers of one step repeat the same launch over their own caches,
+    so the step's first layer plans it (`plans`, the step's AttentionMetadata.launch_plans) and the others replay
+    it, skipping ~25 us of Python a call (tools/launcher_overhead.py). The kernel's arguments are
+    (q, k_cache, v_cache, *before_out, out, *after_out); every call must pass tensors of the planned shapes,
+    strides and dtypes (one step's layers do: views of one pool, one static or fresh output). kernel None: an
+    empty launch (the output alone, allocated when not given)."""
+
+    __slots__ = ("kernel", "grid", "before_out", "after_out", "kwargs", "out_shape", "out_dtype")
+
+    def __init__(self, kernel, grid, before_out: tuple, after_out: tuple, kwargs: dict, out_shape, out_dtype):
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+        self.before_out, self.after_out = before_out, after_out
+        self.out_shape, self.out_dtype = tuple(out_shape), out_dtype
+
+    def __call__(self, q, k_cache, v_cache, out=None):
+        if out is None:
+            out = q.new_empty(self.out_shape, dtype=self.out_dtype)
+        if self.kernel is not None:
+            self.kernel[self.grid](q, k_cache, v_cache, *self.before_out, out, *self.after_out, **self.kwargs)
+        return out
+
+
+__all__ = ["HAS_TRITON", "PlannedLaunch", "cdiv", "next_pow2", "pdl_args", "pdl_enter", "pdl_supported",
+           "require_triton", "tl", "triton"]

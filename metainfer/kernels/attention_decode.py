@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .kv_cache import FP8_KV_DTYPE, check_cache_dtype, check_v_cache_layout, is_token_major
 
 LOG2E = 1.4426950408889634
@@ -415,6 +415,7 @@ def paged_decode_attention_triton(
     pdl: bool = False,
     num_splits: int | None = None,
     tail_block_n: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -427,21 +428,27 @@ def paged_decode_attention_triton(
     shape rule; at most max_num_splits, and a given workspace must hold it). One-pass launches over
     an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
-    at least 16; a power of two <= block_n)."""
-    require_triton()
+    at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
+    planned by the first call and replayed by the next ones through the same dict (_triton.PlannedLaunch: they
+    must pass tensors of the planned shapes and strides, as one step's layers do)."""
+    launch = plans.get("paged_decode") if plans is not None else None
+    if launch is None:
+        require_triton()
+        _check_attention_inputs(q, k_cache, v_cache)
+        launch = _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_num_splits=max_num_splits,
+                              workspace=workspace, out=out, block_n=block_n, counters=counters,
+                              min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
+                              num_splits=num_splits, tail_block_n=tail_block_n)
+        if plans is not None:
+            plans["paged_decode"] = launch
+    return launch(q, k_cache, v_cache, out)
+
+
+def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_num_splits, workspace, out, block_n,
+                 counters, min_split_tokens, num_warps, num_stages, pdl, num_splits=None,
+                 tail_block_n=None) -> PlannedLaunch:
+    """One _decode_split_kernel launch, planned: the argument checks and choices made here, once."""
     batch, num_q_heads, head_dim = q.shape
-    _check_attention_inputs(q, k_cache, v_cache)
-    return _launch_decode(q, (q.stride(0), q.stride(1)), batch, num_q_heads, head_dim, k_cache, v_cache,
-                          block_tables, context_lens, scale, max_num_splits=max_num_splits,
-                          workspace=workspace, out=out, block_n=block_n, counters=counters,
-                          min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                          num_splits=num_splits, tail_block_n=tail_block_n)
-
-
-def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_cache, block_tables, context_lens,
-                   scale, *, max_num_splits, workspace, out, block_n, counters, min_split_tokens, num_warps,
-                   num_stages, pdl, num_splits=None, tail_block_n=None):
-    """One _decode_split_kernel launch."""
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match q heads [{batch}, {num_q_heads}, {head_dim}]")
@@ -465,25 +472,26 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
         tail_block_n = max(16, block_n // 2)
     elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
         raise ValueError(f"tail_block_n must be a power of two in [16, block_n={block_n}], got {tail_block_n}")
-    if out is None:
-        out = torch.empty(batch, num_q_heads, head_dim, dtype=q_src.dtype, device=q_src.device)
+    out_shape = (batch, num_q_heads, head_dim)
+    if out is None:  # the strides a fresh output has (each call allocates its own)
+        out = torch.empty(out_shape, dtype=q.dtype, device="meta")
     if batch == 0:
-        return out
+        return PlannedLaunch(None, None, (), (), {}, out_shape, q.dtype)
 
     one_pass = num_splits == 1
     if one_pass:
-        part_out = part_lse = counters = out  # unused placeholders
+        part_out = part_lse = counters = block_tables  # unused placeholders (not `out`: it changes per call)
     else:
         numel = decode_workspace_numel(batch, num_q_heads, head_dim, num_splits)
         if workspace is None:
-            workspace = torch.empty(numel, dtype=torch.float32, device=q_src.device)
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
         elif workspace.dtype != torch.float32 or workspace.numel() < numel:
             raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
         split_rows = batch * num_q_heads * num_splits
         part_out = workspace[: split_rows * head_dim]
         part_lse = workspace[split_rows * head_dim : split_rows * (head_dim + 1)]
         if counters is None:
-            counters = _default_decode_counters(q_src.device, batch * num_kv_heads)
+            counters = _default_decode_counters(q.device, batch * num_kv_heads)
         elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:
             raise ValueError(f"counters need {batch * num_kv_heads} int32 elements, "
                              f"got {counters.numel()} {counters.dtype}")
@@ -496,19 +504,19 @@ def _launch_decode(q_src, q_strides, batch, num_q_heads, head_dim, k_cache, v_ca
     scale_log2e = float(scale) * LOG2E
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
-    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
-        q_src, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse, counters,
-        scale_log2e, num_splits, min_chunk,
-        q_strides[0], q_strides[1],
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
-        USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q_src.dtype),
-        BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-        V_TOKEN_MAJOR=is_token_major(v_cache),
-        num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
-    )
-    return out
+    return PlannedLaunch(
+        _decode_split_kernel, (num_kv_heads, batch, num_splits),
+        (block_tables, context_lens),
+        (part_out, part_lse, counters,
+         scale_log2e, num_splits, min_chunk,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+         block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+             BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
+             USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
+             BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
+             V_TOKEN_MAJOR=is_token_major(v_cache),
+             num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl)),
+        out_shape, q.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .attention_decode import (
     LOG2E,
     _check_attention_inputs,
@@ -164,10 +164,24 @@ def paged_prefill_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of the new tokens over the paged cache. `max_seqlen_q` is a host
     int (>= every q_len) that sizes the grid; no GPU value is read on the host. block_m/block_n/
-    num_warps/num_stages are tuning knobs (defaults chosen for H200, bf16, D=128)."""
+    num_warps/num_stages are tuning knobs (defaults chosen for H200, bf16, D=128). `plans`: as
+    paged_decode_attention_triton's (the step's first layer plans the launch, the others replay it)."""
+    launch = plans.get("paged_prefill") if plans is not None else None
+    if launch is None:
+        launch = _plan_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale,
+                               out, block_m, block_n, num_warps, num_stages, pdl)
+        if plans is not None:
+            plans["paged_prefill"] = launch
+    return launch(q, k_cache, v_cache, out)
+
+
+def _plan_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out, block_m,
+                  block_n, num_warps, num_stages, pdl) -> PlannedLaunch:
+    """One _prefill_kernel launch, planned: the argument checks and choices made here, once."""
     require_triton()
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -176,27 +190,27 @@ def paged_prefill_attention_triton(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hk={num_kv_heads}")
     _check_attention_inputs(q, k_cache, v_cache)
-    if out is None:
-        out = torch.empty_like(q)
+    if out is None:  # the strides a fresh output has (each call allocates its own)
+        out = torch.empty(q.shape, dtype=q.dtype, device="meta")
     batch = context_lens.shape[0]
     max_seqlen_q = int(max_seqlen_q)
     if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
-        return out
+        return PlannedLaunch(None, None, (), (), {}, q.shape, q.dtype)
     block_d = max(16, next_pow2(head_dim))
     default_m, default_n, default_warps, default_stages = _prefill_config(max_seqlen_q, block_d, q.element_size())
     block_m, block_n = block_m or default_m, block_n or default_n
     if min(block_m, block_n) < 16 or (block_m & (block_m - 1)) or (block_n & (block_n - 1)):
         raise ValueError(f"block_m/block_n must be powers of two >= 16, got {block_m}/{block_n}")
-    grid = (cdiv(max_seqlen_q, block_m), num_q_heads, batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), V_TOKEN_MAJOR=is_token_major(v_cache),
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, **pdl_args(pdl),
-    )
-    return out
+    return PlannedLaunch(
+        _prefill_kernel, (cdiv(max_seqlen_q, block_m), num_q_heads, batch),
+        (block_tables, cu_seqlens_q, context_lens),
+        (float(scale) * LOG2E,
+         q.stride(0), q.stride(1),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+         block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+             BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+             V_TOKEN_MAJOR=is_token_major(v_cache),
+             num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, **pdl_args(pdl)),
+        q.shape, q.dtype)

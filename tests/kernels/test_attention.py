@@ -411,3 +411,36 @@ def test_decode_workspace_for_serves_every_batch_launch():
         except ValueError:
             refused.append(b)
     assert refused  # the size is tight
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_a_planned_launch_replays_over_other_layers_caches(dtype):
+    """`plans` (a step's AttentionMetadata.launch_plans): the first call plans each launch, the next calls through
+    the same dict replay it over their own cache views (the layers of one step: a second cache of the same layout
+    and other contents here), into a given output or a fresh one: each result is the reference's for its cache."""
+    def layer_caches(k_cache, v_cache):
+        return [(k_cache, v_cache), (_randn(*k_cache.shape, dtype=dtype, seed=11, device=DEVICE),
+                                     _randn(*v_cache.shape, dtype=dtype, seed=12, device=DEVICE))]
+
+    hq, hk, head_dim = 8, 2, 64
+    batch = make_paged_batch(DECODE_CONTEXTS, 16, hk, head_dim, dtype)
+    q = _randn(len(DECODE_CONTEXTS), hq, head_dim, dtype=dtype, seed=5, device=DEVICE)
+    plans = {}
+    for i, (k_cache, v_cache) in enumerate(layer_caches(batch.k_cache, batch.v_cache)):
+        args = (q, k_cache, v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+        out = torch.full_like(q, float("nan")) if i else None
+        got = paged_decode_attention_triton(*args, max_num_splits=3, block_n=16, min_split_tokens=16, plans=plans,
+                                            out=out)
+        assert list(plans) == ["paged_decode"] and (out is None or got is out)
+        _close(got, paged_decode_attention_ref(*args), dtype)
+    plans = {}
+    batch, q, cu, max_q = prefill_inputs(PREFILL_SEQS, 4, 1, 64, 16, dtype)
+    for k_cache, v_cache in layer_caches(batch.k_cache, batch.v_cache):
+        args = (q, k_cache, v_cache, cu, batch.context_lens, batch.block_tables, max_q, 0.125)
+        _close(paged_prefill_attention_triton(*args, block_m=16, block_n=16, plans=plans),
+               paged_prefill_attention_ref(*args), dtype)
+    assert list(plans) == ["paged_prefill"]
+    empty = {}  # an empty batch plans no kernel: each call hands back its output
+    got = paged_decode_attention_triton(q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
+                                        batch.context_lens[:0], 0.1, plans=empty)
+    assert got.shape == (0, 4, 64) and empty["paged_decode"].kernel is None
