@@ -429,9 +429,12 @@ def paged_decode_attention_triton(
     an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
     at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
-    planned by the first call and replayed by the next ones through the same dict (_triton.PlannedLaunch: they
-    must pass tensors of the planned shapes and strides, as one step's layers do)."""
-    launch = plans.get("paged_decode") if plans is not None else None
+    planned by the first call and replayed by the next ones through the same dict with the same q and out strides
+    (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do)."""
+    # keyed by the strides that may differ between callers of one step (piecewise capture probes with the packed
+    # projection's q, then attends with the static one) and whether out is given
+    key = ("paged_decode", q.stride(0), q.stride(1), None if out is None else (out.stride(0), out.stride(1)))
+    launch = plans.get(key) if plans is not None else None
     if launch is None:
         require_triton()
         _check_attention_inputs(q, k_cache, v_cache)
@@ -440,7 +443,7 @@ def paged_decode_attention_triton(
                               min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
                               num_splits=num_splits, tail_block_n=tail_block_n)
         if plans is not None:
-            plans["paged_decode"] = launch
+            plans[key] = launch
     return launch(q, k_cache, v_cache, out)
 
 

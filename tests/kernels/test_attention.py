@@ -431,16 +431,23 @@ def test_a_planned_launch_replays_over_other_layers_caches(dtype):
         out = torch.full_like(q, float("nan")) if i else None
         got = paged_decode_attention_triton(*args, max_num_splits=3, block_n=16, min_split_tokens=16, plans=plans,
                                             out=out)
-        assert list(plans) == ["paged_decode"] and (out is None or got is out)
+        assert len(plans) == i + 1 and (out is None or got is out)  # a given out is another plan (its strides)
         _close(got, paged_decode_attention_ref(*args), dtype)
+    # the piecewise capture's order: q as the packed projection's view, then the same step with a contiguous q
+    qkv = _randn(len(DECODE_CONTEXTS), (hq + 2 * hk) * head_dim, dtype=dtype, seed=6, device=DEVICE)
+    for q_view in (qkv[:, : hq * head_dim].view(-1, hq, head_dim), qkv[:, : hq * head_dim].reshape(-1, hq, head_dim)):
+        args = (q_view, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+        _close(paged_decode_attention_triton(*args, max_num_splits=3, block_n=16, min_split_tokens=16, plans=plans),
+               paged_decode_attention_ref(*args), dtype)
+    assert len(plans) == 3
     plans = {}
     batch, q, cu, max_q = prefill_inputs(PREFILL_SEQS, 4, 1, 64, 16, dtype)
     for k_cache, v_cache in layer_caches(batch.k_cache, batch.v_cache):
         args = (q, k_cache, v_cache, cu, batch.context_lens, batch.block_tables, max_q, 0.125)
         _close(paged_prefill_attention_triton(*args, block_m=16, block_n=16, plans=plans),
                paged_prefill_attention_ref(*args), dtype)
-    assert list(plans) == ["paged_prefill"]
+    assert [key[0] for key in plans] == ["paged_prefill"]
     empty = {}  # an empty batch plans no kernel: each call hands back its output
     got = paged_decode_attention_triton(q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
                                         batch.context_lens[:0], 0.1, plans=empty)
-    assert got.shape == (0, 4, 64) and empty["paged_decode"].kernel is None
+    assert got.shape == (0, 4, 64) and next(iter(empty.values())).kernel is None
