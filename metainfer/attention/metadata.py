@@ -33,7 +33,8 @@ class AttentionMetadata:
     prefill_part: AttentionMetadata | None = None
     first_row: int = 0
     # the step's attention launches, planned by its first layer and replayed by the others (kernels/_triton.py:
-    # PlannedLaunch): every layer of a step launches the same kernel over its own cache views
+    # PlannedLaunch): every layer of a step launches the same kernel over its own cache views, with the same scale
+    # and cache layout (one pool, one attention_scale; a model with per-layer scale or window would key on it)
     launch_plans: dict = field(default_factory=dict)
 
 

@@ -431,9 +431,11 @@ def paged_decode_attention_triton(
     at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
     planned by the first call and replayed by the next ones through the same dict with the same q and out strides
     (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do)."""
-    # keyed by the strides that may differ between callers of one step (piecewise capture probes with the packed
-    # projection's q, then attends with the static one) and whether out is given
-    key = ("paged_decode", q.stride(0), q.stride(1), None if out is None else (out.stride(0), out.stride(1)))
+    # keyed by what may differ between callers of one step's plans (the piecewise capture probes with the packed
+    # projection's q, then attends with the static one and an out) and by the tensors the plan holds, so another
+    # caller re-plans instead of replaying the wrong launch
+    key = ("paged_decode", q.shape[0], q.stride(0), q.stride(1), q.dtype, scale, id(block_tables), id(context_lens),
+           None if out is None else (out.stride(0), out.stride(1)))
     launch = plans.get(key) if plans is not None else None
     if launch is None:
         require_triton()
