@@ -49,15 +49,18 @@ def measure(calls: int = 2000) -> dict:
         lens = torch.full((rows,), 600, dtype=torch.int32)
         cu = torch.arange(rows + 1, dtype=torch.int32)
         workspace = torch.zeros(attention_decode.decode_workspace_numel_for(rows, hq, hk, d, 256 * 16))
+        # a mixed step's two parts, as their metadata holds them: views made once, shared by every layer
+        p_cu, p_lens, p_tables = cu[decode_rows:], lens[decode_rows:], tables[decode_rows:]
+        d_q, d_lens, d_tables = q[:decode_rows], lens[:decode_rows], tables[:decode_rows]
         res = {}
         for mode in ("planned_every_call", "replayed"):  # no plans dict; one dict shared by the calls (a step)
             prefill_plans, decode_plans = ({}, {}) if mode == "replayed" else (None, None)
             prefill_us = _per_call_us(lambda plans=prefill_plans: attention_prefill.paged_prefill_attention_triton(
-                q, k_cache, v_cache, cu[decode_rows:], lens[decode_rows:], tables[decode_rows:], prompt, 0.1,
-                out=q, plans=plans), calls)
+                q, k_cache, v_cache, p_cu, p_lens, p_tables, prompt, 0.1, out=q, plans=plans), calls)
             decode_us = _per_call_us(lambda plans=decode_plans: attention_decode.paged_decode_attention_triton(
-                q[:decode_rows], k_cache, v_cache, tables[:decode_rows], lens[:decode_rows], 0.1,
-                workspace=workspace, out=q[:decode_rows], plans=plans), calls)
+                d_q, k_cache, v_cache, d_tables, d_lens, 0.1, workspace=workspace, out=d_q, plans=plans), calls)
+            if mode == "replayed":  # one plan each: every call after the first replayed it
+                assert len(prefill_plans) == 1 and len(decode_plans) == 1, (prefill_plans, decode_plans)
             res[mode] = {"prefill_wrapper_us": round(prefill_us, 1), "decode_wrapper_us": round(decode_us, 1),
                          "mixed_step_ms_at_36_layers": round(36 * (prefill_us + decode_us) / 1e3, 2)}
     finally:

@@ -105,10 +105,10 @@ class PlannedLaunch:
     """An attention launch with everything but q, the layer's K/V cache views and out worked out once (checks,
     split rule, tiles, strides, constexprs): the layers of one step repeat the same launch over their own caches,
     so the step's first layer plans it (`plans`, the step's AttentionMetadata.launch_plans) and the others replay
-    it, skipping ~25 us of Python a call (tools/launcher_overhead.py). The kernel's arguments are
-    (q, k_cache, v_cache, *before_out, out, *after_out); every call must pass tensors of the planned shapes,
-    strides and dtypes (one step's layers do: views of one pool, one static or fresh output). kernel None: an
-    empty launch (the output alone, allocated when not given)."""
+    it: ~3 us of Python a call instead of ~8-10 (docs/results/launcher_overhead_cpu.json). The kernel's
+    arguments are (q, k_cache, v_cache, *before_out, out, *after_out); every call must pass tensors of the
+    planned shapes, strides and dtypes (one step's layers do: views of one pool, one static or fresh output).
+    kernel None: an empty launch (the output alone, allocated when not given)."""
 
     __slots__ = ("kernel", "grid", "before_out", "after_out", "kwargs", "out_shape", "out_dtype")
 
