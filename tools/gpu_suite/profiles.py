@@ -234,6 +234,36 @@ def profile_mixed(args, results) -> dict:
                      "top_kernels_ms_per_step": top_kernels(prof, n, 12),
                      "host_ms_per_step_by_function": host_functions}
         show(f"profile_mixed {name}", {k: v for k, v in res[name].items() if not k.startswith(("top", "host_ms"))})
+    # the planned attention launches' A/B (session 19): the 128-token mixed step again with every call planning
+    # its own launch (a plans dict that keeps nothing), wall and enqueue only, then planned again
+    build = runner.attn_backend.build_metadata
+
+    class _KeepsNothing(dict):
+        def __setitem__(self, key, value):
+            pass
+
+    def unplanned(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        for part in (meta, meta.decode_part, meta.prefill_part):
+            if part is not None:
+                part.launch_plans = _KeepsNothing()
+        return meta
+
+    for name, patched in (("mixed_128_unplanned", True), ("mixed_128_planned_again", False)):
+        if patched:  # an instance attribute over the backend's static method: the runner and the pieces call it
+            runner.attn_backend.build_metadata = unplanned
+        else:
+            del runner.attn_backend.build_metadata
+        steps(128, 4)
+        enqueue.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        steps(128, 12)
+        torch.cuda.synchronize()
+        host = [ms for mixed, ms in enqueue if mixed]
+        res[name] = {"wall_ms_per_step": (time.perf_counter() - start) / 12 * 1e3,
+                     "host_enqueue_ms_median": statistics.median(host) if host else None}
+        show(f"profile_mixed {name}", res[name])
     runner.compute_logits = forward
     llm = engine = runner = None  # the closures hold the engine: drop it before releasing its memory
     release()
