@@ -11,8 +11,9 @@ Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, bloc
 * sweeps (instead of the above), decode at the engine's block-table width (`--table-tokens`, the suite's
   max_model_len 4,096: the engine's split count comes from the width, not the context), each launcher knob
   combination timed: `--split-sweep`, batch {1, 8} over contexts {40, 100, 160, 256, 512}, minimum split
-  {64, 128, 256, 512} x tile {32, 64} tokens: does one pass over a short context beat 2-3 splits and their merge at
-  batch 1 (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
+  {16, 32, 64, 128, 256} x tile {16, 32, 64} tokens (a minimum below the tile is the tile): at batch 1 a launch is
+  latency: do shorter splits (one tile and the merge each) or one pass over a short context beat today's 64-token
+  splits (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
   `--large-batch-sweep`, batch 256 at context 600 (the throughput protocol's step, 50-56% of the latent-read floor
   in run 49): splits {1, 2, 4} x tile {32, 64} x warps {4, 8} x stages {2, 3}.
 * prefill, one sequence of {512, ..., 8192} tokens, plain (no prefix):
@@ -148,7 +149,7 @@ def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int) 
 
 # --split-sweep: batch 1 and 8 over short contexts, the minimum split length and the tile
 SPLIT_SWEEP = dict(batches=(1, 8), contexts=(40, 100, 160, 256, 512),
-                   grid=dict(min_split_tokens=(64, 128, 256, 512), block_n=(32, 64)))
+                   grid=dict(min_split_tokens=(16, 32, 64, 128, 256), block_n=(16, 32, 64)))
 # --large-batch-sweep: the throughput protocol's 256-row step (context ~600), splits and launch shape
 LARGE_BATCH_SWEEP = dict(batches=(256,), contexts=(600,),
                          grid=dict(num_splits=(1, 2, 4), block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3)))

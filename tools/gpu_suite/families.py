@@ -249,7 +249,7 @@ def mla_split_sweep(args, results) -> dict:
     """MLA decode launch knobs at the engine's table width (tools/bench_mla.py): batch 1 and 8 over short contexts
     per minimum split length and tile (does one pass beat 2-3 splits and their merge at batch 1?), and the
     256-row step's splits, tile, warps and stages."""
-    return _tool("tools.bench_mla", ["--split-sweep", "--large-batch-sweep", "--budget-s", "90"],
+    return _tool("tools.bench_mla", ["--split-sweep", "--large-batch-sweep", "--budget-s", "120"],
                  "bench_mla_sweeps.json")
 
 
