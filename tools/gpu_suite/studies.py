@@ -116,17 +116,22 @@ def _kv_dtype_cases() -> list:
 def attn_kv_dtype(args, results) -> dict:
     """Decode attention alone over a bf16 and an fp8 KV cache (V token-major, the engine's fp8 layout),
     launch variants (warps, stages, block_n, splits, tail tiles); us a launch over a graph of 8 launches
-    on distinct caches, and the KV read rate."""
+    on distinct caches, and the KV read rate. Then 256 x 600 with GQA groups of 1 and 2 (8 and 16 q heads over
+    the same 8 kv heads: the same bytes, a quarter and half the real rows of the padded 16-row tiles)."""
     from metainfer.kernels import FP8_KV_DTYPE, paged_decode_attention_ref, paged_decode_attention_triton
     from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
 
     dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
-    for batch, ctxs, case_variants in _kv_dtype_cases():
+    # the GQA group probe (session 19's hypothesis, PERFORMANCE "Pending on the GPU" item 3): the same KV bytes
+    # read by groups of 1, 2 and 4 q heads a kv head; the default launch only
+    probe = [(256, [600] * 256, {c: COMMON[:1] for c in ("bf16", "fp8")}, hq) for hq in (HK, 2 * HK)]
+    for batch, ctxs, case_variants, hq in [(*case, HQ) for case in _kv_dtype_cases()] + probe:
         name = f"b{batch}_ctx{ctxs[0]}" if len(set(ctxs)) == 1 else f"b{batch}_ragged{min(ctxs)}-{max(ctxs)}"
         name += "_longest_first" if len(set(ctxs)) > 1 and ctxs == sorted(ctxs, reverse=True) else ""
+        name += "" if hq == HQ else f"_group{hq // HK}"
         per_seq = -(-max(ctxs) // BLOCK)
         tables, lens = _tables(batch, per_seq, dev), torch.tensor(ctxs, device=dev, dtype=torch.int32)
-        q = torch.randn(batch, HQ, D, device=dev, dtype=bf16)
+        q = torch.randn(batch, hq, D, device=dev, dtype=bf16)
         row = res.setdefault(name, {"mean_ctx": sum(ctxs) / batch})
         for cache_name, cache_dtype in (("bf16", bf16), ("fp8", FP8_KV_DTYPE)):
             caches = []
