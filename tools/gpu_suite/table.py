@@ -105,6 +105,12 @@ def _profiles(r):
     if "wall_ms_per_step" in pb:
         yield _row("256-seq decode step: wall / device ms", f"{pb['wall_ms_per_step']:.2f} / "
                    f"{pb['device_ms_per_step']:.2f}", "", "")
+    for case, row in r.get("profile_mixed", {}).items():  # 64 decodes (+ a prompt): is the step host-bound?
+        if isinstance(row, dict) and "wall_ms_per_step" in row:
+            enqueue, device = row.get("host_enqueue_ms_median"), row.get("device_ms_per_step")
+            yield _row(f"mixed step {case}: wall / enqueue / device ms", f"{row['wall_ms_per_step']:.2f} / "
+                       f"{'-' if enqueue is None else f'{enqueue:.2f}'} / {'-' if device is None else f'{device:.2f}'}",
+                       "", "")
 
 
 def _studies(r):
@@ -151,7 +157,27 @@ def _ab(r):
                        "", "")
 
 
-BUILDERS = (_latency, _throughput, _kv_fp8, _checks, _profiles, _studies, _ab)
+def _families(r):
+    """The MoE families: bs1, throughput, TTFT and start per model; the fold A/B; the bs1 profile's walls."""
+    for name, parts in r.get("moe_families", {}).items():
+        eng = parts.get("engine", {})
+        if "bs1" in eng:
+            yield _row(f"{name}: bs1 tok/s / throughput / TTFT 1024 ms / start s",
+                       f"{eng['bs1']['decode_tok_s']:.1f} / {eng.get('throughput', {}).get('output_tok_s', 0):.0f} / "
+                       f"{eng.get('ttft_1024', {}).get('ttft_ms', 0):.1f} / {eng.get('startup_s', 0):.1f}",
+                       json.dumps(eng.get("startup_phases_s", {}))[:80], "")
+        prof = eng.get("profile_bs1", {})
+        if "wall_ms_per_token_ctx150" in prof:
+            yield _row(f"{name}: bs1 profile wall ms at ctx ~40 / ~150",
+                       f"{prof['wall_ms_per_token']:.3f} / {prof['wall_ms_per_token_ctx150']:.3f}", "", "")
+        fold = parts.get("fold_ab", {})
+        if all("decode_tok_s" in fold.get(v, {}) for v in ("folded", "unfolded", "folded_again")):
+            yield _row(f"{name}: fold A/B bs1 tok/s (folded / unfolded / folded)",
+                       " / ".join(f"{fold[v]['decode_tok_s']:.1f}" for v in ("folded", "unfolded", "folded_again")),
+                       "", "")
+
+
+BUILDERS = (_latency, _throughput, _kv_fp8, _checks, _profiles, _studies, _ab, _families)
 
 
 def render(results: dict) -> str:
