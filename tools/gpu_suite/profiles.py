@@ -265,6 +265,8 @@ def profile_mixed(args, results) -> dict:
                      "host_enqueue_ms_median": statistics.median(host) if host else None}
         show(f"profile_mixed {name}", res[name])
     runner.compute_logits = forward
-    llm = engine = runner = None  # the closures hold the engine: drop it before releasing its memory
+    # the closures hold the engine (and `build` its backend, whose KV pool is most of the GPU): drop both before
+    # releasing its memory (run 69 on an H100: the GPU tests after this section found no memory for their KV cache)
+    llm = engine = runner = build = None
     release()
     return res
