@@ -99,11 +99,12 @@ def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0) -
 def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int, table_tokens: int | None = None,
                  **knobs) -> dict:
     """One decode launch timed; `table_tokens` the block table's width in tokens (default: the context);
-    `knobs` the launcher's tuning arguments (min_split_tokens, block_n, num_splits, num_warps, num_stages;
-    None or absent: its own default)."""
+    `knobs` the launcher's tuning arguments (min_split_tokens, short_split_tokens, block_n, num_splits,
+    num_warps, num_stages; None or absent: its own default)."""
     from metainfer.kernels.mla_attention import (
         _MLA_DECODE_BLOCK_N,
         _MLA_MIN_SPLIT_TOKENS,
+        _MLA_SHORT_SPLIT_TOKENS,
         mla_decode_attention_triton,
         mla_decode_num_splits,
         mla_decode_workspace_numel,
@@ -132,24 +133,30 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
         us, timing = time_eager(run, iters=repeats, warmup=3), f"eager ({exc!s:.80})"
     floor = decode_floor_us(batch, context)
     min_split = knobs.get("min_split_tokens", _MLA_MIN_SPLIT_TOKENS)
-    return {"splits": splits, "live_splits": live_splits(context, splits, min_split, block_n),
+    short_split = knobs.get("short_split_tokens", _MLA_SHORT_SPLIT_TOKENS)
+    return {"splits": splits, "live_splits": live_splits(context, splits, min_split, block_n, short_split),
             "us": round(us, 3), "timing": timing,
             "floor_fraction": round(floor / us, 3),
             "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
 
 
-def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int) -> int:
-    """Splits that hold tokens (the kernel's _split_range): chunks of a block_n multiple, >= min_split_tokens."""
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
+def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int, short_split_tokens: int) -> int:
+    """Splits that hold tokens: the launcher's rounding of the two minimums, then the kernel's chunk rule."""
+    from metainfer.kernels.mla_attention import mla_split_chunk
 
-    chunk = max(cdiv(cdiv(context, splits), block_n) * block_n, cdiv(min_split_tokens, block_n) * block_n)
-    return cdiv(context, chunk)
+    def round_up(tokens: int) -> int:
+        return -(-tokens // block_n) * block_n
+
+    chunk = mla_split_chunk(context, splits, round_up(min_split_tokens),
+                            round_up(min(short_split_tokens, min_split_tokens)), block_n)
+    return -(-context // chunk)
 
 
-# --split-sweep: batch 1 and 8 over short contexts, the minimum split length and the tile
+# --split-sweep: batch 1 and 8 over short contexts, the minimum split lengths and the tile (a short split of
+# 1,024 tokens is never below the minimum: the rule without its short-context case)
 SPLIT_SWEEP = dict(batches=(1, 8), contexts=(40, 100, 160, 256, 512),
-                   grid=dict(min_split_tokens=(16, 32, 64, 128, 256), block_n=(16, 32, 64)))
+                   grid=dict(min_split_tokens=(16, 32, 64, 128, 256), short_split_tokens=(32, 1024),
+                             block_n=(32, 64)))
 # --large-batch-sweep: the throughput protocol's 256-row step (context ~600), splits and launch shape
 LARGE_BATCH_SWEEP = dict(batches=(256,), contexts=(600,),
                          grid=dict(num_splits=(1, 2, 4), block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3)))

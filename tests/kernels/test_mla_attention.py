@@ -210,6 +210,30 @@ def test_mla_decode_default_splits_and_engine_workspace(dtype):
         mla_decode_attention_triton(*args, workspace=workspace[: len(contexts) * H * splits * (L + 1) - 1])
 
 
+def test_mla_decode_short_contexts_run_short_splits():
+    """Default knobs over the engine's 4,096-token table at batch 1-8 (64 / 33 splits): a context of at most one
+    64-token split runs one pass; 65-256 tokens run 32-token splits (4 at 100, 8 at 256); longer contexts keep
+    64-token splits (5 at 257, 8 at 512). The split rows each sequence wrote are counted in the workspace."""
+    dtype = KERNEL_DTYPES[0]
+    contexts = [40, 100, 256, 257, 512]
+    batch = LatentBatch(contexts, 16, L, R, dtype, seed=4)
+    tables = torch.full((len(contexts), 4096 // 16), -1, dtype=torch.int32, device=DEVICE)
+    tables[:, : batch.block_tables.shape[1]] = batch.block_tables
+    q_lat, q_pe = strided_queries(len(contexts), H, L, R, dtype, seed=6)
+    args = (q_lat, q_pe, batch.cache, tables, batch.context_lens, (L + R) ** -0.5)
+    splits = mla_decode_num_splits(len(contexts), H, 4096)
+    rows = len(contexts) * H * splits
+    workspace = torch.full((rows * (L + 1),), float("nan"), device=DEVICE)
+    close(mla_decode_attention_triton(*args, workspace=workspace), mla_decode_attention_ref(*args), dtype)
+    lse = workspace[rows * L:].view(len(contexts), H, splits)
+    assert (~torch.isnan(lse[:, 0])).sum(dim=1).tolist() == [0, 4, 8, 5, 8]
+    # the knob restores the one rule: 64-token splits throughout
+    workspace.fill_(float("nan"))
+    close(mla_decode_attention_triton(*args, workspace=workspace, short_split_tokens=64),
+          mla_decode_attention_ref(*args), dtype)
+    assert (~torch.isnan(lse[:, 0])).sum(dim=1).tolist() == [0, 2, 4, 5, 8]
+
+
 def test_mla_decode_split_rule_and_workspace_formula():
     # small batches split up to fill the GPU, large ones do not; short tables do not split
     assert mla_decode_num_splits(1, 16, 8192) == 64

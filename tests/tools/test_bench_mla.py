@@ -48,11 +48,13 @@ def test_live_splits_follow_the_kernel_rule():
     """The sweep's live-split count is _split_range's: chunks of a block_n multiple of at least the minimum."""
     from tools import bench_mla
 
-    # the engine at batch 1 over a 4,096-token table: 64 splits of >= 64 tokens
-    assert [bench_mla.live_splits(c, 64, 64, 32) for c in (40, 64, 65, 100, 160, 512)] == [1, 1, 2, 2, 3, 8]
-    assert bench_mla.live_splits(160, 64, 256, 32) == 1
-    assert bench_mla.live_splits(512, 64, 128, 64) == 4
-    assert bench_mla.live_splits(8192, 8, 64, 32) == 8  # long contexts: the split count bounds it
+    # the engine at batch 1 over a 4,096-token table: 64 splits of >= 64 tokens, >= 32 for 65-256 tokens
+    assert [bench_mla.live_splits(c, 64, 64, 32, 32) for c in (40, 64, 65, 100, 160, 256, 257, 512)] == \
+        [1, 1, 3, 4, 5, 8, 5, 8]
+    assert [bench_mla.live_splits(c, 64, 64, 32, 1024) for c in (40, 64, 65, 100, 160, 512)] == [1, 1, 2, 2, 3, 8]
+    assert bench_mla.live_splits(160, 64, 256, 32, 1024) == 1
+    assert bench_mla.live_splits(512, 64, 128, 64, 1024) == 4
+    assert bench_mla.live_splits(8192, 8, 64, 32, 32) == 8  # long contexts: the split count bounds it
 
 
 def test_decode_sweep_runs_every_knob_combination(monkeypatch):
