@@ -129,18 +129,18 @@ def test_print_table_reads_the_results_file(tmp_path, monkeypatch, capsys):
 
 def test_mixed_steps_and_moe_families_render():
     """profile_mixed (the planned-launch A/B's rows without a device time) and moe_families (figures, start-up
-    phases, the bs1 profile at two contexts, the fold A/B) each get their rows."""
-    fold = {v: _lat(t) for v, t in (("folded", 452.0), ("unfolded", 449.0), ("folded_again", 451.5))}
+    phases, the bs1 profile at two contexts, the bs1 A/B) each get their rows."""
+    ab = {v: _lat(t) for v, t in (("default", 452.0), ("long_splits", 449.0), ("default_again", 451.5))}
     engine = {"bs1": _lat(452.0), "throughput": {"output_tok_s": 9500.0}, "ttft_1024": {"ttft_ms": 21.0},
               "startup_s": 48.0, "startup_phases_s": {"warm_up": 20.0},
               "profile_bs1": {"wall_ms_per_token": 2.16, "wall_ms_per_token_ctx150": 2.21}}
     table = render({"profile_mixed": {"mixed_128": {"wall_ms_per_step": 8.3, "host_enqueue_ms_median": 6.1,
                                                     "device_ms_per_step": 8.0},
                                       "mixed_128_unplanned": {"wall_ms_per_step": 8.4, "host_enqueue_ms_median": 6.5}},
-                    "moe_families": {"deepseek-v2-lite": {"engine": engine, "fold_ab": fold}}})
+                    "moe_families": {"deepseek-v2-lite": {"engine": engine, "bs1_ab": ab}}})
     assert "| mixed step mixed_128: wall / enqueue / device ms | 8.30 / 6.10 / 8.00 |" in table
     assert "| mixed step mixed_128_unplanned: wall / enqueue / device ms | 8.40 / 6.50 / - |" in table
     assert "deepseek-v2-lite: bs1 tok/s / throughput / TTFT 1024 ms / start s | 452.0 / 9500 / 21.0 / 48.0" in table
     assert "deepseek-v2-lite: bs1 profile wall ms at ctx ~40 / ~150 | 2.160 / 2.210" in table
-    assert "fold A/B bs1 tok/s (folded / unfolded / folded) | 452.0 / 449.0 / 451.5" in table
+    assert "bs1 A/B tok/s (default / long_splits / default_again) | 452.0 / 449.0 / 451.5" in table
     assert "table error" not in table

@@ -154,32 +154,33 @@ def family_agreement(args, name: str) -> dict:
     return res
 
 
-def fold_ab(args, name: str) -> dict:
-    """In one engine, bs1 decode (10 timed iterations each): the MoE block's slots summed inside the next
-    norm's launch (the default since session 19) against the same slots summed by the MoE sum kernel and
-    then normed (the earlier two launches: `moe_sum` + `fused_add_rms_norm`), the default again last (the
-    run's own noise). The fold is kept or deleted by this A/B."""
+def _bs1_variants(default) -> dict:
+    """The in-engine A/B's kernel sets, by name: the default first and again last (the run's own noise), between
+    them each rule the default replaced while its A/B is pending (DeepSeek only where the op is MLA's)."""
     from dataclasses import replace
+    from functools import partial
 
+    return {"default": default,
+            # MLA decode without the short-context splits: 64-token splits at every context (session 20)
+            "long_splits": replace(default, mla_decode_attention=partial(default.mla_decode_attention,
+                                                                         short_split_tokens=64)),
+            "default_again": default}
+
+
+def bs1_ab(args, name: str) -> dict:
+    """In one engine, bs1 decode (10 timed iterations each) under each kernel set of _bs1_variants, the CUDA
+    graphs re-captured for each; a rule is kept or deleted by this A/B."""
     from metainfer.bench.latency import run_latency
-    from metainfer.kernels.fused_moe import moe_sum_triton
 
     llm = _engine(family_dir(args, name))
     runner = llm.llm_engine.runner
-    default = runner.ops
-
-    def unfolded(slots, residual, weight, eps):
-        return default.fused_add_rms_norm(moe_sum_triton(slots, residual.dtype, pdl=default.pdl), residual,
-                                          weight, eps)
-
     res = {}
     try:
-        for variant, ops in (("folded", default), ("unfolded", replace(default, fused_add_rms_norm_slots=unfolded)),
-                             ("folded_again", default)):
+        for variant, ops in _bs1_variants(runner.ops).items():
             runner.swap_kernels(ops)
             r = run_latency(llm, batch_size=1, input_len=32, output_len=128, iters=10, warmup=3)
             res[variant] = {k: r[k] for k in ("decode_tok_s", "tpot_ms")}
-            print(f"{name} fold_ab {variant}", round(r["decode_tok_s"], 1), flush=True)
+            print(f"{name} bs1_ab {variant}", round(r["decode_tok_s"], 1), flush=True)
     finally:
         del runner, llm
         release()
@@ -187,9 +188,9 @@ def fold_ab(args, name: str) -> dict:
 
 
 def moe_families(args, results) -> dict:
-    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, fold_ab."""
+    """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, bs1_ab."""
     res = {}
-    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "fold_ab": fold_ab}
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "bs1_ab": bs1_ab}
     for name in args.moe_models.split(","):
         res[name] = {}
         for part in args.moe_parts.split(","):

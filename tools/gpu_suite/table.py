@@ -158,7 +158,7 @@ def _ab(r):
 
 
 def _families(r):
-    """The MoE families: bs1, throughput, TTFT and start per model; the fold A/B; the bs1 profile's walls."""
+    """The MoE families: bs1, throughput, TTFT and start per model; the bs1 A/B; the bs1 profile's walls."""
     for name, parts in r.get("moe_families", {}).items():
         eng = parts.get("engine", {})
         if "bs1" in eng:
@@ -170,11 +170,10 @@ def _families(r):
         if "wall_ms_per_token_ctx150" in prof:
             yield _row(f"{name}: bs1 profile wall ms at ctx ~40 / ~150",
                        f"{prof['wall_ms_per_token']:.3f} / {prof['wall_ms_per_token_ctx150']:.3f}", "", "")
-        fold = parts.get("fold_ab", {})
-        if all("decode_tok_s" in fold.get(v, {}) for v in ("folded", "unfolded", "folded_again")):
-            yield _row(f"{name}: fold A/B bs1 tok/s (folded / unfolded / folded)",
-                       " / ".join(f"{fold[v]['decode_tok_s']:.1f}" for v in ("folded", "unfolded", "folded_again")),
-                       "", "")
+        ab = parts.get("bs1_ab", {})
+        if ab and all("decode_tok_s" in v for v in ab.values()):
+            yield _row(f"{name}: bs1 A/B tok/s ({' / '.join(ab)})",
+                       " / ".join(f"{v['decode_tok_s']:.1f}" for v in ab.values()), "", "")
 
 
 BUILDERS = (_latency, _throughput, _kv_fp8, _checks, _profiles, _studies, _ab, _families)
