@@ -70,27 +70,30 @@ def engine_figures(args, name: str) -> dict:
 
 
 def decode_profile(llm, steps: int = 16) -> dict:
-    """Batch-1 decode steps under torch.profiler (graphs, PDL as built: the profiler books a kernel's PDL
-    wait as its time): wall and device ms a token, launches a token, device time by kernel kind, top kernels;
-    the wall again at a context of ~150 (run 66: 2.163 ms a token here at ~40 against the bench's 2.223 over
-    contexts 32-160: is the gap the context?)."""
+    """Batch-1 decode steps: the wall ms a token at a context of ~40 and of ~150 (where the bs1 bench's 128
+    tokens end; run 72 read Qwen3-30B-A3B's 3.66 / 4.74 ms there against the bench's 3.64 over 32-160, measured
+    after the profiler then: the walls now come first, and again after it), then under torch.profiler (graphs,
+    PDL as built: the profiler books a kernel's PDL wait as its time): device ms a token, launches a token,
+    device time by kernel kind, top kernels."""
     from metainfer import SamplingParams
     from tools.gpu_suite.profiles import _device_ms, _drain, _profiled, _wall_ms_per_step, kernel_buckets, top_kernels
 
     engine = llm.llm_engine
     engine.add_request("profile", {"prompt_token_ids": list(range(200, 232))},
-                       SamplingParams(temperature=0, max_tokens=3 * steps + 104, ignore_eos=True), stream=False)
+                       SamplingParams(temperature=0, max_tokens=4 * steps + 110, ignore_eos=True), stream=False)
     for _ in range(4):
         engine.step()
     wall_ms = _wall_ms_per_step(engine, steps)
-    prof = _profiled(engine, steps)
-    for _ in range(80):  # to a context of ~150, where the bs1 bench's 128 tokens end
+    for _ in range(96 - steps):  # to a context of ~150
         engine.step()
     wall_ms_ctx150 = _wall_ms_per_step(engine, steps)
+    prof = _profiled(engine, steps)
+    wall_ms_after = _wall_ms_per_step(engine, steps)
     _drain(engine)
     buckets = kernel_buckets(prof, per=steps)
     launches = sum(e.count for e in prof.key_averages() if not e.key.startswith("aten::")) / steps
     return {"wall_ms_per_token": wall_ms, "wall_ms_per_token_ctx150": wall_ms_ctx150,
+            "wall_ms_per_token_after_profiler": wall_ms_after, "profiled_context": 32 + 4 + 96 + steps,
             "device_ms_per_token": sum(buckets.values()),
             "launches_per_token": launches, "device_ms_by_kind": buckets, "top_kernels": top_kernels(prof, steps, 15),
             "kernels": sorted(((e.key[:50], e.count / steps, round(_device_ms(e) / steps, 4))
