@@ -101,7 +101,7 @@ def profile(args, results) -> dict:
 def profile_batch(args, results) -> dict:
     """A step of 256 running sequences (context ~600), what the throughput bench runs most of the time:
     the prefill (18 steps of 8,192 tokens; two profiled) and decode, wall ms a step against device ms
-    by kernel kind."""
+    by kernel kind and the top kernels. `--config` picks the model (a MoE family's config profiles its step)."""
     from metainfer import SamplingParams
 
     llm = bench_llm(args)
@@ -133,10 +133,12 @@ def profile_batch(args, results) -> dict:
     for _ in range(4):
         engine.step()
     wall_ms = _wall_ms_per_step(engine, 16)
-    buckets = kernel_buckets(_profiled(engine, 8), per=8)
+    prof = _profiled(engine, 8)
+    buckets = kernel_buckets(prof, per=8)
     _drain(engine)
     res = {"prefill": prefill, "running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
-           "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values())}
+           "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values()),
+           "top_kernels_ms_per_step": top_kernels(prof, 8, 12)}
     show("profile_batch", res)
     del llm, engine
     release()
