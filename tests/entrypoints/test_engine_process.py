@@ -175,6 +175,23 @@ def test_cached_tokens_and_prefix_metrics_come_from_the_engine_process(proc_serv
     assert m["metainfer:prefix_cache_hits_total"] - m0["metainfer:prefix_cache_hits_total"] >= 64
 
 
+def test_engine_step_intervals_are_observed_between_steps_of_a_busy_engine(proc_server, pclient):
+    """One request of 12 tokens from an idle engine: its step messages give intervals (the first after idle gives
+    none, so fewer observations than tokens), each between two of the request's tokens, so their sum is within
+    the request's own time from first token to last (the ITL histogram's sum, observed in this process)."""
+    prompt = make_prompts([20], vocab=512, seed=23)[0]
+    m0 = _idle(proc_server)
+    pclient.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                               extra_body={"ignore_eos": True})
+    m = _idle(proc_server)
+    name = "metainfer:engine_step_interval_seconds"
+    count = m[f"{name}_count"] - m0[f"{name}_count"]
+    total = m[f"{name}_sum"] - m0[f"{name}_sum"]
+    itl_total = m["metainfer:inter_token_latency_seconds_sum"] - m0["metainfer:inter_token_latency_seconds_sum"]
+    assert 1 <= count <= 11 and total > 0
+    assert total <= itl_total + 0.05, (total, itl_total)
+
+
 def test_build_error_is_forwarded_as_one_line(model_dir):
     before = {p.pid for p in mp.active_children()}
     with pytest.raises(ConfigError) as info:

@@ -9,11 +9,12 @@ import multiprocessing as mp
 
 import pytest
 
+from metainfer.entrypoints.openai.engine_core import STATS_FIELDS
 from metainfer.entrypoints.openai.engine_loop import EngineLoop, RequestGroup, RequestState
 from metainfer.entrypoints.openai.metrics import ServerMetrics
 from metainfer.sampling_params import SamplingParams
 
-STATS = (0,) * 12
+STATS = (0,) * len(STATS_FIELDS)
 
 
 class _Tokenizer:

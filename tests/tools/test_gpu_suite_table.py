@@ -144,3 +144,15 @@ def test_mixed_steps_and_moe_families_render():
     assert "deepseek-v2-lite: bs1 wall ms at ctx ~40 / ~150 / after the profiler (~180) | 2.160 / 2.210 / -" in table
     assert "bs1 A/B tok/s (default / long_splits / default_again) | 452.0 / 449.0 / 451.5" in table
     assert "table error" not in table
+
+
+def test_serving_variants_render_with_the_servers_histograms():
+    hist = {"engine_step_interval": {"p50_ms": 7.1, "p99_ms": 12.0}, "server_itl": {"p50_ms": 7.3, "p99_ms": 20.5}}
+    serving = {"serve_vs_offline": {"variants": {
+        "default": {"serve_over_offline": 0.941, "median_itl_ms": 8.64, "p99_itl_ms": 40.96, "server_histograms": hist},
+        "--max-mixed-prefill-tokens 256": {"serve_over_offline": 0.951, "median_itl_ms": 9.1, "p99_itl_ms": 25.84}}}}
+    table = render({"serving": serving})
+    assert ("| serve default: of offline / ITL median / p99 ms | 94.1% / 8.64 / 40.96 | engine step p50 / p99 "
+            "7.1 / 12.0; server ITL 7.3 / 20.5 |") in table
+    assert "| serve --max-mixed-prefill-tokens 256: of offline / ITL median / p99 ms | 95.1% / 9.10 / 25.84 |" in table
+    assert "table error" not in table

@@ -108,7 +108,7 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
             res["serve"] = serve
         res.setdefault("variants", {})[extra or "default"] = {
             k: serve.get(k) for k in ("output_throughput", "serve_over_offline", "median_itl_ms", "p99_itl_ms",
-                                      "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms")}
+                                      "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "server_histograms")}
         show(f"serve {extra or 'default'}", res["variants"][extra or "default"])
     res["serve_over_offline"] = res["serve"]["serve_over_offline"]
     return res
@@ -131,13 +131,51 @@ def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: 
                             str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
                             "--output-json", record], cwd=ROOT, check=True, timeout=300)
             with open(record) as f:
-                return json.load(f)
+                result = json.load(f)
+            import httpx
+
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            # where the ITL tail comes from: the engine's step intervals, then the HTTP process's ITL (the client's
+            # p99_itl_ms is the same after SSE framing and the client's own loop)
+            names = {"engine_step_interval": "engine_step_interval_seconds",
+                     "server_itl": "inter_token_latency_seconds"}
+            result["server_histograms"] = {key: histogram_quantiles(text, f"metainfer:{name}")
+                                           for key, name in names.items()}
+            return result
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def histogram_quantiles(text: str, name: str, quantiles=(0.5, 0.9, 0.99)) -> dict:
+    """A Prometheus histogram's count, mean and quantiles in ms from the /metrics text (linear within a bucket, as
+    PromQL's histogram_quantile; a quantile in the +Inf bucket reads as the last finite bound)."""
+    buckets, total, count = [], 0.0, 0
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith(name + "_sum{"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count{"):
+            count = int(float(line.rsplit(" ", 1)[1]))
+    out = {"count": count, "mean_ms": round(total / count * 1e3, 3) if count else None}
+    for q in quantiles:
+        value, lower, below = None, 0.0, 0.0
+        for bound, cumulative in buckets:
+            if count and cumulative >= q * count:
+                if bound == float("inf"):
+                    value = lower
+                else:
+                    inside = cumulative - below
+                    value = lower + (bound - lower) * ((q * count - below) / inside if inside else 1.0)
+                break
+            lower, below = bound, cumulative
+        out[f"p{round(q * 100)}_ms"] = None if value is None else round(value * 1e3, 3)
+    return out
 
 
 def throughput_1k(args) -> dict:

@@ -178,7 +178,22 @@ def _families(r):
                        " / ".join(f"{v['decode_tok_s']:.1f}" for v in ab.values()), "", "")
 
 
-BUILDERS = (_latency, _throughput, _kv_fp8, _checks, _profiles, _studies, _ab, _families)
+def _serving(r):
+    """bench serve per variant: share of offline, the client's ITL median / p99, and where its tail comes from
+    (the engine's step intervals and the HTTP process's ITL, p50 / p99 from the server's histograms)."""
+    def pair(hist, key):
+        h = (hist or {}).get(key) or {}
+        return "-" if h.get("p99_ms") is None else f"{h['p50_ms']:.1f} / {h['p99_ms']:.1f}"
+
+    for name, v in r.get("serving", {}).get("serve_vs_offline", {}).get("variants", {}).items():
+        hist = v.get("server_histograms")
+        yield _row(f"serve {name}: of offline / ITL median / p99 ms",
+                   f"{v['serve_over_offline']:.1%} / {v['median_itl_ms']:.2f} / {v['p99_itl_ms']:.2f}",
+                   f"engine step p50 / p99 {pair(hist, 'engine_step_interval')}; "
+                   f"server ITL {pair(hist, 'server_itl')}", "")
+
+
+BUILDERS = (_latency, _throughput, _kv_fp8, _checks, _profiles, _studies, _ab, _families, _serving)
 
 
 def render(results: dict) -> str:

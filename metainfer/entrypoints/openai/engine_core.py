@@ -43,7 +43,7 @@ log = logging.getLogger("metainfer.server")
 
 STATS_FIELDS = ("running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "preemptions",
                 "failed_requests", "failed_steps", "prefix_cache_queries", "prefix_cache_hits", "engine_errors",
-                "batch_size")
+                "batch_size", "step_interval")
 
 
 class EngineCore:
@@ -55,6 +55,7 @@ class EngineCore:
         self._sent: dict[str, list[int]] = {}  # request id -> tokens sent so far, per choice
         self._stop_strings: set[str] = set()  # requests whose text the engine cuts (it detokenizes those)
         self.engine_errors = 0
+        self._last_step_sent: float | None = None  # monotonic time of the last "step" message; None when idle
 
     def info(self) -> dict:
         """What the server needs to know about the engine: its tokenizer's place and the request limits."""
@@ -67,6 +68,7 @@ class EngineCore:
         try:
             while True:
                 if not engine.has_unfinished_requests():
+                    self._last_step_sent = None  # the next step's interval would count the idle time
                     self.outputs.send(("stats", self.stats(0)))
                     if not self._handle(requests.recv()):
                         return
@@ -145,7 +147,9 @@ class EngineCore:
             self._sent.pop(request_id, None)
             cut.discard(request_id)
         if deltas:  # a step that read nothing back (the first of a burst, under async scheduling) says nothing
-            self.outputs.send(("step", deltas, self.stats(len(deltas))))
+            now, last = time.monotonic(), self._last_step_sent
+            self._last_step_sent = now
+            self.outputs.send(("step", deltas, self.stats(len(deltas), 0.0 if last is None else now - last)))
 
     @staticmethod
     def _progress(request, counts: list[int], cut_at_stop_strings: bool):
@@ -182,13 +186,15 @@ class EngineCore:
                          c.text if cut_at_stop_strings else None))
         return (out.request_id, True, out.num_cached_tokens, out.error, seqs)
 
-    def stats(self, batch_size: int) -> tuple:
+    def stats(self, batch_size: int, step_interval: float = 0.0) -> tuple:
+        """STATS_FIELDS; `step_interval`: seconds since the step message before this one while requests ran (0:
+        none to compare, or not a step message), the engine's own side of the inter-token latency."""
         e = self.engine
         return (e.num_running(), e.num_waiting(), e.kv_cache_usage(), e.stats.get("prompt_tokens", 0),
                 e.stats.get("generation_tokens", 0), getattr(e.scheduler, "num_preemptions", 0),
                 e.stats.get("failed_requests", 0), e.stats.get("failed_steps", 0),
                 e.block_manager.prefix_query_tokens, e.block_manager.prefix_hit_tokens, self.engine_errors,
-                batch_size)
+                batch_size, step_interval)
 
 
 def freeze_startup_heap() -> int:

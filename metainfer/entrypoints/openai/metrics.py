@@ -3,6 +3,9 @@
 TTFT and end-to-end latency count from the moment the handler submits the request. The
 `metainfer:num_requests_running_max` gauge (peak batch) and the `metainfer:step_batch_size`
 histogram (requests progressed per engine step) are our own and show that requests were batched;
+`metainfer:engine_step_interval_seconds` (also ours) is the time between the engine process's consecutive step
+messages while requests run: the inter-token latency as the engine produced it, before the pipe, the event loop
+and the SSE framing (their share is what the ITL histogram adds to it);
 `metainfer:request_aborted_total` counts requests aborted because their client went away.
 The latency histograms are observed in the HTTP process as each step's message arrives; the engine's gauges and
 counters come in every message from the engine process (`publish_stats`, engine_core.STATS_FIELDS). One lock
@@ -19,6 +22,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1800)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.015, 0.02, 0.025, 0.03, 0.04, 0.06, 0.1, 0.25, 1)
 
 
 class Histogram:
@@ -58,6 +62,7 @@ class ServerMetrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.batch = Histogram(BATCH_BUCKETS)
+        self.step_interval = Histogram(STEP_BUCKETS)
 
     # -- written on the event loop ---------------------------------------------------------
     def count_aborted(self, n: int) -> None:
@@ -91,7 +96,7 @@ class ServerMetrics:
     def publish_stats(self, stats: tuple) -> None:
         """The engine's gauges and counters as the engine process sent them (engine_core.STATS_FIELDS)."""
         (running, waiting, kv_usage, prompt_tokens, generation_tokens, preemptions, failed_requests, failed_steps,
-         prefix_queries, prefix_hits, engine_errors, batch_size) = stats
+         prefix_queries, prefix_hits, engine_errors, batch_size, step_interval) = stats
         with self.lock:
             self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
             self.prompt_tokens, self.generation_tokens, self.preemptions = prompt_tokens, generation_tokens, preemptions
@@ -101,6 +106,8 @@ class ServerMetrics:
             self.peak_running = max(self.peak_running, running, batch_size)
             if batch_size:
                 self.batch.observe(batch_size)
+            if step_interval > 0:
+                self.step_interval.observe(step_interval)
 
     # -- read by the HTTP handlers --------------------------------------------------------------
     def render(self, model_name: str) -> str:
@@ -155,6 +162,8 @@ class ServerMetrics:
             histogram("metainfer:inter_token_latency_seconds", self.itl, "Time between output tokens.")
             histogram("metainfer:e2e_request_latency_seconds", self.e2e, "Arrival to finish, per request.")
             histogram("metainfer:step_batch_size", self.batch, "Requests that progressed in one engine step.")
+            histogram("metainfer:engine_step_interval_seconds", self.step_interval,
+                      "Time between the engine's consecutive step outputs while requests run.")
         return "\n".join(out) + "\n"
 
 
