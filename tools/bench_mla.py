@@ -152,11 +152,12 @@ def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int, 
     return -(-context // chunk)
 
 
-# --split-sweep: batch 1 and 8 over short contexts, the minimum split lengths and the tile (a short split of
-# 1,024 tokens is never below the minimum: the rule without its short-context case)
+# --split-sweep: batch 1 and 8 over short contexts, the minimum split lengths, the tile and the warps (a short
+# split of 1,024 tokens is never below the minimum: the rule without its short-context case; run 72 swept
+# minimums of 16-256 and tiles of 16-64 at 4 warps)
 SPLIT_SWEEP = dict(batches=(1, 8), contexts=(40, 100, 160, 256, 512),
-                   grid=dict(min_split_tokens=(16, 32, 64, 128, 256), short_split_tokens=(32, 1024),
-                             block_n=(32, 64)))
+                   grid=dict(min_split_tokens=(32, 64), short_split_tokens=(32, 1024), block_n=(32, 64),
+                             num_warps=(4, 8)))
 # --large-batch-sweep: the throughput protocol's 256-row step (context ~600), splits and launch shape
 LARGE_BATCH_SWEEP = dict(batches=(256,), contexts=(600,),
                          grid=dict(num_splits=(1, 2, 4), block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3)))
