@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import asdict, fields
+from typing import ClassVar, TypeVar
 
 try:
     import triton
@@ -72,6 +73,27 @@ def launch_config_from_any(cls, value):
             raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)} (known: {known})")
         return cls(**value)
     raise ValueError(f"a {cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+_Config = TypeVar("_Config", bound="LaunchConfig")
+
+
+class LaunchConfig:
+    """Base of the tuned tables' launch configs (frozen dataclasses): every table checks its fields on
+    construction and round-trips through JSON the same way, so that is written once here."""
+
+    BOUNDS: ClassVar[dict] = {}  # field -> (lo, hi, power_of_two), see check_launch_fields
+
+    def __post_init__(self):
+        check_launch_fields(self, self.BOUNDS)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_any(cls: type[_Config], value) -> _Config:
+        """An instance, or a dict with its field names (as `to_dict` / the tuners' JSON give it)."""
+        return launch_config_from_any(cls, value)
 
 
 def pdl_args(pdl: bool) -> dict:

@@ -53,14 +53,14 @@ the smallest bucket >= T taken (the largest beyond), written by tools/tune_moe.p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ._triton import (
+    LaunchConfig,
     cdiv,
-    check_launch_fields,
-    launch_config_from_any,
     next_pow2,
     pdl_args,
     pdl_enter,
@@ -77,8 +77,11 @@ _SUM_BLOCK = 1024  # hidden columns per program of the K-slot sum
 
 
 @dataclass(frozen=True)
-class MoeConfig:
+class MoeConfig(LaunchConfig):
     """Launch parameters of both grouped GEMMs (block_m is also the per-expert padding)."""
+
+    BOUNDS: ClassVar[dict] = {"block_m": (16, 256, True), "block_n": (16, 256, True), "block_k": (16, 256, True),
+                              "group_m": (1, 64, False), "num_warps": (1, 16, True), "num_stages": (1, 8, False)}
 
     block_m: int = 16
     block_n: int = 64
@@ -86,19 +89,6 @@ class MoeConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-
-    def __post_init__(self):
-        check_launch_fields(self, {"block_m": (16, 256, True), "block_n": (16, 256, True),
-                                   "block_k": (16, 256, True), "group_m": (1, 64, False),
-                                   "num_warps": (1, 16, True), "num_stages": (1, 8, False)})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_any(cls, value) -> MoeConfig:
-        """A MoeConfig, or a dict with its field names (as `to_dict` / the tuner's JSON give it)."""
-        return launch_config_from_any(cls, value)
 
 
 def default_moe_config(num_tokens: int) -> MoeConfig:

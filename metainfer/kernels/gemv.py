@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ._triton import (
+    LaunchConfig,
     cdiv,
-    check_launch_fields,
-    launch_config_from_any,
     next_pow2,
     pdl_args,
     pdl_enter,
@@ -50,12 +50,15 @@ _REDUCE_BLOCK = 1024
 
 
 @dataclass(frozen=True)
-class GemvConfig:
+class GemvConfig(LaunchConfig):
     """Launch parameters of one weight shape (for M = 1; see `gemv_plan` for M > 1).
 
     num_stages is passed through, but Triton 3.6 software-pipelines only loads that feed a dot:
     for this loop the sm_90 code is the same for every num_stages (latency is hidden by the
     programs resident on an SM and the BLOCK_N * BLOCK_K / threads loads in flight per thread)."""
+
+    BOUNDS: ClassVar[dict] = {"block_n": (1, 128, True), "block_k": (16, 8192, True), "num_warps": (1, 16, True),
+                              "num_stages": (1, 8, False), "split_k": (1, 64, False)}
 
     block_n: int = 8
     block_k: int = 1024
@@ -65,18 +68,9 @@ class GemvConfig:
     preload: bool = False  # the first weight tile loaded before the PDL wait (see _gemv_kernel)
 
     def __post_init__(self):
-        check_launch_fields(self, {"block_n": (1, 128, True), "block_k": (16, 8192, True), "num_warps": (1, 16, True),
-                                   "num_stages": (1, 8, False), "split_k": (1, 64, False)})
+        super().__post_init__()
         if not isinstance(self.preload, bool):
             raise ValueError(f"GemvConfig.preload must be a bool, got {self.preload!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_any(cls, value) -> GemvConfig:
-        """A GemvConfig, or a dict with its field names (as `to_dict` / JSON give it)."""
-        return launch_config_from_any(cls, value)
 
 
 # The first untuned kernel of the team's design notes (8 rows x 1,024 columns, 8 warps): 3.91 TB/s overall.

@@ -22,14 +22,14 @@ each of ~132 SMs; the fp32 partials are summed by the GEMV's reduce kernel (dete
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ._triton import (
+    LaunchConfig,
     cdiv,
-    check_launch_fields,
-    launch_config_from_any,
     next_pow2,
     pdl_args,
     pdl_enter,
@@ -46,26 +46,17 @@ _TARGET_PROGRAMS = 264
 
 
 @dataclass(frozen=True)
-class SkinnyConfig:
+class SkinnyConfig(LaunchConfig):
     """Launch parameters of one weight shape; split_k 0 picks the split from the grid size."""
+
+    BOUNDS: ClassVar[dict] = {"block_n": (16, 256, True), "block_k": (16, 1024, True), "num_warps": (1, 16, True),
+                              "num_stages": (1, 8, False), "split_k": (0, 64, False)}
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 0
-
-    def __post_init__(self):
-        check_launch_fields(self, {"block_n": (16, 256, True), "block_k": (16, 1024, True), "num_warps": (1, 16, True),
-                                   "num_stages": (1, 8, False), "split_k": (0, 64, False)})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_any(cls, value) -> SkinnyConfig:
-        """A SkinnyConfig, or a dict with its field names (as `to_dict` / the sweep's JSON give it)."""
-        return launch_config_from_any(cls, value)
 
 
 DEFAULT_CONFIG = SkinnyConfig()
