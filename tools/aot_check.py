@@ -18,6 +18,7 @@ Exit status: 0 all compiled, 1 a kernel failed, 2 Triton cannot compile here at 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -25,7 +26,23 @@ import time
 
 import torch
 
+from metainfer.kernels import (
+    FP8_KV_DTYPE,
+    activation,
+    attention_decode,
+    attention_prefill,
+    gemv,
+    kv_cache,
+    qkv_prep,
+    rms_norm,
+    rotary,
+    sampling,
+    skinny_gemm,
+    step_inputs,
+    token_major_v_cache,
+)
 from metainfer.kernels._triton import HAS_TRITON, tl, triton
+from metainfer.kernels.moe_ref import ExpertSlots
 from metainfer.kernels.tuned_configs import load_tuned_configs
 
 # H200/H100 opt-in shared memory per block.
@@ -42,16 +59,12 @@ ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill"
 def _kv_cache(blocks: int, block: int, hk: int, head_dim: int, dtype: torch.dtype):
     """(k_cache, v_cache) of zeros as the engine lays them out: an fp8 cache keeps V token-major
     (kernels/kv_cache.py), a 16-bit one head-major."""
-    from metainfer.kernels import FP8_KV_DTYPE, token_major_v_cache
-
     kv = torch.zeros(2, blocks, block, hk, head_dim, dtype=dtype)
     return (kv[0], token_major_v_cache(kv[1].clone())) if dtype == FP8_KV_DTYPE else (kv[0], kv[1])
 
 
 def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):
     """The decode or prefill launches of one config."""
-    from metainfer.kernels import attention_decode, attention_prefill
-
     cases = []
     if op == "decode":
         q = torch.zeros(2, hq, head_dim, dtype=dtype)
@@ -71,19 +84,6 @@ def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, f
 def _cases(op: str):
     """(label, thunk) pairs that call the public launchers with representative shapes; a thunk
     takes `pdl` (launch with programmatic dependent launch)."""
-    from metainfer.kernels import (
-        activation,
-        gemv,
-        kv_cache,
-        qkv_prep,
-        rms_norm,
-        rotary,
-        sampling,
-        skinny_gemm,
-        step_inputs,
-    )
-    from metainfer.kernels.moe_ref import ExpertSlots
-
     bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn  # fp8: kv_cache_dtype="fp8"
     cases = []
     if op == "rms_norm":
@@ -214,26 +214,28 @@ def _cases(op: str):
 
 
 def _kernel_objects():
-    from metainfer.kernels import (
-        activation,
-        attention_decode,
-        attention_prefill,
-        gemv,
-        kv_cache,
-        qkv_prep,
-        rms_norm,
-        rotary,
-        sampling,
-        skinny_gemm,
-        step_inputs,
-    )
-
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
         kv_cache._store_kv_kernel, attention_decode._decode_split_kernel, attention_prefill._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
         sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel, step_inputs._step_inputs_kernel,
     ]
+
+
+@contextlib.contextmanager
+def capture_launches(kernels):
+    """Intercept each kernel's `run` inside the block, so the launchers run on CPU tensors and launch nothing;
+    the list it yields collects (kernel, args, kwargs, grid) of every launch, as the launcher made it."""
+    captured = []
+    for kernel in kernels:
+        def record(*a, grid, warmup, _kernel=kernel, **kw):
+            captured.append((_kernel, a, kw, grid))
+        kernel.run = record
+    try:
+        yield captured
+    finally:
+        for kernel in kernels:
+            del kernel.run
 
 
 def _compile_launch(kernel, args, kwargs, target, backend):
@@ -313,13 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = make_backend(target)
 
-    captured = []
-    kernels = _kernel_objects()
-    for kernel in kernels:
-        def record(*a, grid, warmup, _kernel=kernel, **kw):
-            captured.append((_kernel, a, kw, grid))
-        kernel.run = record
-    try:
+    with capture_launches(_kernel_objects()) as captured:
         launches = []
         for op in args.ops:
             cases = _cases(op)
@@ -330,9 +326,6 @@ def main(argv: list[str] | None = None) -> int:
                 thunk(pdl)
                 label = f"{label} pdl" if pdl else label
                 launches += [(label, *c) for c in captured[start:]]
-    finally:
-        for kernel in kernels:
-            del kernel.run
 
     failures = 0
     seen = {}

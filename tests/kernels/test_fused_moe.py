@@ -13,9 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
@@ -35,6 +32,7 @@ from metainfer.kernels.fused_moe import (
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
 from metainfer.kernels.moe_routing import route_topk_triton
 from metainfer.kernels.tuned_configs import CONFIG_DIR, SECTIONS
+from tests.helpers.aot import aot_main, run_aot_main
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 
 triton = pytest.importorskip("triton")
@@ -340,32 +338,16 @@ def test_route_topk_triton_strided_logits_and_fallbacks():
 def _aot_main() -> int:
     """Compile every fused-MoE launch (default and sweep-sized configs, bf16 at the real shapes, fp32, PDL)
     for sm_90 the way tools/aot_check.py does; run in a process without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
     from metainfer.kernels import fused_moe as fm
     from metainfer.kernels import moe_routing
-    from tools.aot_check import _MAX_SHARED_BYTES, _compile_launch, _probe_compile, _resource_usage
 
-    target = GPUTarget("cuda", 90, 32)
-    reason = _probe_compile(target)
-    if reason is not None:
-        print(reason, file=sys.stderr)
-        return 2
-    backend = make_backend(target)
-    kernels = [fm._moe_align_count_kernel, fm._moe_align_scatter_kernel, fm._moe_gate_up_kernel,
-               fm._moe_down_kernel, fm._moe_sum_kernel, moe_routing._route_topk_kernel]
-    captured = []
-    for kernel in kernels:
-        def record(*a, grid, warmup, _kernel=kernel, **kw):
-            captured.append((_kernel, a, kw, grid))
-        kernel.run = record
     bf16 = torch.bfloat16
     cases = [(64, 1408, 6, t, bf16, None, t == 1) for t in (1, 64, 1024)]  # the three default configs, PDL at T=1
     cases += [(128, 384, 8, 16, bf16, MoeConfig(16, 32, 256, 1, 4, 4), False),
               (128, 768, 8, 512, bf16, MoeConfig(128, 128, 64, 8, 8, 3), False),
               (8, 48, 2, 3, torch.float32, None, False)]
-    try:
+
+    def launch():
         for num_experts, n, top_k, num_tokens, dtype, cfg, pdl in cases:
             hidden = 2048 if dtype == bf16 else 80
             x = torch.zeros(num_tokens, hidden, dtype=dtype)
@@ -375,41 +357,15 @@ def _aot_main() -> int:
             fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, pdl=pdl)
         for num_experts, top_k, pdl in ((64, 6, True), (128, 8, False), (256, 8, False), (60, 1, False)):
             moe_routing.route_topk_triton(torch.zeros(3, num_experts), top_k, renormalize=True, scaling=2.0, pdl=pdl)
-    finally:
-        for kernel in kernels:
-            del kernel.run
-    failures, seen = 0, set()
-    for kernel, a, kw, grid in captured:
-        try:
-            compiled = _compile_launch(kernel, a, kw, target, backend)
-        except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
-            failures += 1
-            print(f"FAIL {kernel.fn.__name__}: {type(exc).__name__}: {exc}")
-            continue
-        if compiled.hash in seen:
-            continue
-        seen.add(compiled.hash)
-        ok = compiled.metadata.shared <= _MAX_SHARED_BYTES
-        failures += not ok
-        print(f"{'ok' if ok else 'FAIL shared memory'} {kernel.fn.__name__} grid={grid} "
-              f"smem={compiled.metadata.shared} {_resource_usage(compiled)}")
-    print(f"{len(seen)} distinct kernels, {failures} failures")
-    return 1 if failures else 0
+
+    return aot_main([fm._moe_align_count_kernel, fm._moe_align_scatter_kernel, fm._moe_gate_up_kernel,
+                     fm._moe_down_kernel, fm._moe_sum_kernel, moe_routing._route_topk_kernel], launch)
 
 
 def test_aot_compile_sm90_fused_moe_kernels():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with tempfile.TemporaryDirectory() as cache_dir:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITON_CACHE_DIR=cache_dir, TRITON_DEFAULT_FP_FUSION="1")
-        proc = subprocess.run([sys.executable, "-c", "import sys; from tests.kernels.test_fused_moe import _aot_main; "
-                               "sys.exit(_aot_main())"], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=300)
-    if proc.returncode == 2:
-        pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    stdout = run_aot_main("tests.kernels.test_fused_moe", "_aot_main")
     for name in ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_align_scatter_kernel", "_route_topk_kernel"):
-        assert name in proc.stdout
+        assert name in stdout
 
 
 # ----------------------------------------------------------------------------- the K-slot sum folded into the norm

@@ -10,11 +10,6 @@ other slots hold garbage, so a wrong block-table lookup or an unmasked read show
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-
 import pytest
 import torch
 
@@ -32,6 +27,7 @@ from metainfer.kernels.mla_ref import (
     rotary_interleaved_ref,
     store_latent_ref,
 )
+from tests.helpers.aot import aot_main, run_aot_main
 from tests.helpers.attention_cases import close, naive_attention
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.helpers.tensors import randn
@@ -342,29 +338,14 @@ def test_mla_real_dims_bf16_gpu():
 
 def aot_compile_mla() -> int:
     """Compile the MLA launches at DeepSeek-V2-Lite dims for sm_90 (run in a process without
-    TRITON_INTERPRET): the launchers run on CPU tensors with each kernel's `run` intercepted, and every
-    captured launch goes through tools/aot_check's compile; shared memory over the H200's and register spills
+    TRITON_INTERPRET) through tests.helpers.aot's aot_main; shared memory over the H200's and register spills
     fail. Returns the exit status (2: cannot compile)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
     from metainfer.kernels import mla_absorb, mla_prep
     from metainfer.kernels import mla_attention as mla
-    from tools import aot_check
 
-    target = GPUTarget("cuda", 90, 32)
-    reason = aot_check._probe_compile(target)
-    if reason is not None:
-        print(reason, file=sys.stderr)
-        return 2
-    backend = make_backend(target)
-    kernels = [mla._mla_decode_kernel, mla._mla_prefill_kernel,
-               mla_prep._mla_latent_prep_kernel, mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel]
-    captured = []
-    for kernel in kernels:
-        kernel.run = lambda *a, grid, warmup, _k=kernel, **kw: captured.append((_k, a, kw))
     bf16, fp8 = torch.bfloat16, FP8_KV_DTYPE
-    try:
+
+    def launch():
         for heads in (16, 8):
             for cache_dtype in (bf16, fp8):
                 cache = torch.zeros(4, 16, 576, dtype=cache_dtype)
@@ -388,38 +369,10 @@ def aot_compile_mla() -> int:
                 mla_absorb.mla_absorb_triton(q[..., :128], kv_b[:, :128], pdl=pdl, max_rows=mla_absorb.MAX_ROWS)
                 mla_absorb.mla_value_up_triton(torch.zeros(rows, heads, 512, dtype=bf16), kv_b[:, 128:], pdl=pdl,
                                                max_rows=mla_absorb.MAX_ROWS)
-    finally:
-        for kernel in kernels:
-            del kernel.run
-    failures, seen = 0, set()
-    for kernel, a, kw in captured:
-        name = kernel.fn.__name__
-        try:
-            compiled = aot_check._compile_launch(kernel, a, kw, target, backend)
-            if compiled.hash in seen:
-                continue
-            seen.add(compiled.hash)
-            shared, usage = compiled.metadata.shared, aot_check._resource_usage(compiled)
-            status = ("FAIL shared memory" if shared > aot_check._MAX_SHARED_BYTES
-                      else "FAIL register spills" if "SPILL" in usage else "ok")
-            failures += status != "ok"
-            print(f"{status} {name} smem={shared} {usage}")
-        except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
-            failures += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
-    print(f"{len(seen)} distinct MLA kernels compiled for sm_90, {failures} failures")
-    return 1 if failures else 0
+
+    return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla_prep._mla_latent_prep_kernel,
+                     mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel], launch, fail_on_spills=True)
 
 
 def test_aot_compile_sm90_mla_kernels():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with tempfile.TemporaryDirectory() as cache_dir:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITON_CACHE_DIR=cache_dir, TRITON_DEFAULT_FP_FUSION="1")
-        code = "import sys; from tests.kernels.test_mla_attention import aot_compile_mla; sys.exit(aot_compile_mla())"
-        proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=600)
-    if proc.returncode == 2:
-        pytest.skip(f"triton cannot compile for sm_90 here: {proc.stderr.strip()[-500:]}")
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    assert "0 failures" in proc.stdout
+    assert "0 failures" in run_aot_main("tests.kernels.test_mla_attention", "aot_compile_mla", timeout=600)

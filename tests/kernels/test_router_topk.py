@@ -13,6 +13,7 @@ import torch
 
 from metainfer.kernels.moe_ref import router_topk_ref
 from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS, router_topk_triton, router_workspace
+from tests.helpers.aot import aot_main, run_aot_main
 from tests.helpers.kernel_devices import DEVICE, ON_GPU
 
 pytest.importorskip("triton")
@@ -118,54 +119,19 @@ def test_router_topk_replays_from_a_cuda_graph():
 def _aot_main() -> int:
     """Compile the fused router's launches (DeepSeek-V2-Lite's fp32 router and Qwen3-30B-A3B's bf16 one at
     1, 3 and 16 tokens, PDL on and off) for sm_90 as tools/aot_check.py does; run without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
     from metainfer.kernels import moe_routing as fm
-    from tools.aot_check import _MAX_SHARED_BYTES, _compile_launch, _probe_compile, _resource_usage
 
-    target = GPUTarget("cuda", 90, 32)
-    reason = _probe_compile(target)
-    if reason is not None:
-        print(reason)
-        return 2
-    backend = make_backend(target)
-    captured = []
-    fm._router_topk_kernel.run = lambda *a, grid, warmup, **kw: captured.append((a, kw, grid))
-    try:
+    def launch():
         for num_experts, w_dtype, top_k, shared in ((64, torch.float32, 6, 2), (128, torch.bfloat16, 8, 0)):
             weight = torch.empty(num_experts, 2048, dtype=w_dtype)
             for num_tokens, pdl in ((1, True), (3, False), (ROUTER_FUSED_MAX_TOKENS, True)):
                 fm.router_topk_triton(torch.zeros(num_tokens, 2048, dtype=torch.bfloat16), weight,
                                       router_workspace(num_experts), top_k=top_k, renormalize=True, num_shared=shared,
                                       pdl=pdl)
-    finally:
-        del fm._router_topk_kernel.run
-    failures = 0
-    for a, kw, grid in captured:
-        compiled = _compile_launch(fm._router_topk_kernel, a, kw, target, backend)
-        ok = compiled.metadata.shared <= _MAX_SHARED_BYTES
-        failures += not ok
-        print(f"{'ok' if ok else 'FAIL shared memory'} _router_topk_kernel grid={grid} "
-              f"smem={compiled.metadata.shared} {_resource_usage(compiled)}")
-    return 1 if failures else 0
+
+    return aot_main([fm._router_topk_kernel], launch)
 
 
 @pytest.mark.slow
 def test_aot_compile_sm90_router_kernel():
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with tempfile.TemporaryDirectory() as cache_dir:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITON_CACHE_DIR=cache_dir, TRITON_DEFAULT_FP_FUSION="1")
-        code = "import sys; from tests.kernels.test_router_topk import _aot_main; sys.exit(_aot_main())"
-        proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=300)
-    if proc.returncode == 2:
-        pytest.skip(f"triton cannot compile for sm_90 here: {proc.stdout.strip()[-500:]}")
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok _router_topk_kernel") == 6
+    assert run_aot_main("tests.kernels.test_router_topk", "_aot_main").count("ok _router_topk_kernel") == 6
