@@ -133,37 +133,45 @@ class ServerMetrics:
             out.append(f"{name}_count{{{label}}} {h.count}")
 
         with self.lock:
-            scalar("metainfer:num_requests_running", "gauge", self.running, "Sequences in the engine's running batch.")
-            scalar("metainfer:num_requests_waiting", "gauge", self.waiting, "Sequences waiting to be scheduled.")
-            scalar("metainfer:kv_cache_usage_perc", "gauge", self.kv_usage,
-                   "Fraction of KV cache blocks in use (0 to 1).")
-            scalar("metainfer:num_requests_running_max", "gauge", self.peak_running,
-                   "Most requests running at once (or progressed in one step) since the server started.")
-            scalar("metainfer:prompt_tokens_total", "counter", self.prompt_tokens, "Prefill tokens computed.")
-            scalar("metainfer:generation_tokens_total", "counter", self.generation_tokens, "Tokens generated.")
-            scalar("metainfer:num_preemptions_total", "counter", self.preemptions,
-                   "Sequences preempted for KV space.")
-            scalar("metainfer:prefix_cache_queries_total", "counter", self.prefix_cache_queries,
-                   "Prompt tokens looked up in the prefix cache.")
-            scalar("metainfer:prefix_cache_hits_total", "counter", self.prefix_cache_hits,
-                   "Prompt tokens found in the prefix cache.")
+            for name, kind, value, text in (
+                ("metainfer:num_requests_running", "gauge", self.running, "Sequences in the engine's running batch."),
+                ("metainfer:num_requests_waiting", "gauge", self.waiting, "Sequences waiting to be scheduled."),
+                ("metainfer:kv_cache_usage_perc", "gauge", self.kv_usage,
+                 "Fraction of KV cache blocks in use (0 to 1)."),
+                ("metainfer:num_requests_running_max", "gauge", self.peak_running,
+                 "Most requests running at once (or progressed in one step) since the server started."),
+                ("metainfer:prompt_tokens_total", "counter", self.prompt_tokens, "Prefill tokens computed."),
+                ("metainfer:generation_tokens_total", "counter", self.generation_tokens, "Tokens generated."),
+                ("metainfer:num_preemptions_total", "counter", self.preemptions, "Sequences preempted for KV space."),
+                ("metainfer:prefix_cache_queries_total", "counter", self.prefix_cache_queries,
+                 "Prompt tokens looked up in the prefix cache."),
+                ("metainfer:prefix_cache_hits_total", "counter", self.prefix_cache_hits,
+                 "Prompt tokens found in the prefix cache."),
+            ):
+                scalar(name, kind, value, text)
             head("metainfer:request_success_total", "counter", "Requests finished, by finish reason.")
             for reason in sorted(set(self.success) | {"stop", "length"}):
                 out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
                            f"{self.success[reason]}")
-            scalar("metainfer:request_aborted_total", "counter", self.aborted, "Requests aborted (client went away).")
-            scalar("metainfer:engine_errors_total", "counter", self.engine_errors + self.core_engine_errors,
-                   "Engine steps that raised and failed every request in flight.")
-            scalar("metainfer:request_failed_total", "counter", self.failed_requests,
-                   "Requests finished with an error because a step failed on their data (the rest went on).")
-            scalar("metainfer:isolated_step_failures_total", "counter", self.failed_steps,
-                   "Engine steps that raised and were bisected to the requests that caused it.")
-            histogram("metainfer:time_to_first_token_seconds", self.ttft, "Time to first token.")
-            histogram("metainfer:inter_token_latency_seconds", self.itl, "Time between output tokens.")
-            histogram("metainfer:e2e_request_latency_seconds", self.e2e, "Arrival to finish, per request.")
-            histogram("metainfer:step_batch_size", self.batch, "Requests that progressed in one engine step.")
-            histogram("metainfer:engine_step_interval_seconds", self.step_interval,
-                      "Time between the engine's consecutive step outputs while requests run.")
+            for name, value, text in (
+                ("metainfer:request_aborted_total", self.aborted, "Requests aborted (client went away)."),
+                ("metainfer:engine_errors_total", self.engine_errors + self.core_engine_errors,
+                 "Engine steps that raised and failed every request in flight."),
+                ("metainfer:request_failed_total", self.failed_requests,
+                 "Requests finished with an error because a step failed on their data (the rest went on)."),
+                ("metainfer:isolated_step_failures_total", self.failed_steps,
+                 "Engine steps that raised and were bisected to the requests that caused it."),
+            ):
+                scalar(name, "counter", value, text)
+            for name, hist, text in (
+                ("metainfer:time_to_first_token_seconds", self.ttft, "Time to first token."),
+                ("metainfer:inter_token_latency_seconds", self.itl, "Time between output tokens."),
+                ("metainfer:e2e_request_latency_seconds", self.e2e, "Arrival to finish, per request."),
+                ("metainfer:step_batch_size", self.batch, "Requests that progressed in one engine step."),
+                ("metainfer:engine_step_interval_seconds", self.step_interval,
+                 "Time between the engine's consecutive step outputs while requests run."),
+            ):
+                histogram(name, hist, text)
         return "\n".join(out) + "\n"
 
 
