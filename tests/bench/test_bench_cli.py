@@ -17,12 +17,16 @@ def model_dir(tmp_path_factory):
     return folder
 
 
+def _bench_json(bench, model_dir, tmp_path, *argv) -> dict:
+    """Run `metainfer bench <bench>` on the tiny model (CPU); the JSON record it wrote."""
+    out = tmp_path / f"{bench}.json"
+    assert cli.main(["bench", bench, "--model", model_dir, "--device", "cpu", *argv, "--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 def test_bench_latency_json(model_dir, tmp_path):
-    out = tmp_path / "latency.json"
-    assert cli.main(["bench", "latency", "--model", model_dir, "--device", "cpu", "--batch-size", "2",
-                     "--input-len", "8", "--output-len", "4", "--iters", "3", "--warmup", "0",
-                     "--output-json", str(out)]) == 0
-    record = json.loads(out.read_text())
+    record = _bench_json("latency", model_dir, tmp_path, "--batch-size", "2", "--input-len", "8", "--output-len", "4",
+                         "--iters", "3", "--warmup", "0")
     assert record["bench"] == "latency" and record["batch_size"] == 2 and record["tpot_ms"] > 0
     # every timed iteration is kept; the reported figures are their medians
     assert record["warmup"] == 0 and len(record["totals_s"]) == len(record["ttfts_ms"]) == 3
@@ -48,11 +52,8 @@ def test_bench_latency_rejects_a_single_output_token(model_dir):
 
 
 def test_bench_throughput_json(model_dir, tmp_path):
-    out = tmp_path / "throughput.json"
-    assert cli.main(["bench", "throughput", "--model", model_dir, "--device", "cpu", "--num-seqs", "6",
-                     "--min-input-len", "5", "--max-input-len", "40", "--min-output-len", "3",
-                     "--max-output-len", "9", "--output-json", str(out)]) == 0
-    record = json.loads(out.read_text())
+    record = _bench_json("throughput", model_dir, tmp_path, "--num-seqs", "6", "--min-input-len", "5",
+                         "--max-input-len", "40", "--min-output-len", "3", "--max-output-len", "9")
     assert record["num_seqs"] == 6 and 6 * 3 <= record["output_tokens"] <= 6 * 9
     assert record["output_tok_s"] == pytest.approx(record["output_tokens"] / record["elapsed_s"], rel=1e-6)
     assert record["total_tok_s"] == pytest.approx((record["input_tokens"] + record["output_tokens"])
@@ -82,11 +83,8 @@ def test_timeline_summary_bins_and_intervals():
 
 
 def test_bench_baseline_eager_json(model_dir, tmp_path):
-    out = tmp_path / "baseline.json"
-    assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",
-                     "--batch-size", "1", "--input-len", "8", "--output-len", "4", "--iters", "1",
-                     "--output-json", str(out)]) == 0
-    record = json.loads(out.read_text())
+    record = _bench_json("baseline", model_dir, tmp_path, "--modes", "eager", "--batch-size", "1", "--input-len", "8",
+                         "--output-len", "4", "--iters", "1")
     result = record["results"][0]
     assert result["mode"] == "eager" and result["tpot_ms"] > 0 and "tpot_e2e_ms" in result
     # TPOT from the tokens' own times inside a full generate (time_hf checks it saw all 4): 3 steps of it
