@@ -42,6 +42,15 @@ def _rank_main(fn, rank, world_size, port, device_type, conn, args) -> None:
     conn.close()
 
 
+def join_or_kill(procs, timeout: float = 10.0) -> None:
+    """Wait for each process up to `timeout` s, then kill it: a hung rank must not outlive its caller."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_on_ranks(fn, world_size: int, *args, device: str = "cpu", timeout: float = 120.0) -> list:
     ctx = mp.get_context("spawn")
     store = create_store(world_size + 1)  # the ranks connect as clients; this process only hosts it
@@ -72,10 +81,6 @@ def run_on_ranks(fn, world_size: int, *args, device: str = "cpu", timeout: float
             raise RuntimeError("run_on_ranks failed\n" + "\n".join(errors))
         return results
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs)
         for conn in conns:
             conn.close()

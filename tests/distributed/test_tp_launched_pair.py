@@ -16,6 +16,7 @@ import traceback
 import pytest
 
 from metainfer import LLM
+from metainfer.distributed.launch import join_or_kill
 from tests.helpers.tp_reference import PARAMS, assert_logprobs_match_hf, hf_reference, run
 
 pytestmark = pytest.mark.tp
@@ -78,11 +79,7 @@ def test_launched_ranks_equal_hf(tmp_path):
             assert status == "ok", value
             records.append(value)
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        join_or_kill(procs)
     refusal = (f"generate() got different arguments on rank 1 ({len(prompts) - 1} prompt(s) against rank 0's "
                f"{len(prompts)}); under the external launcher every rank must pass the same prompts and sampling "
                "params")
