@@ -158,6 +158,16 @@ def write_tuned_section(device_name: str, section: str, table: dict, path: str |
     return path
 
 
+def save_sweep(res: dict, out: str | None, write_section=None) -> None:
+    """A tuner's last step: the whole result as JSON at `out`, and where given, the table merged into the GPU's
+    kernels/configs JSON by `write_section(device_name, table)` (which returns the path it wrote)."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    if write_section is not None:
+        print("wrote", write_section(res["env"]["gpu"], res["table"]))
+
+
 def time_configs(out: dict, configs, launcher, weights, ref, calls, replays, nbytes, deadline=None,
                  row_of=lambda cfg: {"config": cfg.to_dict()}) -> None:
     """Check each config's launch (`launcher(cfg)`: w -> y) against `ref` and time the good ones over the
@@ -432,11 +442,8 @@ def main(argv=None) -> int:
     res = sweep(configs=QUICK_CONFIGS if args.quick else SWEEP_CONFIGS, decode_set=not args.no_decode_set,
                 time_budget_s=args.time_budget)
     print(format_report(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    if args.write_config:
-        print("wrote", write_tuned_section(res["env"]["gpu"], args.write_config, res["table"]))
+    write = (lambda gpu, table: write_tuned_section(gpu, args.write_config, table)) if args.write_config else None
+    save_sweep(res, args.out, write)
     return 0
 
 

@@ -32,7 +32,7 @@ import torch
 
 from metainfer.kernels.fused_moe import MoeConfig, default_moe_config, fused_moe_triton, moe_table_key
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
-from tools.tune_gemv import _env, _rel_err, time_graph, write_tuned_section
+from tools.tune_gemv import _env, _rel_err, save_sweep, time_graph, write_tuned_section
 
 # name: (E, N, H, top_k, shared) as the engine runs them: E stacked experts, of which the last `shared` are
 # DeepSeek's shared experts (layers/moe.py), chosen by every token on top of its top_k - shared routed ones;
@@ -215,11 +215,7 @@ def main(argv=None) -> int:
     shapes = {name: SHAPES[name] for name in args.shapes} if args.shapes else None
     res = sweep(shapes, tuple(args.buckets) if args.buckets else BUCKETS, args.budget_s)
     print("table:", json.dumps(res["table"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    if args.write_config:
-        print("wrote", write_moe_section(res["env"]["gpu"], res["table"]))
+    save_sweep(res, args.json, write_moe_section if args.write_config else None)
     return 0
 
 

@@ -36,6 +36,7 @@ from tools.tune_gemv import (
     _gemv_bytes,
     _measure,
     decode_set_weights,
+    save_sweep,
     time_configs,
     time_graph,
     write_tuned_section,
@@ -162,11 +163,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     res = sweep(time_budget_s=args.time_budget)
     print("table:", json.dumps(res["table"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    if args.write_config:
-        print("wrote", write_tuned_section(res["env"]["gpu"], "skinny", res["table"]))
+    write = (lambda gpu, table: write_tuned_section(gpu, "skinny", table)) if args.write_config else None
+    save_sweep(res, args.out, write)
     return 0
 
 
