@@ -148,3 +148,14 @@ def assert_matches_hf(model, prompts: list[list[int]], got: list[list[int]], exp
         margin = (top2.values[0] - top2.values[1]).item()
         assert margin < tie_tolerance and ours[i] in top2.indices.tolist(), (
             f"diverged from HF at generated token {i} (HF margin {margin:.3g}): {ours} != {ref}")
+
+
+def assert_engine_matches_hf(reference, params, **engine_kw):
+    """An HF parity fixture's (folder, prompts, expected, model): a float32 CPU engine over `folder` (built with
+    `engine_kw`) generates `prompts` as HF did and ends drained; returns its LLM for further checks."""
+    from tests.helpers.engine_checks import generate_drained
+
+    folder, prompts, expected, model = reference
+    llm, got = generate_drained(folder, prompts, params, **engine_kw)
+    assert_matches_hf(model, prompts, got, expected)
+    return llm

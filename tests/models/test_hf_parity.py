@@ -9,8 +9,15 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.engine_checks import assert_drained, generate_drained, token_ids
-from tests.helpers.tiny_models import LLAMA3_ROPE, assert_matches_hf, hf_greedy, hf_reference, make_prompts
+from tests.helpers.engine_checks import assert_drained, token_ids
+from tests.helpers.tiny_models import (
+    LLAMA3_ROPE,
+    assert_engine_matches_hf,
+    assert_matches_hf,
+    hf_greedy,
+    hf_reference,
+    make_prompts,
+)
 
 LENGTHS = [1, 7, 16, 33, 64, 100]
 NEW_TOKENS = 32
@@ -35,33 +42,25 @@ def reference(request, tmp_path_factory):
 
 @EVERY_VARIANT
 def test_batch_matches_hf(reference):
-    folder, prompts, expected, model = reference
-    _, got = generate_drained(folder, prompts, GREEDY)
-    assert_matches_hf(model, prompts, got, expected)
+    assert_engine_matches_hf(reference, GREEDY)
 
 
 @FIRST_VARIANT_FAST
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_block_sizes(reference, block_size):
-    folder, prompts, expected, model = reference
-    _, got = generate_drained(folder, prompts, GREEDY, block_size=block_size)
-    assert_matches_hf(model, prompts, got, expected)
+    assert_engine_matches_hf(reference, GREEDY, block_size=block_size)
 
 
 @FIRST_VARIANT_FAST
 def test_preemption_keeps_outputs(reference):
-    folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 192 tokens: must preempt.
-    llm, got = generate_drained(folder, prompts, GREEDY, num_kv_blocks=20, block_size=16)
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert_matches_hf(model, prompts, got, expected)
 
 
 @FIRST_VARIANT_FAST
 def test_chunked_prefill_keeps_outputs(reference):
-    folder, prompts, expected, model = reference
-    llm, got = generate_drained(folder, prompts, GREEDY, max_num_batched_tokens=24)
-    assert_matches_hf(model, prompts, got, expected)
+    assert_engine_matches_hf(reference, GREEDY, max_num_batched_tokens=24)
 
 
 @FIRST_VARIANT_FAST

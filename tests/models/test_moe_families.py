@@ -16,6 +16,7 @@ from metainfer.config import ModelSpec
 from tests.helpers.engine_checks import assert_drained, generate_drained, generate_ids, token_ids
 from tests.helpers.tiny_models import (
     YARN_ROPE,
+    assert_engine_matches_hf,
     assert_matches_hf,
     copy_model_files,
     hf_greedy,
@@ -55,9 +56,7 @@ def reference(request, tmp_path_factory):
 
 @EVERY_VARIANT
 def test_batch_matches_hf(reference):
-    folder, prompts, expected, model = reference
-    _, got = generate_drained(folder, prompts, GREEDY)
-    assert_matches_hf(model, prompts, got, expected)
+    assert_engine_matches_hf(reference, GREEDY)
 
 
 def _summed_moe_path(llm) -> None:
@@ -115,11 +114,9 @@ def test_first_token_logprobs_equal_hf(reference):
 
 @BOTH_FAMILIES
 def test_preemption_and_chunked_prefill_keep_outputs(reference):
-    folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt
-    llm, got = generate_drained(folder, prompts, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert_matches_hf(model, prompts, got, expected)
 
 
 @BOTH_FAMILIES
