@@ -100,7 +100,9 @@ COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), 
           ("block_n128", dict(block_n=128))]
 RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
 FP8_ONLY = [("tail32", dict(tail_block_n=32)),  # token-major V: the context's tail in 32-token tiles
-            ("v_early", dict(v_early=True))]  # token-major V loaded beside K (session 20 A/B)
+            ("v_early", dict(v_early=True)),  # token-major V loaded beside K (session 20 A/B) ...
+            ("v_early_block_n128", dict(v_early=True, block_n=128)),  # ... and with more bytes a tile in flight
+            ("v_early_stages3", dict(v_early=True, num_stages=3))]
 
 
 def _kv_dtype_cases() -> list:
