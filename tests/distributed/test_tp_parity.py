@@ -10,7 +10,7 @@ import torch
 from metainfer import LLM, SamplingParams
 from tests.helpers.engine_checks import assert_drained, generate_ids
 from tests.helpers.processes import alive
-from tests.helpers.tiny_models import build_tiny_model, hf_greedy, make_prompts
+from tests.helpers.tiny_models import YARN_ROPE, build_tiny_model, hf_greedy, make_prompts
 
 pytestmark = pytest.mark.tp
 
@@ -84,4 +84,22 @@ def test_moe_families_tp2_equal_tp1(arch, tmp_path):
     assert expected == hf_greedy(model, prompts, NEW_TOKENS)
     got, llm = generate(folder, prompts, tp=2, **kw)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_deepseek_v2_options_shard_like_tp1(tp, tmp_path):
+    """DeepSeek-V2 with every option the plain case leaves out, split over 2 and 4 ranks: q-LoRA (q_a and its norm
+    replicated, q_b column-parallel), attention biases, YaRN (the softmax scale's mscale), group-limited routing
+    with routed_scaling_factor over 8 experts in 4 groups, 2 shared experts split with the routed ones: TP equals
+    TP=1 and HF."""
+    folder = str(tmp_path)
+    model = build_tiny_model(folder, "deepseek_v2", vocab_size=VOCAB, q_lora_rank=24, attention_bias=True,
+                             rope_parameters=dict(YARN_ROPE), topk_method="group_limited_greedy", n_group=4,
+                             topk_group=2, routed_scaling_factor=2.5, num_experts_per_tok=3, n_shared_experts=2)
+    prompts = make_prompts(LENGTHS, vocab=VOCAB, seed=4)
+    expected, _ = generate(folder, prompts)
+    assert expected == hf_greedy(model, prompts, NEW_TOKENS)
+    got, _ = generate(folder, prompts, tp=tp)
     assert got == expected
