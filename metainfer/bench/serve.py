@@ -309,7 +309,10 @@ def main(args: argparse.Namespace) -> dict:
     low_id, high_id = args.token_id_range
     if not 0 <= low_id < high_id:
         usage_error(f"--token-id-range needs 0 <= LOW < HIGH, got {low_id} {high_id}")
-    import httpx
+    try:
+        import httpx
+    except ImportError:  # the HTTP client comes with the server's extra
+        raise SystemExit("metainfer: error: bench serve needs httpx: pip install 'metainfer[serve]'") from None
 
     try:
         record = asyncio.run(run_benchmark(args))

@@ -89,6 +89,9 @@ class EngineConfig:
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
+    # a max_model_len past the model's positions (ModelSpec.max_context_tokens) is refused unless this is set
+    # (env METAINFER_ALLOW_LONG_MAX_MODEL_LEN=1, as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+    allow_long_max_model_len: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     # most prompt tokens a step that also decodes running sequences may carry (Sarathi-Serve's stall-free
@@ -159,6 +162,11 @@ class EngineConfig:
             self.max_model_len = spec.max_position_embeddings
         if self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len > spec.max_context_tokens and not self.allow_long_max_model_len:
+            raise ConfigError(f"max_model_len {self.max_model_len} is longer than the model's "
+                              f"{spec.max_context_tokens} positions (its max_position_embeddings and rope "
+                              "scaling); positions past them were never trained (set "
+                              "METAINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway)")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(8192, min(self.max_model_len, 16384))
         if self.max_num_batched_tokens < 1:

@@ -102,6 +102,21 @@ class ModelSpec:
         return scale
 
     @property
+    def max_context_tokens(self) -> int:
+        """The longest context the checkpoint was made for (vLLM's derived max_model_len): max_position_embeddings,
+        or under a scaled rope the original length times the factor (YaRN: original_max_position_embeddings x
+        factor, at least max_position_embeddings; linear / dynamic: max_position_embeddings x factor)."""
+        scaling = self.rope_scaling or {}
+        factor = float(scaling.get("factor") or 1.0)
+        kind = scaling.get("rope_type")
+        if kind == "yarn":
+            original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * factor))
+        if kind in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * factor)
+        return self.max_position_embeddings
+
+    @property
     def latent_dim(self) -> int:
         """Values the latent cache keeps per token and layer (MLA): kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim

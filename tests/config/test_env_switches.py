@@ -89,3 +89,18 @@ def test_every_override_is_documented_and_maps_onto_a_field():
     for name, (field_name, values) in ENV_OVERRIDES.items():
         assert name in readme and field_name in readme, name
         assert hasattr(EngineConfig("m"), field_name) and set(values.values()) == {True, False}, name
+
+
+def test_a_context_past_the_models_positions_is_refused_unless_allowed(folder, monkeypatch):
+    """The tiny model has 512 positions: max_model_len 1,024 is a ConfigError naming the field; the keyword or
+    the variable (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows it; 512 itself is fine."""
+    monkeypatch.delenv("METAINFER_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    engine = {**ENGINE, "max_model_len": 1024, "num_kv_blocks": 64}
+    with pytest.raises(ConfigError, match="max_model_len 1024 is longer than the model's 512 positions"):
+        LLM(folder, **engine)
+    LLM(folder, **{**ENGINE, "max_model_len": 512}).close()
+    LLM(folder, **engine, allow_long_max_model_len=True).close()
+    monkeypatch.setenv("METAINFER_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(folder, **engine)
+    assert llm.llm_engine.config.max_model_len == 1024
+    llm.close()

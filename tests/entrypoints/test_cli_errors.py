@@ -106,6 +106,14 @@ def test_missing_tokenizer_names_the_folder_and_the_option(capsys, model_dir, tm
                      "--tokenizer", model_dir, "--max-tokens", "2", "--json"]) == 0
 
 
+def test_bench_serve_without_httpx_names_the_extra(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "httpx", None)  # an import of it now raises ImportError
+    line = _one_line_error(capsys, ["bench", "serve", "--base-url", "http://127.0.0.1:9"], status=1)
+    assert "pip install 'metainfer[serve]'" in line and "httpx" in line
+
+
 def test_serve_without_the_server_packages_names_the_extra(capsys, monkeypatch):
     monkeypatch.setattr(serve_cli, "missing_server_packages", lambda: ["fastapi", "uvicorn"])
     line = _one_line_error(capsys, ["serve", "--model", MISSING], status=1)  # the install, not the invocation
