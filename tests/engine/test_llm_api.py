@@ -75,3 +75,23 @@ def test_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     assert not engine.has_unfinished_requests()  # and the fixture checks every block came back
     again = llm.generate({"prompt_token_ids": [1, 2, 3]}, _params(3), use_tqdm=False)
     assert len(token_ids(again)[0]) == 3
+
+
+def test_get_metrics_counts_prefix_queries_and_hits_as_the_requests_report_them(llm):
+    """LLM.get_metrics (vLLM's offline metrics reader): the prefix-cache counters move by the prompt tokens looked
+    up and by the requests' own num_cached_tokens; the token counters by what was computed and generated."""
+    def counters():
+        return {m.name: m.value for m in llm.get_metrics() if m.kind == "counter"}
+
+    before = counters()
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 and 8 more
+    first, second = (llm.generate({"prompt_token_ids": prompt}, _params(3), use_tqdm=False)[0] for _ in range(2))
+    after = counters()
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["metainfer:prefix_cache_queries_total"] == 80  # both prompts looked up in full
+    assert delta["metainfer:prefix_cache_hits_total"] == 32
+    assert delta["metainfer:prompt_tokens_total"] == 40 + 8  # the repeat computes its last 8 tokens only
+    assert delta["metainfer:generation_tokens_total"] == 6
+    gauges = {m.name: m.value for m in llm.get_metrics() if m.kind == "gauge"}
+    assert gauges["metainfer:num_requests_running"] == 0 and gauges["metainfer:num_requests_waiting"] == 0

@@ -82,27 +82,3 @@ def test_an_aborted_request_registers_what_it_computed(reference):
     out = _run(llm, prompt, 2)
     assert out.num_cached_tokens == 48
 
-
-def test_get_metrics_counts_prefix_queries_and_hits_as_the_requests_report_them(reference):
-    """LLM.get_metrics (vLLM's offline metrics reader): the prefix-cache counters move by the prompt tokens looked
-    up and by the requests' own num_cached_tokens; the token counters by what was computed and generated."""
-    folder, _ = reference
-    llm = LLM(folder, device="cpu", dtype="float32")
-
-    def counters():
-        return {m.name: m.value for m in llm.get_metrics() if m.kind == "counter"}
-
-    before = counters()
-    prompt = make_prompts([40], seed=7)[0]
-    first, second = _run(llm, prompt, 3), _run(llm, prompt, 3)
-    after = counters()
-    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
-    delta = {name: after[name] - before[name] for name in after}
-    assert delta["metainfer:prefix_cache_queries_total"] == 80  # both prompts looked up in full
-    assert delta["metainfer:prefix_cache_hits_total"] == 32
-    assert delta["metainfer:prompt_tokens_total"] == 40 + 8  # the repeat computes its last 8 tokens only
-    assert delta["metainfer:generation_tokens_total"] == 6
-    gauges = {m.name: m.value for m in llm.get_metrics() if m.kind == "gauge"}
-    assert gauges["metainfer:num_requests_running"] == 0 and gauges["metainfer:num_requests_waiting"] == 0
-    assert_drained(llm)
-    llm.close()
