@@ -67,3 +67,26 @@ def test_streamed_deltas_equal_offline_text(llm):
         texts += [o.outputs[0].text for o in engine.step()]
     assert len(texts) == 40 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert texts[-1] == offline.text
+
+
+def test_a_templated_second_turn_hits_every_full_block_it_shares_with_the_first(llm):
+    """Prefix caching through the chat template: the second turn's cached tokens are every full 16-token block of
+    the longest prefix it shares with turn 1's prompt + reply, counted here from the token ids. With Qwen3's
+    template that prefix ends inside turn 1's generation prompt (22 of its 26 tokens): the template re-renders the
+    history without the empty think block it put before the reply, so the reply itself is recomputed, as in vLLM;
+    a template that re-renders history as generated keeps it (test_prefix_cache_reuse's token-level turns)."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = {"enable_thinking": False}
+    turn1 = [{"role": "user", "content": "Name three colours of the rainbow, please, in one short line."}]
+    first = llm.chat(turn1, params, chat_template_kwargs=kw, use_tqdm=False)[0]
+    reply = first.outputs[0]
+    turn2 = turn1 + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "And two more?"}]
+    second = llm.chat(turn2, params, chat_template_kwargs=kw, use_tqdm=False)[0]
+    computed = first.prompt_token_ids + reply.token_ids[:-1]  # the last sampled token was never fed
+    shared = 0
+    for a, b in zip(computed, second.prompt_token_ids):
+        if a != b:
+            break
+        shared += 1
+    assert shared >= 16  # the template's system header and the first user message at least
+    assert second.num_cached_tokens == min(shared, len(second.prompt_token_ids) - 1) // 16 * 16
