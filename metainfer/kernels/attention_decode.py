@@ -331,6 +331,17 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return batch * num_q_heads * num_splits * (head_dim + 1)
 
 
+def split_partials(workspace: torch.Tensor | None, rows: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs [rows * dim], log-sum-exps [rows]) of a split decode launch, views of `workspace` (fp32, >=
+    rows * (dim + 1) elements; allocated here when None): one layout for the dense and the MLA decode's merges."""
+    numel = rows * (dim + 1)
+    if workspace is None:
+        workspace = torch.empty(numel, dtype=torch.float32, device=device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < numel:
+        raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
+    return workspace[: rows * dim], workspace[rows * dim : numel]
+
+
 def decode_workspace_numel_for(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                                table_tokens: int, max_num_splits: int = DEFAULT_MAX_NUM_SPLITS) -> int:
     """fp32 elements of split scratch that cover every default launch (block_n None) of batch
@@ -500,14 +511,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
     if one_pass:
         part_out = part_lse = counters = block_tables  # unused placeholders (not `out`: it changes per call)
     else:
-        numel = decode_workspace_numel(batch, num_q_heads, head_dim, num_splits)
-        if workspace is None:
-            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
-            raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
-        split_rows = batch * num_q_heads * num_splits
-        part_out = workspace[: split_rows * head_dim]
-        part_lse = workspace[split_rows * head_dim : split_rows * (head_dim + 1)]
+        part_out, part_lse = split_partials(workspace, batch * num_q_heads * num_splits, head_dim, q.device)
         if counters is None:
             counters = _default_decode_counters(q.device, batch * num_kv_heads)
         elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .attention_decode import LOG2E, _default_decode_counters, _dot_precision
+from .attention_decode import LOG2E, _default_decode_counters, _dot_precision, split_partials
 from .kv_cache import FP8_KV_DTYPE
 
 # Decode split rule (H200: 132 SMs). The decode grid aims at ~2 programs per SM; a split covers at least
@@ -285,13 +285,7 @@ def mla_decode_attention_triton(
         elif counters.dtype != torch.int32 or counters.numel() < batch * head_blocks:
             raise ValueError(f"counters need {batch * head_blocks} int32 elements, got {counters.numel()} "
                              f"{counters.dtype}")
-        numel = _decode_workspace_numel(batch, num_heads, kv_lora, num_splits)
-        if workspace is None:
-            workspace = torch.empty(numel, dtype=torch.float32, device=q_lat.device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
-            raise ValueError(f"workspace needs {numel} fp32 elements, got {workspace.numel()} {workspace.dtype}")
-        rows = batch * num_heads * num_splits
-        part_out, part_lse = workspace[: rows * kv_lora], workspace[rows * kv_lora: rows * (kv_lora + 1)]
+        part_out, part_lse = split_partials(workspace, batch * num_heads * num_splits, kv_lora, q_lat.device)
     min_split = _MLA_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     short_split = _MLA_SHORT_SPLIT_TOKENS if short_split_tokens is None else max(1, int(short_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
