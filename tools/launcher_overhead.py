@@ -3,7 +3,7 @@ building) with the Triton kernel replaced by a no-op, planned at every call and 
 (kernels/_triton.py: PlannedLaunch), at a dense mixed step's shapes (Qwen3-8B heads: 32 q, 8 kv,
 D 128; 64 decode rows at context 600 beside a 128-token prompt). Runs on the CPU: what it times is Python,
 which the GPU host pays per layer and launch on top of Triton's own launcher (a mixed step calls each of the two
-launchers once a layer: 72 calls at 36 layers).
+launchers once a layer: 72 calls at 36 layers); then the MLA launchers at DeepSeek-V2-Lite's shapes.
 
     python -m tools.launcher_overhead [--calls 2000] [--json out.json]
 """
@@ -65,8 +65,45 @@ def measure(calls: int = 2000) -> dict:
                          "mixed_step_ms_at_36_layers": round(36 * (prefill_us + decode_us) / 1e3, 2)}
     finally:
         attention_prefill._prefill_kernel, attention_decode._decode_split_kernel = saved
-    return {**res, "calls": calls,
+    return {**res, "mla": measure_mla(calls), "calls": calls,
             "torch": torch.__version__, "cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)}
+
+
+def measure_mla(calls: int = 2000) -> dict:
+    """The same for the MLA launchers at a DeepSeek-V2-Lite mixed step's parts (16 heads, L 512, R 64; 64 decode
+    rows at context 600 over the engine's 4,096-token table beside a 128-token prompt; 27 layers)."""
+    from metainfer.kernels import mla_attention
+
+    saved = mla_attention._mla_prefill_kernel, mla_attention._mla_decode_kernel
+    mla_attention._mla_prefill_kernel = mla_attention._mla_decode_kernel = _NoLaunch()
+    try:
+        decode_rows, prompt, heads, lat, rope = 64, 128, 16, 512, 64
+        rows = decode_rows + 1
+        q_lat = torch.zeros(heads, decode_rows + prompt, lat, dtype=torch.bfloat16).transpose(0, 1)  # a bmm's
+        q_pe = torch.zeros(decode_rows + prompt, heads, 128 + rope, dtype=torch.bfloat16)[..., 128:]
+        cache = torch.zeros(64, 16, lat + rope, dtype=torch.bfloat16)
+        tables = torch.zeros(rows, 256, dtype=torch.int32)
+        lens = torch.full((rows,), 600, dtype=torch.int32)
+        cu = torch.arange(rows + 1, dtype=torch.int32)
+        workspace = torch.zeros(mla_attention.mla_decode_workspace_numel(rows, heads, lat, 256 * 16))
+        p_cu, p_lens, p_tables = cu[decode_rows:], lens[decode_rows:], tables[decode_rows:]
+        d_lat, d_pe = q_lat[:decode_rows], q_pe[:decode_rows]
+        d_lens, d_tables = lens[:decode_rows], tables[:decode_rows]
+        p_lat, p_pe = q_lat[decode_rows:], q_pe[decode_rows:]
+        res = {}
+        for mode in ("planned_every_call", "replayed"):
+            prefill_plans, decode_plans = ({}, {}) if mode == "replayed" else (None, None)
+            prefill_us = _per_call_us(lambda plans=prefill_plans: mla_attention.mla_prefill_attention_triton(
+                p_lat, p_pe, cache, p_cu, p_lens, p_tables, prompt, 0.1, plans=plans), calls)
+            decode_us = _per_call_us(lambda plans=decode_plans: mla_attention.mla_decode_attention_triton(
+                d_lat, d_pe, cache, d_tables, d_lens, 0.1, workspace=workspace, plans=plans), calls)
+            if mode == "replayed":
+                assert len(prefill_plans) == 1 and len(decode_plans) == 1, (prefill_plans, decode_plans)
+            res[mode] = {"prefill_wrapper_us": round(prefill_us, 1), "decode_wrapper_us": round(decode_us, 1),
+                         "mixed_step_ms_at_27_layers": round(27 * (prefill_us + decode_us) / 1e3, 2)}
+    finally:
+        mla_attention._mla_prefill_kernel, mla_attention._mla_decode_kernel = saved
+    return res
 
 
 def main(argv=None) -> int:

@@ -86,13 +86,14 @@ class MLABackend(AttentionBackend):
             return self._prefill_expanded(layer, q, meta, out)
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._prefill(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.cu_seqlens_q,
-                              meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale)
+                              meta.context_lens, meta.block_tables, meta.max_seqlen_q, layer.scale,
+                              plans=meta.launch_plans)
         return self._value_up(o_lat, layer.w_uv, out)
 
     def decode(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
         q_lat = self._absorb(q[..., : self.nope_dim], layer.w_uk)
         o_lat = self._decode(q_lat, q[..., self.nope_dim:], layer.latent_cache, meta.block_tables,
-                             meta.context_lens, layer.scale)
+                             meta.context_lens, layer.scale, plans=meta.launch_plans)
         return self._value_up(o_lat, layer.w_uv, out)
 
     def _expanded_wins(self, meta) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .attention_decode import LOG2E, _default_decode_counters, _dot_precision, split_partials
 from .kv_cache import FP8_KV_DTYPE
 
@@ -249,6 +249,7 @@ def mla_decode_attention_triton(
     min_split_tokens: int | None = None,
     short_split_tokens: int | None = None,
     counters: torch.Tensor | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Split-KV MLA decode -> o [B, H, L], one launch. num_splits defaults to mla_decode_num_splits(B, H,
     table width in tokens); a split launch needs `workspace` (fp32, >= B*H*splits*(L+1):
@@ -257,7 +258,27 @@ def mla_decode_attention_triton(
     dense decode shares: attention_decode.alloc_decode_counters). No GPU value is read on the host.
     block_n / num_warps / num_stages / min_split_tokens (the fewest tokens a split covers, rounded up to
     block_n) / short_split_tokens (the same for a short context, at most min_split_tokens) are tuning knobs
-    (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 2 / 64 / 32)."""
+    (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 2 / 64 / 32). `plans` (a step's
+    AttentionMetadata.launch_plans): planned by the first layer's call, replayed by the others (_triton.PlannedLaunch,
+    as the dense launchers)."""
+    key = ("mla_decode", q_lat.shape, q_lat.stride(), q_pe.stride(), q_lat.dtype, cache.dtype, cache.stride(),
+           float(scale), id(block_tables),
+           id(context_lens), id(workspace), id(counters), None if out is None else out.stride(), num_splits, pdl,
+           block_n, num_warps, num_stages, min_split_tokens, short_split_tokens)
+    launch = plans.get(key) if plans is not None else None
+    if launch is None:
+        launch = _plan_mla_decode(q_lat, q_pe, cache, block_tables, context_lens, scale, workspace=workspace,
+                                  num_splits=num_splits, pdl=pdl, out=out, block_n=block_n, num_warps=num_warps,
+                                  num_stages=num_stages, min_split_tokens=min_split_tokens,
+                                  short_split_tokens=short_split_tokens, counters=counters)
+        if plans is not None:
+            plans[key] = launch
+    return launch(q_lat, q_pe, cache, out)
+
+
+def _plan_mla_decode(q_lat, q_pe, cache, block_tables, context_lens, scale, *, workspace, num_splits, pdl, out,
+                     block_n, num_warps, num_stages, min_split_tokens, short_split_tokens, counters) -> PlannedLaunch:
+    """One _mla_decode_kernel launch, planned: the checks, the split rule and the arguments, once."""
     require_triton()
     batch, num_heads, kv_lora = q_lat.shape
     block_size, _, rope = _check_cache(cache, q_lat, q_pe)
@@ -270,15 +291,16 @@ def mla_decode_attention_triton(
         num_splits = mla_decode_num_splits(batch, num_heads, block_tables.shape[1] * block_size, block_n)
     elif not 1 <= num_splits <= _MLA_MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MLA_MAX_SPLITS}], got {num_splits}")
-    if out is None:
-        out = torch.empty(batch, num_heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+    out_shape = (batch, num_heads, kv_lora)
+    if out is None:  # the strides a fresh output has (each call allocates its own)
+        out = torch.empty(out_shape, dtype=q_lat.dtype, device="meta")
     if batch == 0:
-        return out
+        return PlannedLaunch(None, None, (), (), {}, out_shape, q_lat.dtype)
     one_pass = num_splits == 1
     block_h = _decode_block_h(num_heads)
     head_blocks = cdiv(num_heads, block_h)
     if one_pass:
-        part_out = part_lse = counters = out  # unused
+        part_out = part_lse = counters = block_tables  # unused placeholders (not `out`: it changes per call)
     else:
         if counters is None:
             counters = _default_decode_counters(q_lat.device, batch * head_blocks)
@@ -290,19 +312,16 @@ def mla_decode_attention_triton(
     short_split = _MLA_SHORT_SPLIT_TOKENS if short_split_tokens is None else max(1, int(short_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
     short_chunk = cdiv(min(short_split, min_split), block_n) * block_n
-    scale_log2e = float(scale) * LOG2E
-    _mla_decode_kernel[(batch, num_splits, head_blocks)](
-        q_lat, q_pe, cache, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale_log2e, num_splits, min_chunk, short_chunk, num_heads,
-        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
-        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        BLOCK_S=next_pow2(num_splits), ONE_PASS=one_pass, SHORT_MAX_SPLITS=_MLA_SHORT_MAX_SPLITS,
-        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or _decode_num_warps(block_h, cache.dtype),
-        num_stages=num_stages or 2,
-        **pdl_args(pdl),
-    )
-    return out
+    return PlannedLaunch(
+        _mla_decode_kernel, (batch, num_splits, head_blocks), (block_tables, context_lens),
+        (part_out, part_lse, counters, float(scale) * LOG2E, num_splits, min_chunk, short_chunk, num_heads,
+         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+         cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+             BLOCK_S=next_pow2(num_splits), ONE_PASS=one_pass, SHORT_MAX_SPLITS=_MLA_SHORT_MAX_SPLITS,
+             DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or _decode_num_warps(block_h, cache.dtype),
+             num_stages=num_stages or 2, **pdl_args(pdl)),
+        out_shape, q_lat.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,21 +414,40 @@ def mla_prefill_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Causal absorbed MLA over the paged latent cache -> o [T, H, L]. `max_seqlen_q` is a host int
     (>= every q_len) that sizes the grid. Tiles: block_h heads (default min(H, 16) rounded to a power of
-    two) x block_m tokens (default 32 // block_h), block_n cached tokens a step (default 32); 8 warps, 2 stages."""
+    two) x block_m tokens (default 32 // block_h), block_n cached tokens a step (default 32); 8 warps, 2 stages.
+    `plans`: as the decode's."""
+    key = ("mla_prefill", q_lat.shape, q_lat.stride(), q_pe.stride(), q_lat.dtype, cache.dtype, cache.stride(),
+           float(scale), int(max_seqlen_q), id(cu_seqlens_q), id(context_lens), id(block_tables),
+           None if out is None else out.stride(), pdl, block_m, block_h, block_n, num_warps, num_stages)
+    launch = plans.get(key) if plans is not None else None
+    if launch is None:
+        launch = _plan_mla_prefill(q_lat, q_pe, cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale,
+                                   pdl=pdl, out=out, block_m=block_m, block_h=block_h, block_n=block_n,
+                                   num_warps=num_warps, num_stages=num_stages)
+        if plans is not None:
+            plans[key] = launch
+    return launch(q_lat, q_pe, cache, out)
+
+
+def _plan_mla_prefill(q_lat, q_pe, cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, *, pdl, out,
+                      block_m, block_h, block_n, num_warps, num_stages) -> PlannedLaunch:
+    """One _mla_prefill_kernel launch, planned."""
     require_triton()
     num_tokens, num_heads, kv_lora = q_lat.shape
     block_size, _, rope = _check_cache(cache, q_lat, q_pe)
     if kv_lora & (kv_lora - 1) or rope & (rope - 1):
         raise ValueError(f"L={kv_lora} and R={rope} must be powers of two")
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, kv_lora, dtype=q_lat.dtype, device=q_lat.device)
+    out_shape = (num_tokens, num_heads, kv_lora)
+    if out is None:  # the strides a fresh output has (each call allocates its own)
+        out = torch.empty(out_shape, dtype=q_lat.dtype, device="meta")
     batch = context_lens.shape[0]
     max_seqlen_q = int(max_seqlen_q)
     if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
-        return out
+        return PlannedLaunch(None, None, (), (), {}, out_shape, q_lat.dtype)
     block_h = block_h or min(16, next_pow2(num_heads))
     block_m = block_m or max(1, _PREFILL_ROWS // block_h)
     block_n = block_n or 32
@@ -418,17 +456,16 @@ def mla_prefill_attention_triton(
             raise ValueError(f"{name} must be a power of two, got {value}")
     if block_m * block_h < 16 or block_n < 16:
         raise ValueError(f"block_m * block_h and block_n must be >= 16 (tl.dot), got {block_m * block_h}, {block_n}")
-    grid = (cdiv(max_seqlen_q, block_m), cdiv(num_heads, block_h), batch)
-    _mla_prefill_kernel[grid](
-        q_lat, q_pe, cache, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, num_heads,
-        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
-        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or 8, num_stages=num_stages or 2,
-        **pdl_args(pdl),
-    )
-    return out
+    return PlannedLaunch(
+        _mla_prefill_kernel, (cdiv(max_seqlen_q, block_m), cdiv(num_heads, block_h), batch),
+        (block_tables, cu_seqlens_q, context_lens),
+        (float(scale) * LOG2E, num_heads,
+         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+         cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+             DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or 8, num_stages=num_stages or 2,
+             **pdl_args(pdl)),
+        out_shape, q_lat.dtype)
 
 
 __all__ = [

@@ -64,7 +64,7 @@ def _attend(q_lat, q_pe, ctx, kv_lora_rank, scale, first_pos):
     return torch.einsum("qhc,cl->qhl", scores.softmax(dim=-1), latent)
 
 
-def mla_decode_attention_ref(q_lat, q_pe, cache, block_tables, context_lens, scale):
+def mla_decode_attention_ref(q_lat, q_pe, cache, block_tables, context_lens, scale, *, plans=None):
     out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     kv_lora_rank = q_lat.shape[-1]
     for b, length in enumerate(context_lens.tolist()):
@@ -74,7 +74,8 @@ def mla_decode_attention_ref(q_lat, q_pe, cache, block_tables, context_lens, sca
     return out
 
 
-def mla_prefill_attention_ref(q_lat, q_pe, cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale):
+def mla_prefill_attention_ref(q_lat, q_pe, cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale,
+                              *, plans=None):
     out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     kv_lora_rank = q_lat.shape[-1]
     cu = cu_seqlens_q.tolist()

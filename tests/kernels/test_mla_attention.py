@@ -376,3 +376,31 @@ def aot_compile_mla() -> int:
 
 def test_aot_compile_sm90_mla_kernels():
     assert "0 failures" in run_aot_main("tests.kernels.test_mla_attention", "aot_compile_mla", timeout=600)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_planned_mla_launches_replay_over_other_layers_caches(dtype):
+    """`plans` (a step's AttentionMetadata.launch_plans): the first call plans the decode and the prefill launch,
+    the next through the same dict replay them over another layer's cache (same layout, other contents), each
+    result the reference's for its own cache; a q of other strides under the same plans is planned anew."""
+    scale = (L + R) ** -0.5
+    decode = LatentBatch(DECODE_CONTEXTS, 16, L, R, dtype, seed=2)
+    other = torch.randn_like(decode.cache.float()).to(decode.cache.dtype)
+    q_lat, q_pe = strided_queries(len(DECODE_CONTEXTS), H, L, R, dtype, seed=5)
+    plans = {}
+    for cache in (decode.cache, other):
+        args = (q_lat, q_pe, cache, decode.block_tables, decode.context_lens, scale)
+        close(mla_decode_attention_triton(*args, num_splits=4, block_n=16, min_split_tokens=16, plans=plans),
+              mla_decode_attention_ref(*args), dtype)
+    assert len(plans) == 1
+    args = (q_lat.contiguous(), q_pe, decode.cache, decode.block_tables, decode.context_lens, scale)
+    close(mla_decode_attention_triton(*args, num_splits=4, block_n=16, min_split_tokens=16, plans=plans),
+          mla_decode_attention_ref(*args), dtype)
+    assert len(plans) == 2
+    batch, p_lat, p_pe, cu, max_q = _prefill_inputs(PREFILL_SEQS, dtype, 16, None, seed=1)
+    other = torch.randn_like(batch.cache.float()).to(batch.cache.dtype)
+    plans = {}
+    for cache in (batch.cache, other):
+        args = (p_lat, p_pe, cache, cu, batch.context_lens, batch.block_tables, max_q, scale)
+        close(mla_prefill_attention_triton(*args, plans=plans), mla_prefill_attention_ref(*args), dtype)
+    assert [key[0] for key in plans] == ["mla_prefill"]
