@@ -43,7 +43,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "qwen3-30b-a3b": (128, 768, 2048, 8, 0),
     "qwen3-30b-a3b/tp2": (128, 384, 2048, 8, 0),
 }
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)  # 8,192: the engine's prefill step
 REL_TOL = 1e-2
 
 _C = MoeConfig
@@ -62,6 +62,8 @@ _LARGE = (  # 512+ tokens: compute-bound grouped GEMMs (each compiles for sm_90 
     _C(64, 128, 64, 8, 8, 3), _C(64, 128, 64, 8, 4, 4), _C(64, 64, 64, 8, 4, 4), _C(64, 256, 64, 8, 8, 3),
     _C(128, 128, 64, 8, 8, 3), _C(128, 128, 32, 8, 8, 4), _C(128, 64, 64, 8, 4, 4), _C(128, 64, 64, 8, 8, 4),
     _C(64, 128, 128, 8, 8, 2), _C(128, 128, 64, 16, 8, 4), _C(32, 128, 64, 8, 4, 4), _C(64, 128, 32, 8, 4, 5),
+    # deeper pipelines and taller tiles for the prefill steps (gate/up holds two [M, N] accumulators)
+    _C(128, 128, 64, 8, 8, 4), _C(128, 64, 128, 8, 4, 3), _C(256, 64, 64, 8, 8, 3), _C(128, 64, 64, 8, 4, 5),
 )
 
 

@@ -70,7 +70,7 @@ from ._triton import (
 )
 from .moe_ref import ExpertSlots
 
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _COUNT_BLOCK = 4096  # pairs a step of the one-program count kernel (few serial steps at prefill sizes)
 _ALIGN_BLOCK = 1024  # pairs a program of the scatter kernel
 _SUM_BLOCK = 1024  # hidden columns per program of the K-slot sum

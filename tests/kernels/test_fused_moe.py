@@ -239,7 +239,8 @@ def test_table_lookup_takes_the_smallest_bucket_at_or_above_t():
         assert moe_config(table, 64, 1408, 2048, 9999) == large  # past the largest bucket
         assert moe_config(table, 128, 768, 2048, 5) == default_moe_config(5)  # shape not in the table
     assert moe_config(None, 64, 1408, 2048, 600) == default_moe_config(600)
-    assert pick_bucket(3, TOKEN_BUCKETS) == 4 and pick_bucket(5000, TOKEN_BUCKETS) == 4096
+    assert pick_bucket(3, TOKEN_BUCKETS) == 4 and pick_bucket(5000, TOKEN_BUCKETS) == 8192
+    assert pick_bucket(9000, TOKEN_BUCKETS) == 8192
 
 
 @pytest.mark.parametrize("bad", [{"E64_N1408": {"1": {}}}, {"E64_N1408_H2048": {"3": {}}},

@@ -19,7 +19,7 @@ def test_shapes_and_buckets():
     # as the engine runs them: DeepSeek-V2-Lite's 64 routed + 2 shared experts stacked, 6 + 2 a token
     assert SHAPES["deepseek-v2-lite"] == (66, 1408, 2048, 8, 2) and SHAPES["qwen3-30b-a3b"] == (128, 768, 2048, 8, 0)
     assert SHAPES["deepseek-v2-lite/tp2"][1] == 704 and SHAPES["qwen3-30b-a3b/tp2"][1] == 384
-    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
 
 
 def test_sweep_space_is_small_valid_and_starts_with_the_default():
