@@ -9,11 +9,11 @@ A step: `store` normalises c (kv_a_layernorm), rotates q_pe and k_pe (interleave
 W_UK per head (ops.mla_absorb, kernels/mla_absorb.py), attention of [q_lat, q_pe] over the cached
 [c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head
 (ops.mla_value_up) -> [T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
-tools/bench_mla.py): absorbed below `expanded_min_q` new tokens (512: 171 vs 244 us a layer), expanded
-from there (1,024: 247 vs 349 us; 8,192: 0.93 vs 12.0 ms) when every sequence of the step is a plain
-prefill (`_expanded_wins`): each sequence's context latents gathered
-from the cache, up-projected by kv_b_proj into per-head K (with the shared k_pe) and V, then causal SDPA
-(flash attention on the GPU) with the context's end aligned to the last query.
+tools/bench_mla.py): absorbed below `expanded_min_q` new tokens, expanded from there: the step's context
+latents (every prefill sequence's cached tokens, a prefix hit's and an earlier chunk's included) gathered from
+the cache once a step, up-projected by kv_b_proj into per-head k_nope and v in one GEMM a layer, then one
+varlen causal attention over them with the shared k_pe (ops.mla_expanded_attention: kernels/mla_attention.py
+on the GPU, kernels/mla_ref.py's SDPA on the CPU), each sequence's queries aligned to its context's end.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class MLABackend(AttentionBackend):
         (sized before the KV pool, so the memory profile sees it), so no step allocates."""
         self._prep = ops.mla_latent_prep
         self._prefill = ops.mla_prefill_attention
+        self._expanded = ops.mla_expanded_attention
         self._decode = ops.mla_decode_attention
         self._absorb, self._value_up = ops.mla_absorb, ops.mla_value_up
         if ops.backend == "triton":
@@ -97,29 +98,36 @@ class MLABackend(AttentionBackend):
         return self._value_up(o_lat, layer.w_uv, out)
 
     def _expanded_wins(self, meta) -> bool:
-        """The expanded form where it was measured faster: a step of plain prefills (no cached prefix, no
-        earlier chunk) whose longest is >= expanded_min_q tokens. Steps with a chunk's continuation or a
-        prefix hit stay absorbed: with them (the throughput protocol's 8,192-token steps) the expanded form
-        took 6.2 s of prefill against 2.5 s absorbed (H200, runs 50-51)."""
-        return (meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q
-                and all(q_len == ctx for q_len, ctx in meta.seq_lens))
+        """The expanded form from expanded_min_q new tokens in the step's longest sequence (host lengths
+        known: meta.seq_lens); below it the absorbed form, whose per-row state is the whole latent."""
+        return meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q
+
+    def _context_rows(self, meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache rows [S] of every prefill sequence's context tokens in order, cu_seqlens_k i32[B+1]), built
+        on the device from the step's tables once (kept in meta.launch_plans for the other layers): S, the
+        total context, is a host int from meta.seq_lens, so nothing waits for the GPU."""
+        key = ("mla_context_rows", block_size)
+        found = meta.launch_plans.get(key)
+        if found is None:
+            lens = meta.context_lens[: len(meta.seq_lens)].long()
+            total = sum(ctx for _, ctx in meta.seq_lens)
+            cu_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+            torch.cumsum(lens, 0, out=cu_k[1:])
+            seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+            pos = torch.arange(total, device=lens.device) - cu_k[:-1].long()[seq]
+            rows = meta.block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+            found = meta.launch_plans[key] = (rows, cu_k)
+        return found
 
     def _prefill_expanded(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per sequence of a step of plain prefills (host lengths from meta.seq_lens): K = [c @ W_UK^T, k_pe],
-        V = c @ W_UV^T over its tokens (read back from the cache, as stored), causal SDPA -> [T, Hr * Dv]
-        (into `out` when given)."""
-        heads, nope, lat = self.num_heads, self.nope_dim, self.kv_lora_rank
-        kv_b = layer.kv_b_weight  # [Hr * (Dn + Dv), L]
-        block_size = layer.latent_cache.shape[1]
-        out = (q.new_empty(q.shape[0], heads * layer.v_head_dim) if out is None else out).view(q.shape[0], heads, -1)
-        start = meta.first_row  # a mixed step's prefill part starts after its decode rows
-        for b, (length, _) in enumerate(meta.seq_lens):
-            blocks = meta.block_tables[b, : -(-length // block_size)].long()
-            cached = layer.latent_cache.index_select(0, blocks).flatten(0, 1)[:length].to(q.dtype)
-            kv = F.linear(cached[:, :lat], kv_b).view(length, heads, -1)
-            k = torch.cat([kv[..., :nope], cached[:, None, lat:].expand(length, heads, -1)], dim=-1)
-            o = F.scaled_dot_product_attention(q[start:start + length].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               kv[..., nope:].transpose(0, 1)[None], is_causal=True, scale=layer.scale)
-            out[start:start + length] = o[0].transpose(0, 1)
-            start += length
-        return out.view(q.shape[0], -1)
+        """K/V of the step's contexts up-projected from the cached latents (as stored: normalised c, rotated
+        k_pe), then one varlen causal attention -> [T, Hr * Dv] (into `out` when given)."""
+        heads, lat = self.num_heads, self.kv_lora_rank
+        cache = layer.latent_cache
+        rows, cu_k = self._context_rows(meta, cache.shape[1])
+        latent = cache.view(-1, cache.shape[-1]).index_select(0, rows).to(q.dtype)
+        kv = F.linear(latent[:, :lat], layer.kv_b_weight).view(latent.shape[0], heads, -1)
+        o = None if out is None else out.view(q.shape[0], heads, layer.v_head_dim)
+        o = self._expanded(q, kv, latent[:, lat:], meta.cu_seqlens_q, cu_k, meta.max_seqlen_q, layer.scale, out=o,
+                           plans=meta.launch_plans)
+        return o.view(q.shape[0], -1)

@@ -31,9 +31,14 @@ from .fused_moe import fused_moe_slots_triton, fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
-from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
+from .mla_attention import (
+    mla_decode_attention_triton,
+    mla_decode_workspace_numel,
+    mla_expanded_attention_triton,
+    mla_prefill_attention_triton,
+)
 from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
-from .mla_ref import mla_decode_attention_ref, mla_prefill_attention_ref
+from .mla_ref import mla_decode_attention_ref, mla_expanded_attention_ref, mla_prefill_attention_ref
 from .moe_ref import ExpertSlots, fused_moe_ref, fused_moe_slots_ref, route_topk_ref, router_topk_ref
 from .moe_routing import route_topk_triton, router_topk_triton
 from .qkv_prep import qk_norm_rope_store_ref, qk_norm_rope_store_triton
@@ -79,6 +84,7 @@ class KernelOps:
     mla_latent_prep: Callable = mla_latent_prep_ref
     mla_decode_attention: Callable = mla_decode_attention_ref
     mla_prefill_attention: Callable = mla_prefill_attention_ref
+    mla_expanded_attention: Callable = mla_expanded_attention_ref  # the expanded prefill's varlen attention
     mla_decode_workspace_numel: Callable | None = None
     # the absorbed form's per-head K-up of the query and V-up of the output (kernels/mla_absorb.py)
     mla_absorb: Callable = mla_absorb_ref
@@ -136,6 +142,7 @@ TRITON_OPS = with_linear(KernelOps(
     mla_latent_prep=mla_latent_prep_triton,
     mla_decode_attention=mla_decode_attention_triton,
     mla_prefill_attention=mla_prefill_attention_triton,
+    mla_expanded_attention=mla_expanded_attention_triton,
     mla_decode_workspace_numel=mla_decode_workspace_numel,
     mla_absorb=mla_absorb_triton,
     mla_value_up=mla_value_up_triton,

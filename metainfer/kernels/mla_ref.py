@@ -13,6 +13,11 @@ output after. Contracts (docs/CONTRACTS.md, "MLA"):
 - `mla_prefill_attention(q_lat[T,H,L], q_pe[T,H,R], cache, cu_seqlens_q i32[B+1], context_lens i32[B],
   block_tables, max_seqlen_q: int, scale) -> o[T,H,L]`: the q_len new tokens of sequence b are the last of
   its context_lens[b] stored ones and attend causally (prefill, prefix hit and chunked prefill alike).
+- `mla_expanded_attention(q[T,H,Dn+R], kv[S,H,Dn+Dv], k_pe[S,R], cu_seqlens_q i32[B+1], cu_seqlens_k
+  i32[B+1], max_seqlen_q: int, scale) -> o[T,H,Dv]`: the expanded (non-absorbed) prefill over the step's
+  context K/V, up-projected from the cached latents by kv_b_proj (kv = c @ W_kv_b^T per head: k_nope then v)
+  with the rotated k_pe shared by every head: sequence b's q_len new queries are the last of its
+  cu_seqlens_k[b+1] - cu_seqlens_k[b] keys and attend causally.
 q_lat and q_pe may be strided views. Math in fp32 (fp8 widened exactly); outputs in q_lat's dtype.
 `rotary_interleaved(positions[T], q_pe[T,H,R], k_pe[T,R], cos_sin[P,R])`: DeepSeek's rope, as
 transformers applies it: pairs (x[2i], x[2i+1]) rotated by frequency i (cos_sin = cat(cos, sin) * mscale,
@@ -24,6 +29,7 @@ latent norm on the GPU path (kernels/mla_prep.py), whose reference composes thes
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .kv_cache import to_cache_dtype
 
@@ -85,4 +91,25 @@ def mla_prefill_attention_ref(q_lat, q_pe, cache, cu_seqlens_q, context_lens, bl
             ctx = _context(cache, block_tables[b], length)
             out[start:end] = _attend(q_lat[start:end], q_pe[start:end], ctx, kv_lora_rank, scale,
                                      length - (end - start))
+    return out
+
+
+def mla_expanded_attention_ref(q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *, out=None,
+                               plans=None):
+    rope = k_pe.shape[-1]
+    nope = q.shape[-1] - rope
+    heads = q.shape[1]
+    out = q.new_empty(q.shape[0], heads, kv.shape[-1] - nope) if out is None else out
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        if q1 == q0:
+            continue
+        k = torch.cat([kv[k0:k1, :, :nope], k_pe[k0:k1, None, :].expand(-1, heads, -1)], dim=-1).float()
+        visible = (torch.arange(k1 - k0, device=q.device)[None, :]
+                   <= (k1 - k0) - (q1 - q0) + torch.arange(q1 - q0, device=q.device)[:, None])
+        o = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1), k.transpose(0, 1),
+                                           kv[k0:k1, :, nope:].float().transpose(0, 1), attn_mask=visible,
+                                           scale=scale)
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out

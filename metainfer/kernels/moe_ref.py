@@ -7,8 +7,9 @@ Contracts (docs/CONTRACTS.md, "MoE"):
   scored by its best expert, top-k taken only inside the `topk_group` best groups. `renormalize`
   (norm_topk_prob) divides the K weights by their sum; `scaling` (routed_scaling_factor) multiplies them
   after that (transformers' DeepSeek-V2 applies it always; its router ignores norm_topk_prob, which is
-  false in every DeepSeek-V2 config; with it true this follows vLLM: renormalise, then scale). `num_shared` S > 0 appends the ids E..E+S-1 (DeepSeek's shared
-  experts, stacked after the routed ones: layers/moe.py) with weight 1 to every token: K + S columns.
+  false in every DeepSeek-V2 config; with it true this follows vLLM: renormalise, then scale).
+  `num_shared` S > 0 appends the ids E..E+S-1 (DeepSeek's shared experts, stacked after the routed ones:
+  layers/moe.py) with weight 1 to every token: K + S columns.
 - `fused_moe(x[T,H], w13[E,2N,H], w2[E,H,N], weights f32[T,K], ids i32[T,K]) -> y[T,H]` (x's dtype):
   y[t] = sum_k weights[t,k] * w2[e] @ (silu(g) * u), (g, u) = split(w13[e] @ x[t]), e = ids[t,k]. Rows
   0..N-1 of w13[e] are the gate projection, N..2N-1 the up projection (transformers' fused layout).

@@ -19,10 +19,12 @@ from metainfer.kernels.mla_attention import (
     mla_decode_attention_triton,
     mla_decode_num_splits,
     mla_decode_workspace_numel,
+    mla_expanded_attention_triton,
     mla_prefill_attention_triton,
 )
 from metainfer.kernels.mla_ref import (
     mla_decode_attention_ref,
+    mla_expanded_attention_ref,
     mla_prefill_attention_ref,
     rotary_interleaved_ref,
     store_latent_ref,
@@ -313,6 +315,88 @@ def test_mla_prefill_triton_chunked_equals_whole():
 
 
 # ----------------------------------------------------------------------------------------------
+# expanded prefill: varlen causal attention over the up-projected context K/V
+# ----------------------------------------------------------------------------------------------
+
+DN, DV = 32, 32  # small nope / value head dims for the interpreter (R as above)
+EXPANDED_SEQS = [(17, 17), (5, 37), (0, 9), (1, 16), (40, 70)]  # (new tokens, context): a continuation, none
+
+
+def _expanded_inputs(seqs, dtype, heads=H, nope=DN, rope=R, v_dim=DV, seed=0, device=DEVICE):
+    """q [T, H, Dn+R] (a view of a wider projection, as q_proj's), kv [S, H, Dn+Dv], k_pe [S, R] a column
+    slice of the gathered latents [S, L+R] (as the backend passes it), cu_seqlens_q / _k."""
+    total_q, total_k = sum(q for q, _ in seqs), sum(c for _, c in seqs)
+    wide = randn(total_q, heads, 8 + nope + rope, dtype=dtype, seed=seed, device=device)
+    q = wide[..., 8:]
+    kv = randn(total_k, heads, nope + v_dim, dtype=dtype, seed=seed + 1, device=device)
+    latent = randn(total_k, L + rope, dtype=dtype, seed=seed + 2, device=device)
+    k_pe = latent[:, L:]
+    cu_q = torch.tensor([0] + torch.tensor([q for q, _ in seqs]).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + torch.tensor([c for _, c in seqs]).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return q, kv, k_pe, cu_q, cu_k, max(q for q, _ in seqs)
+
+
+def test_mla_expanded_ref_matches_naive():
+    """Each sequence's queries, the last q_len of its context, against a float64 attention with an explicit
+    causal mask over K = [k_nope_h, k_pe] and V = v_h per head."""
+    q, kv, k_pe, cu_q, cu_k, max_q = _expanded_inputs(EXPANDED_SEQS, torch.float32, device="cpu")
+    scale = 0.2
+    out = mla_expanded_attention_ref(q, kv, k_pe, cu_q, cu_k, max_q, scale)
+    assert out.shape == (q.shape[0], H, DV)
+    for b, (q_len, ctx) in enumerate(EXPANDED_SEQS):
+        qs, ks = int(cu_q[b]), int(cu_k[b])
+        k = torch.cat([kv[ks:ks + ctx, :, :DN], k_pe[ks:ks + ctx, None].expand(-1, H, -1)], dim=-1)
+        expected = naive_attention(q[qs:qs + q_len], k, kv[ks:ks + ctx, :, DN:], scale, ctx - q_len)
+        torch.testing.assert_close(out[qs:qs + q_len].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+EXPANDED_CASES = [  # (dtype, (block_m, block_n) or None)
+    *[(dt, (16, 16)) for dt in KERNEL_DTYPES],
+    (torch.float32, (32, 16)),  # a query tile wider than the key tile: two diagonal tiles
+    (torch.float16, None),  # the launcher's tiles
+]
+
+
+@pytest.mark.parametrize("case", EXPANDED_CASES, ids=_case_id)
+def test_mla_expanded_triton_matches_ref(case):
+    dtype, tiles = case
+    q, kv, k_pe, cu_q, cu_k, max_q = _expanded_inputs(EXPANDED_SEQS, dtype, seed=3)
+    args = (q, kv, k_pe, cu_q, cu_k, max_q, (DN + R) ** -0.5)
+    expected = mla_expanded_attention_ref(*args)
+    out = mla_expanded_attention_triton(*args, **dict(zip(("block_m", "block_n"), tiles or ())))
+    assert out.dtype == dtype and out.shape == expected.shape
+    close(out, expected, dtype)
+    plans, other = {}, torch.randn_like(kv)
+    for kv_layer in (kv, other):  # planned once, replayed over another layer's K/V
+        into = torch.full_like(expected, float("nan"))
+        mla_expanded_attention_triton(q, kv_layer, k_pe, cu_q, cu_k, max_q, args[-1], out=into, plans=plans,
+                                      **dict(zip(("block_m", "block_n"), tiles or ())))
+        close(into, mla_expanded_attention_ref(q, kv_layer, *args[2:]), dtype)
+    assert len(plans) == 1
+
+
+def test_mla_expanded_triton_mixed_step_offsets():
+    """A mixed step's prefill part: cu_seqlens_q starts at its first prefill row (rows before it are the
+    decode rows', left untouched)."""
+    dtype = torch.float32
+    q, kv, k_pe, cu_q, cu_k, max_q = _expanded_inputs([(3, 3), (6, 20)], dtype, seed=5)
+    pad = 4
+    q_all = torch.cat([randn(pad, H, DN + R, dtype=dtype, seed=9, device=DEVICE), q])
+    out = torch.full((q_all.shape[0], H, DV), 7.0, dtype=dtype, device=DEVICE)
+    mla_expanded_attention_triton(q_all, kv, k_pe, cu_q + pad, cu_k, max_q, 0.3, out=out)
+    assert bool((out[:pad] == 7.0).all())
+    close(out[pad:], mla_expanded_attention_ref(q, kv, k_pe, cu_q, cu_k, max_q, 0.3), dtype)
+
+
+def test_mla_expanded_triton_rejects_bad_shapes():
+    q, kv, k_pe, cu_q, cu_k, max_q = _expanded_inputs([(4, 4)], torch.float32, seed=1)
+    with pytest.raises(ValueError, match="kv"):
+        mla_expanded_attention_triton(q, kv[:, :2], k_pe, cu_q, cu_k, max_q, 0.1)
+    with pytest.raises(ValueError, match="Dv"):
+        mla_expanded_attention_triton(q, kv[..., :DN + 24], k_pe, cu_q, cu_k, max_q, 0.1)
+
+
+# ----------------------------------------------------------------------------------------------
 # DeepSeek-V2-Lite dims (GPU only) and the sm_90 compile check
 # ----------------------------------------------------------------------------------------------
 
@@ -334,6 +418,10 @@ def test_mla_real_dims_bf16_gpu():
     pq_pe = randn(365, heads, rope, dtype=dtype, seed=3, device=DEVICE)
     pargs = (pq_lat, pq_pe, pbatch.cache, cu, pbatch.context_lens, pbatch.block_tables, 300, 0.1)
     close(mla_prefill_attention_triton(*pargs), mla_prefill_attention_ref(*pargs), dtype)
+    eq, ekv, ek_pe, ecu_q, ecu_k, emax = _expanded_inputs([(300, 300), (64, 1000), (1, 17), (1024, 1024)], dtype,
+                                                          heads=heads, nope=128, rope=rope, v_dim=128, seed=7)
+    eargs = (eq, ekv, ek_pe, ecu_q, ecu_k, emax, 192 ** -0.5)
+    close(mla_expanded_attention_triton(*eargs), mla_expanded_attention_ref(*eargs), dtype)
 
 
 def aot_compile_mla() -> int:
@@ -359,6 +447,11 @@ def aot_compile_mla() -> int:
                 cu = torch.zeros(4, dtype=torch.int32)
                 mla.mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, 4096, 0.1,
                                                  pdl=cache_dtype == bf16)
+                mla.mla_expanded_attention_triton(torch.zeros(3, heads, 192, dtype=bf16),
+                                                  torch.zeros(5, heads, 256, dtype=bf16),
+                                                  torch.zeros(5, 576, dtype=bf16)[:, 512:],
+                                                  torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                                                  4096, 0.1, pdl=cache_dtype == bf16)
                 mla_prep.mla_latent_prep_triton(torch.zeros(3, 576, dtype=bf16), torch.ones(512, dtype=bf16), 1e-6,
                                                 torch.zeros(3, dtype=torch.int64),
                                                 torch.zeros(3, heads, 192, dtype=bf16)[..., 128:],
@@ -370,7 +463,8 @@ def aot_compile_mla() -> int:
                 mla_absorb.mla_value_up_triton(torch.zeros(rows, heads, 512, dtype=bf16), kv_b[:, 128:], pdl=pdl,
                                                max_rows=mla_absorb.MAX_ROWS)
 
-    return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla_prep._mla_latent_prep_kernel,
+    return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla._mla_expanded_kernel,
+                     mla_prep._mla_latent_prep_kernel,
                      mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel], launch, fail_on_spills=True)
 
 

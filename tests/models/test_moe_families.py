@@ -233,10 +233,16 @@ def test_triton_moe_and_mla_kernels_in_the_engine_match_hf(reference):
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v2-plain"], indirect=True)
-def test_expanded_prefill_form_matches_hf(reference, monkeypatch):
-    """MLA's expanded prefill (per-sequence K/V up-projected from the cached latents, causal SDPA), taken for
-    every plain prefill step here; steps with a prefix hit or a chunk's continuation stay absorbed."""
+@pytest.mark.parametrize("attention", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_expanded_prefill_form_matches_hf(reference, attention, monkeypatch):
+    """MLA's expanded prefill (the step's context latents gathered once, K/V up-projected per layer, one varlen
+    causal attention), taken here by every prefill step: plain prompts, chunks of 40 tokens (continuations over
+    an earlier chunk's cache) and a prefix hit; with the torch reference's attention and with the Triton kernel
+    (interpreted) swapped in. HF's tokens each time."""
+    import dataclasses
+
     from metainfer.attention.mla import MLABackend
+    from metainfer.kernels import TRITON_OPS
 
     folder, prompts, expected, model = reference
     calls = []
@@ -244,9 +250,13 @@ def test_expanded_prefill_form_matches_hf(reference, monkeypatch):
     monkeypatch.setattr(MLABackend, "_prefill_expanded", lambda *a: calls.append(1) or expanded(*a))
     for kw in ({}, {"max_num_batched_tokens": 40}):
         llm = LLM(folder, device="cpu", dtype="float32", **kw)
-        llm.llm_engine.runner.attn_backend.expanded_min_q = 1
+        runner = llm.llm_engine.runner
+        if attention == "triton":
+            triton_attention = TRITON_OPS.mla_expanded_attention
+            runner.swap_kernels(dataclasses.replace(runner.ops, mla_expanded_attention=triton_attention))
+        runner.attn_backend.expanded_min_q = 1
         assert_matches_hf(model, prompts, generate_ids(llm, prompts, GREEDY), expected)
         assert calls, "no step took the expanded form"
         calls.clear()
-        again = generate_ids(llm, prompts[-1:], GREEDY)  # a prefix hit: absorbed
-        assert again == expected[-1:] and not calls
+        again = generate_ids(llm, prompts[-1:], GREEDY)  # a prefix hit: the expanded form over the cached prefix
+        assert again == expected[-1:] and calls
