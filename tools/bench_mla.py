@@ -1,5 +1,5 @@
 """MLA attention at DeepSeek-V2-Lite dims on one GPU: the Triton decode against its memory floor, and the
-absorbed Triton prefill against the expanded torch form (the choice DeepSeek's engines make for prefill).
+absorbed Triton prefill against the expanded form (K/V up-projected, the choice DeepSeek's engines make for prefill).
 
     python -m tools.bench_mla --json mla_h200.json --budget-s 100
 
@@ -16,12 +16,14 @@ Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, bloc
   splits (DeepSeek-V2-Lite's bs1 TPOT grows 60 us from context ~40 to the bench's 32-160, run 66)?
   `--large-batch-sweep`, batch 256 at context 600 (the throughput protocol's step, 50-56% of the latent-read floor
   in run 49): splits {1, 2, 4} x tile {32, 64} x warps {4, 8} x stages {2, 3}.
-* prefill, one sequence of {512, ..., 8192} tokens, plain (no prefix):
+* prefill steps (`PREFILL_STEPS`: one sequence of 256 ... 8,192 tokens; 16 prompts of 512 packed into one
+  8,192-token step; a throughput-protocol-like step of prompts of 100-1,024 tokens with a chunk's continuation
+  over a cached prefix), each in both of the engine's forms (attention/mla.py):
   (a) absorbed: q_nope[H,T,128] @ W_UK[H,128,512] (bmm), mla_prefill_attention_triton, o[H,T,512] @
       W_UV[H,512,128] (bmm); reported whole and kernel only;
-  (b) expanded: the context's latent gathered from the paged cache, up-projected by kv_b ([T,512] @
-      [512, H*(128+128)]), K = cat(k_nope, k_pe broadcast), Q = cat(q_nope, q_pe), then
-      torch.nn.functional.scaled_dot_product_attention(is_causal=True).
+  (b) expanded: the step's context rows (attention.mla.context_rows), their latents gathered from the paged
+      cache, up-projected by kv_b ([S,512] @ [512, H*(128+128)]), then mla_expanded_attention_triton (one
+      varlen launch); reported whole and kernel only. Checked against torch SDPA per sequence.
 Timing: CUDA events, warm-up, median of repeats. `--budget-s` bounds the run: cases past it are listed as
 skipped. Importing this module makes no CUDA call.
 """
@@ -42,7 +44,13 @@ HEADS, LORA, ROPE, NOPE, V_DIM, BLOCK = 16, 512, 64, 128, 128, 16
 HBM_BYTES_PER_S = 4.8e12
 DECODE_BATCHES = (1, 8, 32, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
-PREFILL_LENS = (512, 1024, 2048, 4096, 8192)
+# prefill steps: (label, [(new tokens, context), ...])
+PREFILL_STEPS = (
+    ("1x256", [(256, 256)]), ("1x512", [(512, 512)]), ("1x1024", [(1024, 1024)]), ("1x2048", [(2048, 2048)]),
+    ("1x8192", [(8192, 8192)]), ("16x512", [(512, 512)] * 16),
+    ("mixed8k", [(q, q) for q in (100, 240, 380, 520, 660, 800, 940, 1024, 150, 450, 750, 1000, 600)]
+     + [(501, 901)]),  # 8,126 new tokens, the last a continuation over 400 cached ones
+)
 
 
 def decode_floor_us(batch: int, context: int, elem_bytes: int = 2) -> float:
@@ -50,16 +58,20 @@ def decode_floor_us(batch: int, context: int, elem_bytes: int = 2) -> float:
     return batch * context * (LORA + ROPE) * elem_bytes / HBM_BYTES_PER_S * 1e6
 
 
-def absorbed_prefill_flops(q_len: int, heads: int = HEADS) -> float:
+def absorbed_prefill_flops(q_len: int, heads: int = HEADS, context: int | None = None) -> float:
     """Causal absorbed attention: per (query, visible key, head) a (L+R)-long score and an L-long P@V."""
-    pairs = q_len * (q_len + 1) / 2
-    return 2.0 * heads * pairs * (LORA + ROPE + LORA)
+    return 2.0 * heads * causal_pairs(q_len, context) * (LORA + ROPE + LORA)
 
 
-def expanded_prefill_flops(q_len: int, heads: int = HEADS) -> float:
+def expanded_prefill_flops(q_len: int, heads: int = HEADS, context: int | None = None) -> float:
     """Causal attention with Q/K of Dn+R and V of Dv (the kv_b up-projection not counted)."""
-    pairs = q_len * (q_len + 1) / 2
-    return 2.0 * heads * pairs * (NOPE + ROPE + V_DIM)
+    return 2.0 * heads * causal_pairs(q_len, context) * (NOPE + ROPE + V_DIM)
+
+
+def causal_pairs(q_len: int, context: int | None = None) -> float:
+    """(query, visible key) pairs of q_len new tokens at the end of a context (default: no cached prefix)."""
+    prefix = (context or q_len) - q_len
+    return q_len * prefix + q_len * (q_len + 1) / 2
 
 
 def faster_form(absorbed_us: float | None, expanded_us: float | None) -> str | None:
@@ -208,59 +220,83 @@ def _prefill_weights(dev):
     return w_uk, w_uv, kv_b
 
 
-def _prefill_case(q_len: int, weights, repeats: int) -> dict:
+def _prefill_case(seqs: list[tuple[int, int]], weights, repeats: int) -> dict:
     import torch.nn.functional as F
 
-    from metainfer.kernels.mla_attention import mla_prefill_attention_triton
+    from metainfer.attention.mla import context_rows
+    from metainfer.kernels.mla_attention import mla_expanded_attention_triton, mla_prefill_attention_triton
 
     dev, bf16, scale = torch.device("cuda"), torch.bfloat16, (NOPE + ROPE) ** -0.5
     w_uk, w_uv, kv_b = weights
-    cache, order = _paged_cache(q_len, dev, seed=q_len)
-    tables = order[None, :]
-    lens = torch.tensor([q_len], dtype=torch.int32, device=dev)
-    cu = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
-    q = torch.randn(q_len, HEADS, NOPE + ROPE, device=dev, dtype=bf16)
+    width = max(-(-ctx // BLOCK) for _, ctx in seqs)
+    cache, order = _paged_cache(len(seqs) * width * BLOCK, dev, seed=len(seqs))
+    tables = order[: len(seqs) * width].view(len(seqs), width)
+    lens = torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32, device=dev)
+    q_lens = [q for q, _ in seqs]
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
+    total_q, total_k, max_q = sum(q_lens), sum(ctx for _, ctx in seqs), max(q_lens)
+    q = torch.randn(total_q, HEADS, NOPE + ROPE, device=dev, dtype=bf16)
     q_nope, q_pe = q[..., :NOPE], q[..., NOPE:]
     q_nope_h = q_nope.transpose(0, 1)  # [H, T, Dn]
 
     def absorbed_kernel(q_lat):
-        return mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, q_len, scale)
+        return mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, max_q, scale)
 
     def absorbed():
         q_lat = torch.bmm(q_nope_h, w_uk).transpose(0, 1)  # [T, H, L], strided
-        return torch.bmm(absorbed_kernel(q_lat).transpose(0, 1), w_uv)  # [H, T, Dv]
+        return torch.bmm(absorbed_kernel(q_lat).transpose(0, 1), w_uv).transpose(0, 1)  # [T, H, Dv]
+
+    def gathered():
+        rows, cu_k = context_rows(lens, tables, total_k, BLOCK)
+        latent = cache.view(-1, LORA + ROPE).index_select(0, rows)
+        return (latent[:, :LORA] @ kv_b).view(total_k, HEADS, NOPE + V_DIM), latent[:, LORA:], cu_k
 
     def expanded():
-        blocks = tables[0, : -(-q_len // BLOCK)].long()
-        latent = cache.index_select(0, blocks).flatten(0, 1)[:q_len]
-        kv = (latent[:, :LORA] @ kv_b).view(q_len, HEADS, NOPE + V_DIM)
-        k = torch.cat([kv[..., :NOPE], latent[:, None, LORA:].expand(q_len, HEADS, ROPE)], dim=-1)
-        qq = torch.cat([q_nope, q_pe], dim=-1)
-        return F.scaled_dot_product_attention(qq.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                              kv[..., NOPE:].transpose(0, 1)[None], is_causal=True,
-                                              scale=scale)[0]  # [H, T, Dv]
+        kv, k_pe, cu_k = gathered()
+        return mla_expanded_attention_triton(q, kv, k_pe, cu, cu_k, max_q, scale)
 
-    ref, got = expanded().float(), absorbed().float()
-    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    def sdpa():  # per sequence, the check
+        kv, k_pe, cu_k = gathered()
+        out = []
+        for b, (q_len, ctx) in enumerate(seqs):
+            k0, q0 = int(cu_k[b]), int(cu[b])
+            k = torch.cat([kv[k0:k0 + ctx, :, :NOPE], k_pe[k0:k0 + ctx, None].expand(ctx, HEADS, ROPE)], -1)
+            mask = torch.ones(q_len, ctx, dtype=torch.bool, device=dev).tril(ctx - q_len)
+            out.append(F.scaled_dot_product_attention(q[q0:q0 + q_len].transpose(0, 1), k.transpose(0, 1),
+                                                      kv[k0:k0 + ctx, :, NOPE:].transpose(0, 1), attn_mask=mask,
+                                                      scale=scale).transpose(0, 1))
+        return torch.cat(out)
+
+    ref = sdpa().float()
+    scale_of = ref.abs().max().clamp_min(1e-6)
+    err_absorbed = ((absorbed().float() - ref).abs().max() / scale_of).item()
+    err_expanded = ((expanded().float() - ref).abs().max() / scale_of).item()
     q_lat_pre = torch.bmm(q_nope_h, w_uk).transpose(0, 1)
+    kv_pre, k_pe_pre, cu_k_pre = gathered()
     kernel_us = time_eager(lambda: absorbed_kernel(q_lat_pre), iters=repeats, warmup=2)
     absorbed_us = time_eager(absorbed, iters=repeats, warmup=2)
+    expanded_kernel_us = time_eager(lambda: mla_expanded_attention_triton(q, kv_pre, k_pe_pre, cu, cu_k_pre, max_q,
+                                                                          scale), iters=repeats, warmup=2)
     expanded_us = time_eager(expanded, iters=repeats, warmup=2)
-    return {"absorbed_us": round(absorbed_us, 2), "absorbed_kernel_us": round(kernel_us, 2),
-            "expanded_us": round(expanded_us, 2), "faster": faster_form(absorbed_us, expanded_us),
-            "absorbed_kernel_tflops": round(absorbed_prefill_flops(q_len) / kernel_us / 1e6, 1),
-            "expanded_attn_tflops": round(expanded_prefill_flops(q_len) / expanded_us / 1e6, 1),
-            "max_rel_diff_vs_expanded": round(err, 5)}
+    absorbed_flops = sum(absorbed_prefill_flops(q_len, context=ctx) for q_len, ctx in seqs)
+    expanded_flops = sum(expanded_prefill_flops(q_len, context=ctx) for q_len, ctx in seqs)
+    return {"new_tokens": total_q, "context_tokens": total_k, "sequences": len(seqs),
+            "absorbed_us": round(absorbed_us, 2), "absorbed_kernel_us": round(kernel_us, 2),
+            "expanded_us": round(expanded_us, 2), "expanded_kernel_us": round(expanded_kernel_us, 2),
+            "faster": faster_form(absorbed_us, expanded_us),
+            "absorbed_kernel_tflops": round(absorbed_flops / kernel_us / 1e6, 1),
+            "expanded_kernel_tflops": round(expanded_flops / expanded_kernel_us / 1e6, 1),
+            "max_rel_diff_absorbed": round(err_absorbed, 5), "max_rel_diff_expanded": round(err_expanded, 5)}
 
 
-def bench_prefill(lengths, budget_end: float, results: list, repeats: int) -> None:
+def bench_prefill(steps, budget_end: float, results: list, repeats: int) -> None:
     weights = _prefill_weights(torch.device("cuda"))
-    for q_len in lengths:
-        case = dict(kind="prefill", q_len=q_len)
+    for label, seqs in steps:
+        case = dict(kind="prefill", step=label)
         if time.monotonic() > budget_end:
             results.append({**case, "skipped": "budget"})
             continue
-        results.append({**case, **_prefill_case(q_len, weights, repeats)})
+        results.append({**case, **_prefill_case(seqs, weights, repeats)})
         print(json.dumps(results[-1]), flush=True)
 
 
@@ -270,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=100.0, help="stop starting cases after this many seconds")
     parser.add_argument("--batches", type=int, nargs="*", default=list(DECODE_BATCHES))
     parser.add_argument("--contexts", type=int, nargs="*", default=list(DECODE_CONTEXTS))
-    parser.add_argument("--prefill-lens", type=int, nargs="*", default=list(PREFILL_LENS))
+    parser.add_argument("--prefill-steps", nargs="*", default=[label for label, _ in PREFILL_STEPS],
+                        help="labels of PREFILL_STEPS to time (default: all)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--inner", type=int, default=10, help="decode calls per CUDA graph")
     parser.add_argument("--skip-decode", action="store_true")
@@ -299,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_end = budget_end if args.skip_prefill else start + 0.6 * args.budget_s
         bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats)
     if not args.skip_prefill and not sweeps:
-        bench_prefill(args.prefill_lens, budget_end, results, max(5, args.repeats // 2))
+        steps = [(label, seqs) for label, seqs in PREFILL_STEPS if label in args.prefill_steps]
+        bench_prefill(steps, budget_end, results, max(5, args.repeats // 2))
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, heads=HEADS, kv_lora_rank=LORA,
                 rope_dim=ROPE, nope_dim=NOPE, v_dim=V_DIM, block_size=BLOCK, dtype="bf16",
                 hbm_bytes_per_s=HBM_BYTES_PER_S, wall_s=round(time.monotonic() - start, 1))

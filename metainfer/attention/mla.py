@@ -29,6 +29,18 @@ from metainfer.attention.backend import AttentionBackend
 EXPANDED_MIN_Q = 1024
 
 
+def context_rows(context_lens: torch.Tensor, block_tables: torch.Tensor, total: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache rows [S] of every sequence's context tokens in order, cu_seqlens_k i32[B+1]) from the block
+    tables, on the device: S = `total`, the contexts' sum, is a host int, so nothing waits for the GPU."""
+    lens = context_lens.long()
+    cu_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    torch.cumsum(lens, 0, out=cu_k[1:])
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+    pos = torch.arange(total, device=lens.device) - cu_k[:-1].long()[seq]
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size, cu_k
+
+
 class MLABackend(AttentionBackend):
     name = "mla"
 
@@ -103,20 +115,13 @@ class MLABackend(AttentionBackend):
         return meta.seq_lens is not None and meta.max_seqlen_q >= self.expanded_min_q
 
     def _context_rows(self, meta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cache rows [S] of every prefill sequence's context tokens in order, cu_seqlens_k i32[B+1]), built
-        on the device from the step's tables once (kept in meta.launch_plans for the other layers): S, the
-        total context, is a host int from meta.seq_lens, so nothing waits for the GPU."""
+        """context_rows for the step's prefill sequences, once a step (kept in meta.launch_plans for the
+        other layers)."""
         key = ("mla_context_rows", block_size)
         found = meta.launch_plans.get(key)
         if found is None:
-            lens = meta.context_lens[: len(meta.seq_lens)].long()
-            total = sum(ctx for _, ctx in meta.seq_lens)
-            cu_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
-            torch.cumsum(lens, 0, out=cu_k[1:])
-            seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
-            pos = torch.arange(total, device=lens.device) - cu_k[:-1].long()[seq]
-            rows = meta.block_tables[seq, pos // block_size].long() * block_size + pos % block_size
-            found = meta.launch_plans[key] = (rows, cu_k)
+            found = meta.launch_plans[key] = context_rows(meta.context_lens[: len(meta.seq_lens)], meta.block_tables,
+                                                          sum(ctx for _, ctx in meta.seq_lens), block_size)
         return found
 
     def _prefill_expanded(self, layer, q: torch.Tensor, meta, out: torch.Tensor | None = None) -> torch.Tensor:

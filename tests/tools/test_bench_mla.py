@@ -31,6 +31,9 @@ def test_floor_and_flop_counts():
     # causal: T (T + 1) / 2 visible pairs; absorbed 512 + 64 + 512 per pair and head, expanded 192 + 128
     assert bench_mla.absorbed_prefill_flops(2) == 2.0 * 16 * 3 * 1088
     assert bench_mla.expanded_prefill_flops(2) == 2.0 * 16 * 3 * 320
+    # a chunk of 2 new tokens over 3 cached ones: 2 * 3 prefix pairs + 3 causal ones
+    assert bench_mla.causal_pairs(2, 5) == 9 and bench_mla.causal_pairs(2) == 3
+    assert bench_mla.expanded_prefill_flops(2, context=5) == 2.0 * 16 * 9 * 320
     assert bench_mla.faster_form(1.0, 2.0) == "absorbed"
     assert bench_mla.faster_form(3.0, 2.0) == "expanded"
     assert bench_mla.faster_form(None, 2.0) is None
