@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench_moe: comma list of token counts (default: the tool's)")
     p.add_argument("--moe-tune-shapes", default="",
                    help="tune_moe: comma list of tools/tune_moe.py shape names (default: all)")
+    p.add_argument("--bench-mla-args", default="",
+                   help="bench_mla: extra tools/bench_mla.py arguments, e.g. '--skip-decode'")
     p.add_argument("--graph-family", default="qwen3", choices=("qwen3", "deepseek_v2", "qwen3_moe"),
                    help="graphs: the small model's family")
     p.add_argument("--serving-parts", default="prefix_hits,serve_vs_offline,throughput_1k",

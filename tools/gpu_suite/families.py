@@ -246,7 +246,7 @@ def bench_moe(args, results) -> dict:
 
 def bench_mla(args, results) -> dict:
     """MLA decode vs its latent-read floor; absorbed vs expanded prefill by length (tools/bench_mla.py)."""
-    return _tool("tools.bench_mla", ["--budget-s", "90"], "bench_mla.json")
+    return _tool("tools.bench_mla", ["--budget-s", "90", *args.bench_mla_args.split()], "bench_mla.json")
 
 
 def mla_split_sweep(args, results) -> dict:
