@@ -52,11 +52,14 @@ class BlockManager:
 
     # -- prefix matching -------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids whose contents equal the sequence's leading full blocks."""
+        """Block ids whose contents equal the sequence's leading full blocks, short of the block holding its
+        last token: that token is always recomputed (its logits start the output), and recomputing it into a
+        shared block would write into another sequence's cache (a block-aligned prompt: as vLLM, its last
+        block is computed afresh)."""
         if not self.enable_prefix_caching:
             return []
         hits, prev = [], None
-        for i in range(seq.num_tokens // self.block_size):
+        for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
             prev = chain_hash(prev, tokens)
             block_id = self.hash_to_block.get(prev)
@@ -82,7 +85,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take_free_block())
-        cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
+        cached = len(hits) * self.block_size
         seq.num_computed_tokens = cached
         self.prefix_hit_tokens += cached
         self.prefix_query_tokens += seq.num_tokens

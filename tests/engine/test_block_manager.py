@@ -121,14 +121,26 @@ def test_same_prefix_shares_blocks_and_skips_their_compute():
 
 
 @pytest.mark.parametrize("length", [4, 8, 12])
-def test_a_full_hit_still_recomputes_one_prompt_token(length):
+def test_a_block_aligned_full_hit_computes_its_last_block_afresh(length):
+    """The last prompt position needs its logits, so it is recomputed; recomputing it inside the shared
+    last block would write into a's cache, so that block is not a hit (vLLM's rule): a fresh block, its
+    BS tokens computed again."""
     bm = BlockManager(16, BS)
     a = _prefill(bm, _seq(range(1, length + 1)))
     b = _seq(range(1, length + 1))
     bm.allocate(b)
-    assert b.block_table == a.block_table  # every block is a hit...
-    assert b.num_computed_tokens == length - 1  # ...but the last position needs its logits
-    assert bm.prefix_hit_tokens == length - 1
+    assert b.block_table[:-1] == a.block_table[:-1] and b.block_table[-1] not in a.block_table
+    assert b.num_computed_tokens == length - BS
+    assert bm.prefix_hit_tokens == length - BS
+
+
+def test_an_unaligned_full_hit_shares_every_full_block():
+    bm = BlockManager(16, BS)
+    a = _prefill(bm, _seq(range(1, 2 * BS + 2)))  # 2 full blocks + 1 token
+    b = _seq(range(1, 2 * BS + 2))
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_computed_tokens == 2 * BS  # only the partial block's token is computed
 
 
 def test_a_hash_collision_is_not_a_hit(monkeypatch):
@@ -247,11 +259,11 @@ def test_a_cache_hit_takes_its_block_off_the_free_list():
     a = _prefill(bm, _seq(range(1, 9)))
     a_table = list(a.block_table)
     bm.free_sequence(a)
-    b = _seq(range(1, 9))
+    b = _seq(range(1, 10))  # a's 8 tokens + 1: both of a's blocks are hits
     bm.allocate(b)
-    assert b.block_table == a_table
-    assert not set(b.block_table) & set(bm.free) and _refs(bm, b.block_table) == [1, 1]
-    c = _seq(range(50, 58))  # must not be handed b's blocks
+    assert b.block_table[:2] == a_table
+    assert not set(b.block_table) & set(bm.free) and _refs(bm, b.block_table) == [1, 1, 1]
+    c = _seq(range(50, 54))  # must not be handed b's blocks
     bm.allocate(c)
     assert not set(c.block_table) & set(b.block_table) and bm.num_free_blocks == 0
 
