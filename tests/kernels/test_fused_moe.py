@@ -163,6 +163,58 @@ def test_fused_moe_ids_out_of_range_contribute_nothing(dtype):
     torch.testing.assert_close(y[:1], alone, rtol=0, atol=0)  # token 0's second slot (id -1) adds nothing
 
 
+def _brute_moe(x, w13, w2, weights, ids):
+    """y[t] = sum_k weights[t, k] * w2[e] @ (silu(w13[e, :N] @ x[t]) * (w13[e, N:] @ x[t])), e = ids[t, k], in
+    float64, one token and slot at a time (independent of kernels/moe_ref.py)."""
+    n = w13.shape[1] // 2
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = x[t].cpu().double()
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            w = w13[e].cpu().double()
+            inter = torch.nn.functional.silu(w[:n] @ xt) * (w[n:] @ xt)
+            y[t] += float(weights[t, k]) * (w2[e].cpu().double() @ inter)
+    return y
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("num_tokens, num_experts, n, top_k, config", [
+    (1, 8, 32, 2, SMALL),  # Qwen3-MoE-like decode at batch 1
+    (1, 64, 48, 6, None),  # DeepSeek-V2-like (6 of 64), N off the tile, the default config
+    (2, 16, 32, 8, SMALL),  # T*K = 16: the largest batch the pair-block path takes
+])
+def test_fused_moe_pair_blocks_read_only_the_selected_experts(dtype, num_tokens, num_experts, n, top_k, config,
+                                                              monkeypatch):
+    """Decode-sized batches (T*K <= PAIR_BLOCKS_MAX_PAIRS) run one block per (token, slot) pair: every expert that
+    no token selected has w13 and w2 filled with NaN, and the output is still finite and equals the float64 brute
+    force over the clean weights, so no unselected expert's weights reach it. A NaN in a selected expert's w2 does
+    poison the output (the check can see a read)."""
+    from metainfer.kernels import fused_moe as fm
+
+    assert num_tokens * top_k <= fm.PAIR_BLOCKS_MAX_PAIRS
+    calls = []
+    pair_blocks = fm.pair_blocks
+    monkeypatch.setattr(fm, "pair_blocks", lambda *a: calls.append("pairs") or pair_blocks(*a))
+    monkeypatch.setattr(fm, "moe_align", lambda *a, **k: pytest.fail("a pair-block batch took moe_align"))
+    x, w13, w2, weights, ids = _moe_inputs(num_tokens, num_experts, n, 64, top_k, dtype, seed=11)
+    expected = _brute_moe(x, w13, w2, weights, ids)
+    selected = set(ids.flatten().tolist())
+    unselected = [e for e in range(num_experts) if e not in selected]
+    assert len(unselected) >= num_experts - num_tokens * top_k and unselected
+    poisoned13, poisoned2 = w13.clone(), w2.clone()
+    poisoned13[unselected] = float("nan")
+    poisoned2[unselected] = float("nan")
+    y = fm.fused_moe_triton(x, poisoned13, poisoned2, weights, ids, config=config)
+    assert calls == ["pairs"]
+    assert torch.isfinite(y).all(), "an unselected expert's weights reached the output"
+    err = (y.cpu().double() - expected).abs().max().item() / expected.abs().max().item()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    poisoned2[int(ids[0, 0])] = float("nan")  # the control: a selected expert's NaN shows
+    y = fm.fused_moe_triton(x, poisoned13, poisoned2, weights, ids, config=config)
+    assert not torch.isfinite(y[0]).any()
+
+
 def test_fused_moe_rejects_bad_shapes():
     x, w13, w2, weights, ids = _moe_inputs(3, 4, 16, 32, 2, torch.float32)
     with pytest.raises(ValueError, match="fused_moe_triton"):

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from metainfer import LLM, SamplingParams
 from metainfer.config import ModelSpec
 from tests.helpers.engine_checks import assert_drained, generate_drained, generate_ids, token_ids
+from tests.helpers.processes import alive
 from tests.helpers.tiny_models import (
     YARN_ROPE,
     assert_engine_matches_hf,
@@ -39,6 +40,8 @@ VARIANTS = {
     # biases on q_a / kv_a / o (attention_bias): the q and latent projections stay two GEMMs
     "deepseek_v2-qlora_bias": dict(q_lora_rank=24, attention_bias=True),
     "qwen3_moe-dense_layer": {},
+    # the top-k weights left as softmax probabilities (not divided by their sum), as the config default has it
+    "qwen3_moe-unnormed_topk": dict(norm_topk_prob=False),
 }
 FAST = ["deepseek_v2-plain", "qwen3_moe-dense_layer"]
 EVERY_VARIANT = pytest.mark.parametrize(
@@ -112,7 +115,7 @@ def test_first_token_logprobs_equal_hf(reference):
         for token, logprob in entry.items():
             assert logprob == pytest.approx(expected[token].item(), abs=2e-4), (len(prompt), token)
 
-@BOTH_FAMILIES
+@EVERY_VARIANT
 def test_preemption_and_chunked_prefill_keep_outputs(reference):
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt
     llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
@@ -143,6 +146,29 @@ def test_fused_expert_layout_loads(reference, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     _, got = generate_drained(str(tmp_path), prompts[:3], GREEDY)
     assert got == expected[:3]
+
+
+@pytest.mark.tp
+@BOTH_FAMILIES
+def test_fused_expert_layout_shards_at_tp2(reference, tmp_path):
+    """The fused layout split over 2 ranks (gloo, CPU): each rank slices its gate and up halves out of
+    gate_up_proj [E, 2N, H] and its columns of down_proj [E, H, N]. Equals HF's greedy tokens, and every
+    worker is gone after close()."""
+    folder, prompts, expected, model = reference
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if "rotary_emb" not in k}
+    assert any(k.endswith("experts.gate_up_proj") for k in state), "transformers changed its expert layout"
+    copy_model_files(folder, str(tmp_path), weights=False)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        pids = llm.llm_engine.tp_driver.worker_pids
+        assert len(pids) == 1 and all(alive(p) for p in pids)
+        got = generate_ids(llm, prompts, GREEDY)
+        assert_drained(llm)
+    finally:
+        llm.close()
+    assert not [p for p in pids if alive(p)], "a worker outlived close()"
+    assert_matches_hf(model, prompts, got, expected)
 
 
 @BOTH_FAMILIES

@@ -1,5 +1,7 @@
 """The CUDA-graph decode path's input handling, run eagerly on the CPU (a stand-in replays the graph body
-on the bucket's fixed views), under async scheduling and preemption: greedy output still equals HF."""
+on the bucket's fixed views), under async scheduling and preemption: greedy output still equals HF, for a
+dense model (Qwen3) and both MoE families (DeepSeek-V2: MLA's latent cache and the fused MoE with a shared
+expert; Qwen3-MoE: the fused MoE beside a dense layer), the tiny checkpoints of tests/helpers/tiny_models."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("qwen3-graphs"))
-    model, prompts, expected = hf_reference(folder, "qwen3", [1, 7, 16, 33, 64], NEW_TOKENS)
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_v2", "qwen3_moe"])  # ~1 s a family past the first
+def reference(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(f"{request.param}-graphs"))
+    model, prompts, expected = hf_reference(folder, request.param, [1, 7, 16, 33, 64], NEW_TOKENS)
     return folder, prompts, expected, model
 
 
