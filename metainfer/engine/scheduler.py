@@ -8,7 +8,9 @@ decode rows (Sarathi-Serve's stall-free budget), so each running stream's inter-
 most that much prefill work while prompts arrive; a step without decode rows takes the whole budget.
 When blocks run out for a decode row, the most recently admitted running sequence is
 preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
-a step that preempted (and still has decode rows) admits no waiting prompt. Three step kinds come out
+a step that preempted (and still has decode rows) admits no waiting prompt. The samples of an n > 1 request
+after the first wait until the first has computed (and the prefix cache registered) their common prompt, so
+it is prefilled once. Three step kinds come out
 (`ScheduledBatch`): pure decode (rows longest context first; the decode kernels and CUDA graphs), pure
 prefill, and mixed (decode rows first, then prefill rows); the latter two run the prefill-with-context
 attention, a decode row being a 1-token query over its context.
@@ -94,7 +96,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
+                if self._sibling_prefilling(seq, scheduled) or not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
                 if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
@@ -109,6 +111,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
+
+    def _sibling_prefilling(self, seq: Sequence, scheduled: list[Sequence]) -> bool:
+        """A fresh sample of an n > 1 request waits while an earlier sample of it computes their common
+        prompt, whose full blocks it then finds in the prefix cache (hashed when that step is read back):
+        the prompt is prefilled once, not n times, for a step or two of the later samples' first token."""
+        bm = self.block_manager
+        shareable = (seq.num_prompt_tokens - 1) // bm.block_size
+        if seq.index == 0 or not bm.enable_prefix_caching or not shareable or seq.num_output_tokens:
+            return False
+        return any(other.request_id == seq.request_id and other.num_hashed_blocks < shareable
+                   for other in (*self.running, *scheduled) if other.block_table)
 
     def _schedule_decodes(self) -> list[Sequence]:
         """One token for each running sequence (running order), at most the token budget of them."""

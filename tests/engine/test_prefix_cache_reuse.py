@@ -84,3 +84,22 @@ def test_an_aborted_request_registers_what_it_computed(reference):
     out = _run(llm, prompt, 2)
     assert out.num_cached_tokens == 48
 
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_samples_of_one_request_prefill_their_prompt_once(reference, async_scheduling):
+    """n=4 on a 70-token prompt: the first sample computes it, the other three wait for its 4 full blocks to
+    be registered and hit them (70 + 3 x 6 prompt tokens computed instead of 4 x 70); greedy, every sample is
+    HF's tokens. With prefix caching off each sample computes the whole prompt and nothing waits."""
+    folder, model = reference
+    prompt = make_prompts([70], seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=4)
+    expected = hf_greedy(model, [prompt], 5)
+    for caching in (True, False):
+        llm = LLM(folder, device="cpu", dtype="float32", async_scheduling=async_scheduling,
+                  enable_prefix_caching=caching)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == expected * 4
+        bm = llm.llm_engine.block_manager
+        assert bm.prefix_hit_tokens == (3 * (70 - 1) // BLOCK * BLOCK if caching else 0)
+        assert_drained(llm)
