@@ -171,14 +171,15 @@ def test_the_check_catches_a_warm_up_that_misses_a_query_length(tmp_path, monkey
 @pytest.mark.slow
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "qwen3_moe"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_no_triton_compile_while_serving_after_start_up(arch, dtype, tmp_path):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")])
+def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dtype, tmp_path):
     build_tiny_model(str(tmp_path), arch)
     start = time.perf_counter()
     llm = LLM(str(tmp_path), device="cuda", dtype=dtype, max_num_batched_tokens=256, max_model_len=512,
-              max_num_seqs=16)
+              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype)
     cold_start = time.perf_counter() - start
-    print(f"\n{arch} {dtype}: start-up {cold_start:.1f} s (warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
+    print(f"\n{arch} {dtype} kv {kv_cache_dtype}: start-up {cold_start:.1f} s "
+          f"(warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{len(llm.llm_engine.runner.warmup_steps)} steps; Triton cache {os.environ.get('TRITON_CACHE_DIR')})")
     with CompileCounter() as compiles:
         kinds = _serve_everything(llm, max_tokens=24)
