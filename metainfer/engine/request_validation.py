@@ -52,13 +52,17 @@ def _int(p, name: str, low: int, high: int = INT64_MAX, none_ok: bool = False, w
         raise InvalidRequestError(name, f"{name} must be an integer {what or bound}, got {value!r}")
 
 
-def _float(p, name: str, low: float, high: float, low_open: bool = False) -> None:
+def _float(p, name: str, low: float, high: float, low_open: bool = False, zero_ok: bool = False) -> None:
+    """`name` must be a finite number in the range; `zero_ok`: 0 too (a filter's "off" below the range)."""
     value = getattr(p, name)
+    if zero_ok and _is_number(value) and value == 0:
+        return
     ok = _is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
     if not ok:
         span = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else \
             (f"> {low:g}" if low_open else f">= {low:g}")
-        raise InvalidRequestError(name, f"{name} must be a finite number {span}, got {value!r}")
+        what = f"0 (off) or a finite number {span}" if zero_ok else f"a finite number {span}"
+        raise InvalidRequestError(name, f"{name} must be {what}, got {value!r}")
 
 
 def check_sampling_params(p) -> None:
@@ -68,8 +72,7 @@ def check_sampling_params(p) -> None:
     _float(p, "top_p", MIN_PROBABILITY, 1.0)
     if p.top_k != -1:
         _int(p, "top_k", 0, what=">= 0 (0 or -1: disabled; it must fit in int64)")
-    if not (_is_number(p.min_p) and p.min_p == 0):
-        _float(p, "min_p", MIN_PROBABILITY, 1.0)
+    _float(p, "min_p", MIN_PROBABILITY, 1.0, zero_ok=True)
     _int(p, "seed", INT64_MIN, none_ok=True, what=f"in [{INT64_MIN}, {INT64_MAX}] (int64)")
     _int(p, "max_tokens", 1, none_ok=True)
     _int(p, "min_tokens", 0)

@@ -14,19 +14,32 @@ def load_tokenizer(model_dir: str, gguf_file: str | None = None, tokenizer: str 
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if tokenizer:
-        if not any(os.path.exists(os.path.join(tokenizer, f)) for f in _TOKENIZER_FILES):
-            raise ConfigError(f"tokenizer folder {tokenizer!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        if not has_vocabulary(tokenizer):
+            raise ConfigError(f"tokenizer folder {tokenizer!r} has no tokenizer files that define a vocabulary "
+                              f"({VOCABULARY_FILES})")  # the CLI names --tokenizer (with_option_name)
         return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-    if gguf_file is not None and not _has_tokenizer_files(model_dir):
-        return _gguf_tokenizer(gguf_file)
-    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
-        # transformers would return a tokenizer that encodes every prompt to zero tokens
-        raise ConfigError(f"model folder {model_dir!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-                          "pass a folder that has them with --tokenizer PATH (LLM(tokenizer=PATH))")
+    if gguf_file is not None and not has_vocabulary(model_dir):
+        return _gguf_tokenizer(gguf_file)  # a tokenizer_config.json beside the GGUF holds no vocabulary either
+    if not has_vocabulary(model_dir):
+        # transformers would return a tokenizer that encodes every prompt to zero tokens (tokenizer_config.json
+        # alone) or fail with a message that names no folder (vocab.json without merges.txt)
+        raise ConfigError(f"model folder {model_dir!r} has no tokenizer files that define a vocabulary "
+                          f"({VOCABULARY_FILES}); pass a folder that has them with --tokenizer PATH "
+                          "(LLM(tokenizer=PATH))")
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# The files a vocabulary comes from, for the tokenizers of the supported architectures (Qwen2/3, Llama, DeepSeek-V2,
+# Qwen3-MoE): a fast tokenizer's tokenizer.json; a SentencePiece (or tiktoken) tokenizer.model (Llama's slow
+# tokenizer); a byte-level BPE's vocab.json with its merges.txt (Qwen2Tokenizer: one without the other fails).
+# tokenizer_config.json names the class and the special tokens, no vocabulary.
+_VOCABULARY_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+VOCABULARY_FILES = "tokenizer.json, tokenizer.model, or vocab.json with merges.txt"
+
+
+def has_vocabulary(folder: str) -> bool:
+    """Whether `folder` holds a set of tokenizer files that defines a vocabulary (_VOCABULARY_SETS)."""
+    return any(all(os.path.isfile(os.path.join(folder, name)) for name in names) for names in _VOCABULARY_SETS)
 
 
 def _gguf_tokenizer(gguf_file: str):
@@ -48,10 +61,6 @@ def _gguf_tokenizer(gguf_file: str):
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tokenizer
-
-
-def _has_tokenizer_files(folder: str) -> bool:
-    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 class IncrementalDetokenizer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import re
 import sys
 from typing import NoReturn
@@ -74,6 +75,11 @@ def checked(convert, ok, what: str):
 def int_at_least(low: int):
     """An argparse `type` for a count or a length: an integer >= `low`."""
     return checked(int, lambda value: value >= low, f">= {low}")
+
+
+def float_above(low: float):
+    """An argparse `type` for a size or a rate: a finite number > `low` (nan and inf refused)."""
+    return checked(float, lambda value: low < value < math.inf, f"> {low:g} and finite")
 
 
 def _configured_max_model_len(args) -> int:
@@ -207,7 +213,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1: all (default 0)")
     p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min_p x the top probability, in [0, 1] (default 0)")
+                   help="drop tokens below min_p x the top probability: 0 (off) or in [1e-06, 1] (default 0)")
     p.add_argument("--sample-seed", "--request-seed", dest="request_seed", type=int, default=None,
                    help="per-request sampling seed (default: the engine --seed)")
 

@@ -7,6 +7,9 @@ import sys
 
 
 def add_parser(sub) -> None:
+    from metainfer.config import KV_CACHE_DTYPES
+    from metainfer.entrypoints.cli import float_above
+
     p = sub.add_parser("spec", help="per-rank facts of a model (shapes, bytes, constraints) from its config alone",
                        description=__doc__)
     p.add_argument("model", nargs="?", default=None,
@@ -18,10 +21,11 @@ def add_parser(sub) -> None:
     out.add_argument("--json", action="store_true", help="print the whole report as JSON on stdout")
     out.add_argument("-o", "--output", default=None,
                      help="write the report to this file: JSON if it ends in .json, else YAML (e.g. model_spec.yaml)")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="GPU memory per rank in GiB: adds `memory` (KV gets G x 2^30 x 0.9 minus the rank's weights)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV cache dtype: auto (the --dtype) or fp8 (1 byte a value)")
+    p.add_argument("--gpu-memory-gib", type=float_above(0), default=None,
+                   help="GPU memory per rank in GiB, > 0: adds `memory` (KV gets G x 2^30 x 0.9 minus the rank's "
+                        "weights)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES),
+                   help="KV cache dtype: auto (the --dtype) or fp8 / fp8_e4m3 (1 byte a value; default auto)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weight dtype the bytes are counted in (default bfloat16; DeepSeek's routers stay fp32)")
     p.add_argument("--max-model-len", type=int, default=None,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 
@@ -360,6 +361,8 @@ def build_report(config: dict, tp: int = 1, dtype: str = "bfloat16", kv_cache_dt
         raise ConfigError(f"dtype must be one of {', '.join(ELEMENT_BYTES)}; got {dtype!r}")
     if max_model_len is not None and max_model_len < 1:
         raise ConfigError(f"max_model_len must be >= 1; got {max_model_len}")
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < math.inf:  # nan too
+        raise ConfigError(f"gpu_memory_gib must be a finite number > 0; got {gpu_memory_gib}")
     archs = config.get("architectures") or [config.get("model_type")]
     report = {"architecture": archs[0], "family": None, "features": None, "params_total": None,
               "per_rank_shapes": None, "weight_bytes_per_rank": None, "kv_bytes_per_token": None, "memory": None,

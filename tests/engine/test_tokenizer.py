@@ -90,3 +90,18 @@ def test_a_templated_second_turn_hits_every_full_block_it_shares_with_the_first(
         shared += 1
     assert shared >= 16  # the template's system header and the first user message at least
     assert second.num_cached_tokens == min(shared, len(second.prompt_token_ids) - 1) // 16 * 16
+
+
+def test_a_gguf_beside_a_config_without_vocabulary_uses_its_own(tmp_path, monkeypatch):
+    """A tokenizer_config.json beside a GGUF defines no vocabulary: the GGUF's is used (transformers built a
+    tokenizer from the lone config that encoded every prompt to zero tokens); a real vocabulary beside it wins."""
+    from metainfer.engine import tokenizer as tok
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(tok, "_gguf_tokenizer", lambda path: ("gguf", path))
+    assert tok.load_tokenizer(str(tmp_path), str(gguf)) == ("gguf", str(gguf))
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda folder, **kw: ("folder", folder))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert tok.load_tokenizer(str(tmp_path), str(gguf)) == ("folder", str(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -104,6 +105,59 @@ def test_missing_tokenizer_names_the_folder_and_the_option(capsys, model_dir, tm
     assert str(tmp_path) in line and "--tokenizer" in line
     assert cli.main(["generate", "x", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32",
                      "--tokenizer", model_dir, "--max-tokens", "2", "--json"]) == 0
+
+
+@pytest.mark.parametrize("kept", [("tokenizer_config.json",), ("tokenizer_config.json", "vocab.json"),
+                                  ("tokenizer_config.json", "merges.txt")])
+def test_tokenizer_files_without_a_vocabulary_are_no_tokenizer(capsys, model_dir, tmp_path, kept):
+    """tokenizer_config.json names a class, no vocabulary (transformers built a tokenizer that encoded every prompt
+    to zero tokens, found only after the weights loaded); vocab.json needs merges.txt. The folder has no weights:
+    the refusal comes before any weight is read."""
+    copy_model_files(model_dir, str(tmp_path), weights=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        if name not in kept:
+            (tmp_path / name).unlink()
+    line = _one_line_error(capsys, ["generate", "x", "--model", str(tmp_path), "--device", "cpu"])
+    assert line.startswith(f"metainfer: error: --model: model folder '{tmp_path}' has no tokenizer files that "
+                           "define a vocabulary (tokenizer.json, tokenizer.model, or vocab.json with merges.txt); "
+                           "pass a folder that has them with --tokenizer PATH"), line
+    line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu",
+                                    "--tokenizer", str(tmp_path)])
+    assert line.startswith(f"metainfer: error: --tokenizer: tokenizer folder '{tmp_path}' has no tokenizer files "
+                           "that define a vocabulary"), line
+
+
+def test_each_vocabulary_file_set_counts(tmp_path):
+    from metainfer.engine.tokenizer import has_vocabulary
+
+    for names, expected in [((), False), (("tokenizer_config.json",), False), (("vocab.json",), False),
+                            (("tokenizer_config.json", "merges.txt"), False), (("tokenizer.json",), True),
+                            (("tokenizer.model",), True), (("vocab.json", "merges.txt"), True)]:
+        folder = tmp_path / ("-".join(names) or "empty")
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text("{}")
+        assert has_vocabulary(str(folder)) is expected, names
+    (tmp_path / "dir" / "tokenizer.json").mkdir(parents=True)  # a folder of that name is no file
+    assert not has_vocabulary(str(tmp_path / "dir"))
+
+
+def test_min_p_error_states_the_accepted_range(capsys):
+    """0 (off) is accepted beside [1e-06, 1]: the message says both (it said "in [1e-06, 1]" alone)."""
+    from metainfer import SamplingParams
+
+    expected = "min_p must be 0 (off) or a finite number in [1e-06, 1], got 2.0"
+    line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--min-p", "2"])
+    assert line == f"metainfer: error: --min-p: {expected}", line
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        SamplingParams(min_p=2.0)
+    with pytest.raises(ValueError, match=re.escape(expected.replace("2.0", "1e-07"))):
+        SamplingParams(min_p=1e-7)
+    for ok in (0, 0.0, 1e-6, 0.5, 1.0):
+        assert SamplingParams(min_p=ok).min_p == ok
+    help_text = next(a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                     if "--min-p" in a.option_strings)
+    assert "0 (off) or in [1e-06, 1]" in help_text
 
 
 def test_bench_serve_without_httpx_names_the_extra(capsys, monkeypatch):

@@ -301,6 +301,36 @@ def test_kv_cache_dtype_violation(folders):
     assert spec_violations(spec, 8, "fp8") == []
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--gpu-memory-gib", "-1"], "argument --gpu-memory-gib: must be > 0 and finite, got -1"),
+    (["--gpu-memory-gib", "0"], "argument --gpu-memory-gib: must be > 0 and finite, got 0"),
+    (["--gpu-memory-gib", "nan"], "argument --gpu-memory-gib: must be > 0 and finite, got nan"),
+    (["--gpu-memory-gib", "inf"], "argument --gpu-memory-gib: must be > 0 and finite, got inf"),
+    (["--gpu-memory-gib", "80GB"], "argument --gpu-memory-gib: expected float > 0 and finite, got '80GB'"),
+    (["--kv-cache-dtype", "int4"],
+     "argument --kv-cache-dtype: invalid choice: 'int4' (choose from 'auto', 'fp8', 'fp8_e4m3')"),
+])
+def test_bad_spec_option_values_are_usage_errors(folders, capsys, argv, expected):
+    """A negative GPU memory printed negative bytes; --kv-cache-dtype int4 exited 1 naming the report's node
+    (constraint.kv_cache_dtype): both are bad option values, exit 2 and one line naming the option."""
+    from metainfer.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["spec", folders["qwen3-8b"], *argv])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and not out and err.count("\n") == 1, (exit_.value.code, out, err)
+    assert err.startswith(f"metainfer spec: error: {expected}"), err
+    for good in (["--gpu-memory-gib", "0.5"], ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e4m3"]):
+        assert main(["spec", folders["qwen3-8b"], *good]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("gib", [-1, 0, float("nan"), float("inf")])
+def test_build_report_refuses_a_memory_that_is_not_positive(folders, gib):
+    with pytest.raises(ConfigError, match="gpu_memory_gib must be a finite number > 0"):
+        build_report(load_config(folders["qwen3-8b"]), gpu_memory_gib=gib)
+
+
 def test_cli_exit_status_and_one_line(folders, capsys, tmp_path):
     from metainfer.entrypoints.cli import main
 
