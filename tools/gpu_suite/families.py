@@ -190,10 +190,35 @@ def bs1_ab(args, name: str) -> dict:
     return res
 
 
+def prefill_ab(args, name: str) -> dict:
+    """In one engine, the nano-vllm throughput protocol (and a 1,024-token TTFT) under each MLA prefill rule:
+    the expanded form from 1,024 new tokens (the rule before the varlen kernel), from 256, and 1,024 again
+    (the run's own noise). DeepSeek only."""
+    from metainfer.bench.latency import run_latency
+    from metainfer.bench.throughput import run_throughput
+
+    llm = _engine(family_dir(args, name))
+    backend = llm.llm_engine.runner.attn_backend
+    res = {}
+    try:
+        for variant, min_q in (("min_q_1024", 1024), ("min_q_256", 256), ("min_q_1024_again", 1024)):
+            backend.expanded_min_q = min_q
+            t = run_throughput(llm, progress=False)
+            ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=3, warmup=1)
+            res[variant] = {"output_tok_s": t["output_tok_s"], "elapsed_s": t["elapsed_s"],
+                            "decode_seconds": t.get("decode_seconds"), "ttft_1024_ms": ttft.get("ttft_ms")}
+            print(f"{name} prefill_ab {variant}", res[variant], flush=True)
+    finally:
+        del backend, llm
+        release()
+    return res
+
+
 def moe_families(args, results) -> dict:
     """Per model of --moe-models, the parts of --moe-parts: engine figures, HF eager, agreement, bs1_ab."""
     res = {}
-    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "bs1_ab": bs1_ab}
+    parts = {"engine": engine_figures, "hf": hf_figures, "agreement": family_agreement, "bs1_ab": bs1_ab,
+             "prefill_ab": prefill_ab}
     for name in args.moe_models.split(","):
         res[name] = {}
         for part in args.moe_parts.split(","):
