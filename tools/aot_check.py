@@ -72,11 +72,6 @@ def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, f
                       lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
                       attention_decode.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1, max_num_splits=n,
                                                                      pdl=pdl)))
-        if kv_cache.is_token_major(cache[1]):  # the V-early A/B variant (attn_kv_dtype study) must compile too
-            cases.append((f"decode {tag} splits<={n} v_early",
-                          lambda pdl, q=q, c=cache, t=tables, lens=lens, n=n:
-                          attention_decode.paged_decode_attention_triton(q, c[0], c[1], t, lens, 0.1,
-                                                                         max_num_splits=n, pdl=pdl, v_early=True)))
     else:
         q = torch.zeros(5, hq, head_dim, dtype=dtype)
         cu = torch.zeros(3, dtype=torch.int32)

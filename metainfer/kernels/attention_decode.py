@@ -112,13 +112,11 @@ def _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, 
 def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
                  kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                  scale_log2e, d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-                 V_EARLY: tl.constexpr = False):
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     """One online-softmax step of the decode loop over tokens n0 .. n0 + BLOCK_N - 1: (m_i, l_i, acc)
     updated. MASKED: tokens from `end` on are left out (else the whole tile is below `end`).
     V_TOKEN_MAJOR: V is read as [D, BLOCK_N] tiles along tokens (kv_cache.token_major_v_cache) and
-    handed to P @ V transposed, as K is to q @ K^T. V_EARLY (token-major V; an A/B, session 20): V's raw load
-    is issued beside K's, before the scores, and converted after the softmax."""
+    handed to P @ V transposed, as K is to q @ K^T."""
     tok = n0 + tl.arange(0, BLOCK_N)
     t_mask = tok < end
     page = _tile_pages(bt_row, tok, t_mask, end, BLOCK_SIZE, MASKED, V_TOKEN_MAJOR)
@@ -132,8 +130,6 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h
     if not V_TOKEN_MAJOR:  # V's load in flight with K's: one memory round trip a tile instead of two
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    elif V_EARLY:
-        vt_raw = tl.load(v_cache_ptr + v_rows[None, :] + d[:, None] * vc_stride_d, mask=d_mask[:, None], other=0.0)
     k = _in_kv_dtype(k, k_cache_ptr, q)
     if not V_TOKEN_MAJOR:
         v = _in_kv_dtype(v, v_cache_ptr, q)
@@ -150,13 +146,7 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if V_TOKEN_MAJOR:
-        if V_EARLY:
-            vt = _in_kv_dtype(vt_raw, v_cache_ptr, q)
-            if MASKED:
-                vt = tl.where(t_mask[None, :], vt, 0.0)
-            v = tl.trans(vt)
-        else:
-            v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED)
+        v = _load_v_token_major(v_cache_ptr, v_rows, d, d_mask, t_mask, vc_stride_d, q, MASKED)
     if USE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
@@ -212,7 +202,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr, V_EARLY: tl.constexpr = False,
+    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
@@ -260,15 +250,14 @@ def _decode_split_kernel(
             m_i, l_i, acc = _decode_step(
                 q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), end, bt_row, k_cache_ptr, v_cache_ptr,
                 kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True, V_EARLY)
+                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
         # the tail in smaller masked tiles: one full-size masked tile outside the loop is not staged
         # through shared memory and held 184 registers a thread against 118 without it (sm_90)
         for n0 in range(full_end, end, TAIL_BLOCK_N):
             m_i, l_i, acc = _decode_step(
                 q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), end, bt_row, k_cache_ptr,
                 v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True,
-                V_EARLY)
+                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
@@ -438,7 +427,6 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     tail_block_n: int | None = None,
     plans: dict | None = None,
-    v_early: bool = False,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -453,8 +441,7 @@ def paged_decode_attention_triton(
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
     at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
     planned by the first call and replayed by the next ones through the same dict with the same q and out strides
-    (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do).
-    `v_early`: token-major V loaded beside K (session 20's A/B in the attn_kv_dtype study; not in the engine)."""
+    (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do)."""
     # keyed by what may differ between callers of one step's plans (the piecewise capture probes with the packed
     # projection's q, then attends with the static one and an out) and by the tensors the plan holds, so another
     # caller re-plans instead of replaying the wrong launch
@@ -467,7 +454,7 @@ def paged_decode_attention_triton(
         launch = _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_num_splits=max_num_splits,
                               workspace=workspace, out=out, block_n=block_n, counters=counters,
                               min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                              num_splits=num_splits, tail_block_n=tail_block_n, v_early=v_early)
+                              num_splits=num_splits, tail_block_n=tail_block_n)
         if plans is not None:
             plans[key] = launch
     return launch(q, k_cache, v_cache, out)
@@ -475,7 +462,7 @@ def paged_decode_attention_triton(
 
 def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_num_splits, workspace, out, block_n,
                  counters, min_split_tokens, num_warps, num_stages, pdl, num_splits=None,
-                 tail_block_n=None, v_early=False) -> PlannedLaunch:
+                 tail_block_n=None) -> PlannedLaunch:
     """One _decode_split_kernel launch, planned: the argument checks and choices made here, once."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -539,6 +526,6 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
              BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
              USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
              BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-             V_TOKEN_MAJOR=is_token_major(v_cache), V_EARLY=bool(v_early) and is_token_major(v_cache),
+             V_TOKEN_MAJOR=is_token_major(v_cache),
              num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl)),
         out_shape, q.dtype)

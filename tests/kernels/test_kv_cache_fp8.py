@@ -189,22 +189,6 @@ def test_decode_token_major_tails_of_16_token_tiles(group, block_size, launch):
     _close(out, paged_decode_attention_ref(*args), dtype)
 
 
-@pytest.mark.parametrize("launch", [(1, 128, 16), (3, 32, None)], ids=["one-pass-128-tail16", "split3"])
-@pytest.mark.parametrize("group", [1, 4], ids=["gqa1", "gqa4"])
-def test_decode_v_loaded_beside_k_matches_ref(group, launch):
-    """The V-early variant (token-major V's raw load issued with K's, converted after the softmax; session 20's
-    A/B) over fp8: full tiles, masked tails of 16 tokens and split launches against the reference."""
-    num_splits, block_n, tail_block_n = launch
-    dtype = KERNEL_DTYPES[0]
-    contexts = DECODE_CONTEXTS + [block_n + 1, 255, 300]
-    batch = _to_fp8(make_paged_batch(contexts, 16, 2, 64, dtype))
-    q = _randn(len(contexts), 2 * group, 64, dtype=dtype, seed=11, device=DEVICE)
-    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
-    out = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=16,
-                                        tail_block_n=tail_block_n, v_early=True)
-    _close(out, paged_decode_attention_ref(*args), dtype)
-
-
 def test_decode_tail_block_n_is_checked():
     batch = _to_fp8(make_paged_batch([5, 40], 16, 2, 64, KERNEL_DTYPES[0]))
     q = _randn(2, 8, 64, dtype=KERNEL_DTYPES[0], seed=1, device=DEVICE)

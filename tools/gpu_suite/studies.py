@@ -99,12 +99,7 @@ def attn_sweep(args, results) -> dict:
 COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
           ("block_n128", dict(block_n=128))]
 RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
-FP8_ONLY = [("tail32", dict(tail_block_n=32)),  # token-major V: the context's tail in 32-token tiles
-            # token-major V loaded beside K (session 20 A/B). sm_90 AOT at Qwen3-8B dims, one-pass 128-token tiles:
-            # 137 registers a thread against the default's 126 (4 -> 3 programs an SM at 4 warps); at 64-token
-            # tiles both take 96; at 8 warps 80
-            ("v_early", dict(v_early=True)), ("v_early_block_n64", dict(v_early=True, block_n=64)),
-            ("v_early_warps8", dict(v_early=True, num_warps=8)), ("v_early_stages3", dict(v_early=True, num_stages=3))]
+FP8_ONLY = [("tail32", dict(tail_block_n=32))]  # token-major V: the context's tail in 32-token tiles
 
 
 def _kv_dtype_cases() -> list:
