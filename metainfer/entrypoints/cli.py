@@ -143,7 +143,15 @@ def default_model_path() -> str:
         raise SystemExit(f"metainfer: error: {err}") from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+# `serve`'s default prompt-token cap of a step with decode rows (run 74, an H100, bench serve 512 / 256 at
+# concurrency 64: 92.9% of offline and ITL p99 1.93x the median, against 90.2% and 3.15x uncapped; run 71:
+# 95.1 / 94.1%, 2.84x / 4.74x). Offline runs keep no cap: their throughput wants whole-budget prefill steps
+# (vLLM likewise gives its API server and its offline LLM different batching defaults).
+SERVE_MAX_MIXED_PREFILL_TOKENS = 256
+
+
+def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The engine's options; `serving`: the server's defaults where they differ from offline use."""
     p.add_argument("--model", default=None, help="model folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None,
                    help="folder with the tokenizer files, when the model folder has none (default: the model's)")
@@ -158,9 +166,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (default: max(8192, min(max_model_len, 16384)))")
-    p.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
+    p.add_argument("--max-mixed-prefill-tokens", type=int,
+                   default=SERVE_MAX_MIXED_PREFILL_TOKENS if serving else None,
                    help="most prompt tokens in a step that also decodes running sequences (bounds their "
-                        "inter-token latency while prompts arrive; default: no cap beyond the step budget)")
+                        "inter-token latency while prompts arrive; 0: no cap beyond the step budget; default: "
+                        + (f"{SERVE_MAX_MIXED_PREFILL_TOKENS} for serve)" if serving else "no cap)"))
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=2048,
                    help="prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs; "
                         "0: eagerly (default 2048)")
@@ -196,7 +206,7 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 max_piecewise_graph_tokens=getattr(args, "max_piecewise_graph_tokens", 2048),
-                max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None),
+                max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None) or None,  # 0: no cap
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,

@@ -20,7 +20,7 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
                     "SIGTERM / SIGINT: new requests get 503, those in flight may finish for --shutdown-timeout "
                     "seconds, the rest end with a final error event; the engine is closed and the exit status is 0.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model path (same as --model)")
-    add_engine_args(p)
+    add_engine_args(p, serving=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),

@@ -107,3 +107,17 @@ def test_cli_imports_without_the_server_extras():
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_serve_caps_the_prompt_tokens_of_mixed_steps_by_default_and_offline_does_not():
+    """`serve` defaults --max-mixed-prefill-tokens to SERVE_MAX_MIXED_PREFILL_TOKENS (the ITL tail's cap,
+    docs/PERFORMANCE.md), `generate` and the benches to none; 0 turns the server's cap off."""
+    from metainfer.entrypoints.cli import SERVE_MAX_MIXED_PREFILL_TOKENS, build_parser, engine_kwargs
+
+    parser = build_parser()
+    served = parser.parse_args(["serve", "--model", "m"])
+    assert served.max_mixed_prefill_tokens == SERVE_MAX_MIXED_PREFILL_TOKENS == 256
+    assert engine_kwargs(served)["max_mixed_prefill_tokens"] == 256
+    assert engine_kwargs(parser.parse_args(["serve", "--max-mixed-prefill-tokens", "0"]))[
+        "max_mixed_prefill_tokens"] is None
+    assert engine_kwargs(parser.parse_args(["generate", "hi"]))["max_mixed_prefill_tokens"] is None
