@@ -8,7 +8,7 @@ A step: `store` normalises c (kv_a_layernorm), rotates q_pe and k_pe (interleave
 [c, k_pe] at the slots, one fused launch (kernels/mla_prep.py). `decode` runs absorbed: q_lat = q_nope @
 W_UK per head (ops.mla_absorb, kernels/mla_absorb.py), attention of [q_lat, q_pe] over the cached
 [c, k_pe] with values c (kernels/mla_ref.py, kernels/mla_attention.py), then out = o_lat @ W_UV^T per head
-(ops.mla_value_up) -> [T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H200, run 49,
+(ops.mla_value_up) -> [T, Hr * Dv] for o_proj. `prefill` takes the form that is faster at its length (H100, runs 74-75,
 tools/bench_mla.py): absorbed below `expanded_min_q` new tokens, expanded from there: the step's context
 latents (every prefill sequence's cached tokens, a prefix hit's and an earlier chunk's included) gathered from
 the cache once a step, up-projected by kv_b_proj into per-head k_nope and v in one GEMM a layer, then one
@@ -25,8 +25,11 @@ import torch.nn.functional as F
 
 from metainfer.attention.backend import AttentionBackend
 
-# prefill steps whose longest sequence has at least this many new tokens take the expanded form
-EXPANDED_MIN_Q = 1024
+# prefill steps whose longest sequence has at least this many new tokens take the expanded form: the varlen
+# kernel beat the absorbed one from 512 tokens (H100, run 74, tools/bench_mla: kernel 64 vs 136 us at 512, 200
+# vs 1,048 us for 16 x 512 packed; 83 vs 103 us at 256, both launch-bound) and the throughput protocol gained
+# 1.7-3.3% with 256 against 1,024 in one engine (run 75: 7,689 against 7,444 / 7,561 output tok/s)
+EXPANDED_MIN_Q = 256
 
 
 def context_rows(context_lens: torch.Tensor, block_tables: torch.Tensor, total: int,
