@@ -224,7 +224,8 @@ def _prefill_case(seqs: list[tuple[int, int]], weights, repeats: int) -> dict:
     import torch.nn.functional as F
 
     from metainfer.attention.mla import context_rows
-    from metainfer.kernels.mla_attention import mla_expanded_attention_triton, mla_prefill_attention_triton
+    from metainfer.kernels.mla_attention import mla_prefill_attention_triton
+    from metainfer.kernels.mla_expanded import mla_expanded_attention_triton
 
     dev, bf16, scale = torch.device("cuda"), torch.bfloat16, (NOPE + ROPE) ** -0.5
     w_uk, w_uv, kv_b = weights

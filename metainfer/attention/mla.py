@@ -12,7 +12,7 @@ W_UK per head (ops.mla_absorb, kernels/mla_absorb.py), attention of [q_lat, q_pe
 tools/bench_mla.py): absorbed below `expanded_min_q` new tokens, expanded from there: the step's context
 latents (every prefill sequence's cached tokens, a prefix hit's and an earlier chunk's included) gathered from
 the cache once a step, up-projected by kv_b_proj into per-head k_nope and v in one GEMM a layer, then one
-varlen causal attention over them with the shared k_pe (ops.mla_expanded_attention: kernels/mla_attention.py
+varlen causal attention over them with the shared k_pe (ops.mla_expanded_attention: kernels/mla_expanded.py
 on the GPU, kernels/mla_ref.py's SDPA on the CPU), each sequence's queries aligned to its context's end.
 """
 

@@ -31,12 +31,8 @@ from .fused_moe import fused_moe_slots_triton, fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
 from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
-from .mla_attention import (
-    mla_decode_attention_triton,
-    mla_decode_workspace_numel,
-    mla_expanded_attention_triton,
-    mla_prefill_attention_triton,
-)
+from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
+from .mla_expanded import mla_expanded_attention_triton
 from .mla_prep import mla_latent_prep_ref, mla_latent_prep_triton
 from .mla_ref import mla_decode_attention_ref, mla_expanded_attention_ref, mla_prefill_attention_ref
 from .moe_ref import ExpertSlots, fused_moe_ref, fused_moe_slots_ref, route_topk_ref, router_topk_ref

@@ -22,8 +22,9 @@ q_lat and q_pe may be strided views. Math in fp32 (fp8 widened exactly); outputs
 `rotary_interleaved(positions[T], q_pe[T,H,R], k_pe[T,R], cos_sin[P,R])`: DeepSeek's rope, as
 transformers applies it: pairs (x[2i], x[2i+1]) rotated by frequency i (cos_sin = cat(cos, sin) * mscale,
 kernels/rotary.py), in fp32, rounded once to the input dtype; in place.
-The Triton kernels: kernels/mla_attention.py (decode, prefill); the store and the rope run fused with the
-latent norm on the GPU path (kernels/mla_prep.py), whose reference composes these two.
+The Triton kernels: kernels/mla_attention.py (decode, prefill), kernels/mla_expanded.py (expanded prefill);
+the store and the rope run fused with the latent norm on the GPU path (kernels/mla_prep.py), whose reference
+composes these two.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from metainfer.kernels.mla_attention import (
     mla_decode_attention_triton,
     mla_decode_num_splits,
     mla_decode_workspace_numel,
-    mla_expanded_attention_triton,
     mla_prefill_attention_triton,
 )
+from metainfer.kernels.mla_expanded import mla_expanded_attention_triton
 from metainfer.kernels.mla_ref import (
     mla_decode_attention_ref,
     mla_expanded_attention_ref,
@@ -428,7 +428,7 @@ def aot_compile_mla() -> int:
     """Compile the MLA launches at DeepSeek-V2-Lite dims for sm_90 (run in a process without
     TRITON_INTERPRET) through tests.helpers.aot's aot_main; shared memory over the H200's and register spills
     fail. Returns the exit status (2: cannot compile)."""
-    from metainfer.kernels import mla_absorb, mla_prep
+    from metainfer.kernels import mla_absorb, mla_expanded, mla_prep
     from metainfer.kernels import mla_attention as mla
 
     bf16, fp8 = torch.bfloat16, FP8_KV_DTYPE
@@ -447,7 +447,7 @@ def aot_compile_mla() -> int:
                 cu = torch.zeros(4, dtype=torch.int32)
                 mla.mla_prefill_attention_triton(q_lat, q_pe, cache, cu, lens, tables, 4096, 0.1,
                                                  pdl=cache_dtype == bf16)
-                mla.mla_expanded_attention_triton(torch.zeros(3, heads, 192, dtype=bf16),
+                mla_expanded.mla_expanded_attention_triton(torch.zeros(3, heads, 192, dtype=bf16),
                                                   torch.zeros(5, heads, 256, dtype=bf16),
                                                   torch.zeros(5, 576, dtype=bf16)[:, 512:],
                                                   torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
@@ -463,7 +463,7 @@ def aot_compile_mla() -> int:
                 mla_absorb.mla_value_up_triton(torch.zeros(rows, heads, 512, dtype=bf16), kv_b[:, 128:], pdl=pdl,
                                                max_rows=mla_absorb.MAX_ROWS)
 
-    return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla._mla_expanded_kernel,
+    return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla_expanded._mla_expanded_kernel,
                      mla_prep._mla_latent_prep_kernel,
                      mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel], launch, fail_on_spills=True)
 
