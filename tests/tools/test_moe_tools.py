@@ -59,6 +59,19 @@ def test_pick_winners_gives_the_moe_section_format():
     assert parse_moe_table(table) == {(64, 1408, 2048): {1: MoeConfig.from_any(fast)}}
 
 
+def test_pick_winners_keeps_the_default_unless_a_candidate_wins_clearly():
+    default, other = MoeConfig().to_dict(), MoeConfig(16, 32, 128, 1, 4, 4).to_dict()
+    def rows(default_us, other_us):
+        first = {"config": default, "ok": True, "us": default_us} if default_us else {"config": default, "ok": False}
+        return {"configs": [first, {"config": other, "ok": True, "us": other_us}]}
+
+    # run 80's figures: 0.6% at one token is noise, 18% at 4,096 is not; a failed default leaves the winner
+    results = {"a": {"E": 66, "N": 1408, "H": 2048, "buckets": {
+        "1": rows(57.47, 57.12), "4096": rows(1757.6, 1434.9), "8": rows(None, 9.0)}}}
+    assert pick_winners(results)["E66_N1408_H2048"] == {"1": default, "4096": other, "8": other}
+    assert pick_winners(results, min_gain=0.0)["E66_N1408_H2048"]["1"] == other
+
+
 def test_write_moe_section_merges_and_notes_it(tmp_path):
     path = str(tmp_path / "Some_GPU.json")
     with open(path, "w") as f:
