@@ -10,7 +10,7 @@ Every request streams; times are taken at each SSE chunk that carries text:
 - TPOT: (E2EL - TTFT) / (output tokens - 1).   - E2EL: request sent -> stream done.
 
 Metric names are vLLM's `benchmark_serving` names (`mean_ttft_ms`, `p99_itl_ms`,
-`output_throughput`, ...). Needs only httpx: `python -m metainfer.bench.serve --base-url URL`.
+`output_throughput`, ...). Needs only aiohttp: `python -m metainfer.bench.serve --base-url URL`.
 """
 
 from __future__ import annotations
@@ -68,22 +68,22 @@ def make_payloads(args, model: str) -> list[dict]:
 
 
 # -- one streamed request ---------------------------------------------------------------------
-async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
+async def send_request(session, url: str, payload: dict, headers: dict) -> RequestResult:
     result = RequestResult(prompt_len=len(payload.get("prompt", [])))
     start = last = time.perf_counter()
     result.start = start
     chunks = 0
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                result.error = f"HTTP {resp.status_code}: {body[:300]}"
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode(errors="replace")
+                result.error = f"HTTP {resp.status}: {body[:300]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -115,23 +115,27 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
 
 
 async def run_benchmark(args) -> dict:
-    import httpx
+    """The client is aiohttp, as vLLM's benchmark_serving's: at concurrency 64 a step's 64 chunks arrive at once,
+    and httpx spent ~80 us of CPU a chunk against aiohttp's ~30 (docs/PERFORMANCE.md), so an httpx client's
+    own loop was busy half of each 9-ms step and its queueing showed up as inter-token latency."""
+    import aiohttp
 
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     concurrency = args.max_concurrency or args.num_prompts
-    limits = httpx.Limits(max_connections=max(1, concurrency), max_keepalive_connections=max(1, concurrency))
-    timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    connector = aiohttp.TCPConnector(limit=max(1, concurrency), force_close=False)
+    timeout = aiohttp.ClientTimeout(total=args.timeout, connect=min(args.timeout, 30.0))
+    # read_bufsize: a chunk's SSE line must fit the stream reader's buffer (a long logprobs line is tens of KB)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2 ** 20) as session:
         model = args.model
         if model is None:
-            resp = await client.get(f"{base}/v1/models", headers=headers)
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+            async with session.get(f"{base}/v1/models", headers=headers) as resp:
+                resp.raise_for_status()
+                model = (await resp.json())["data"][0]["id"]
         url = f"{base}{args.endpoint}"
         payloads = make_payloads(args, model)
         if not args.no_warmup and payloads:
-            warm = await send_request(client, url, {**payloads[0], "max_tokens": min(4, payloads[0]["max_tokens"])},
+            warm = await send_request(session, url, {**payloads[0], "max_tokens": min(4, payloads[0]["max_tokens"])},
                                       headers)
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
@@ -148,7 +152,7 @@ async def run_benchmark(args) -> dict:
                 in_flight += 1
                 peak = max(peak, in_flight)
                 try:
-                    return await send_request(client, url, payload, headers)
+                    return await send_request(session, url, payload, headers)
                 finally:
                     in_flight -= 1
 
@@ -310,13 +314,13 @@ def main(args: argparse.Namespace) -> dict:
     if not 0 <= low_id < high_id:
         usage_error(f"--token-id-range needs 0 <= LOW < HIGH, got {low_id} {high_id}")
     try:
-        import httpx
+        import aiohttp
     except ImportError:  # the HTTP client comes with the server's extra
-        raise SystemExit("metainfer: error: bench serve needs httpx: pip install 'metainfer[serve]'") from None
+        raise SystemExit("metainfer: error: bench serve needs aiohttp: pip install 'metainfer[serve]'") from None
 
     try:
         record = asyncio.run(run_benchmark(args))
-    except httpx.HTTPError as err:  # the server could not be reached or answered /v1/models with an error
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:  # no server, or /v1/models failed
         raise SystemExit(f"metainfer: error: --base-url {args.base_url}: {type(err).__name__}: "
                          f"{(str(err).splitlines() or [''])[0]}") from None
     if args.print_json:

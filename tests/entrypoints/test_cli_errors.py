@@ -160,12 +160,12 @@ def test_min_p_error_states_the_accepted_range(capsys):
     assert "0 (off) or in [1e-06, 1]" in help_text
 
 
-def test_bench_serve_without_httpx_names_the_extra(capsys, monkeypatch):
+def test_bench_serve_without_its_client_names_the_extra(capsys, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "httpx", None)  # an import of it now raises ImportError
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # an import of it now raises ImportError
     line = _one_line_error(capsys, ["bench", "serve", "--base-url", "http://127.0.0.1:9"], status=1)
-    assert "pip install 'metainfer[serve]'" in line and "httpx" in line
+    assert "pip install 'metainfer[serve]'" in line and "aiohttp" in line
 
 
 def test_serve_without_the_server_packages_names_the_extra(capsys, monkeypatch):
@@ -354,7 +354,7 @@ def test_bench_serve_without_a_server_is_one_line(capsys):
 
     url = f"http://127.0.0.1:{free_port()}"
     line = _usage_line(capsys, ["bench", "serve", "--base-url", url, "--timeout", "5"], status=1)
-    assert line.startswith(f"metainfer: error: --base-url {url}: ConnectError"), line
+    assert line.startswith(f"metainfer: error: --base-url {url}: ClientConnectorError"), line
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

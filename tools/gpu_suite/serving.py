@@ -5,8 +5,8 @@
   Target: first hit <= 2x the repeat. The requests' `num_cached_tokens` beside.
 - `serve_vs_offline`: `metainfer serve` in a subprocess, `bench serve` with 256 prompts of 512 tokens, 256
   out, at concurrency 64, against the offline engine decoding the same shape with max_num_seqs=64
-  (output tok/s both). Target >= 90% of offline, ITL p99 <= 2x median. Needs fastapi, uvicorn and
-  httpx: installed from `.gpu_assets/wheels` when the machine lacks them.
+  (output tok/s both). Target >= 90% of offline, ITL p99 <= 2x median. Needs fastapi, uvicorn, httpx
+  and aiohttp: installed from `.gpu_assets/wheels` when the machine lacks them.
 - `throughput_1k`: 1,000 prompts of 1,000 tokens, 1,000 out, max_num_seqs 512, bf16 and fp8 KV.
 """
 
@@ -53,12 +53,15 @@ def prefix_hits(args) -> dict:
     return res
 
 
+SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "aiohttp")  # the server, the suite's /metrics reads, bench serve
+
+
 def _ensure_server_packages() -> dict:
-    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+    missing = [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         wheels = os.path.join(ROOT, ".gpu_assets", "wheels")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
-                        "fastapi", "uvicorn", "httpx"], check=True)
+                        *missing], check=True)
     return {"installed": missing}
 
 
