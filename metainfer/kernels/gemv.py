@@ -321,6 +321,17 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_y
     tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _splitk_reduce(partials: torch.Tensor, b: torch.Tensor, y: torch.Tensor, has_bias: bool, pdl: bool) -> None:
+    """y[M, N] = sum of the fp32 partials[SPLIT_K, M, N] (+ b[N] where has_bias), one rounding: the second launch
+    of a split-K GEMV or skinny GEMM (one reduce for both, deterministic). Without a bias `b` is any tensor of the
+    launch's (the GEMMs pass their weight), never read."""
+    m, n = y.shape
+    _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
+        partials, b, y, n, partials.stride(0), partials.stride(1), y.stride(0),
+        HAS_BIAS=has_bias, SPLIT_K=partials.shape[0], BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl_args(pdl),
+    )
+
+
 def _check_args(x, weight, bias, x_cols: int | None = None, fn: str = "gemv_triton"):
     k = weight.shape[1] if weight.dim() == 2 else -1
     ok = (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and weight.dim() == 2 and x.shape[1] == (x_cols or k)
@@ -353,10 +364,7 @@ def _launch_gemv(x, weight, bias, config, pdl, silu_mul=False):
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     if plan.split_k > 1:
-        _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
-            out, b, y, n, out.stride(0), out.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl_args(pdl),
-        )
+        _splitk_reduce(out, b, y, bias is not None, pdl)
     return y
 
 

@@ -16,7 +16,7 @@ range; each step multiplies a [BLOCK_N, BLOCK_K] weight tile by the [BLOCK_K, BL
 x tile (the batch padded to BLOCK_M >= 16 is the MMA's narrow side), so the weight stream, the
 only large operand, feeds tensor cores through Triton's software-pipelined loads (num_stages).
 Grids of few programs (the 4096-row shapes: 64 at BLOCK_N 64) split K so that ~2 programs run on
-each of ~132 SMs; the fp32 partials are summed by the GEMV's reduce kernel (deterministic).
+each of ~132 SMs; the fp32 partials are summed by the GEMV's reduce kernel (gemv._splitk_reduce, deterministic).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ._triton import (
     tl,
     triton,
 )
-from .gemv import _REDUCE_BLOCK, ENGINE_MAX_ROWS, _splitk_reduce_kernel, parse_shape_key
+from .gemv import ENGINE_MAX_ROWS, _splitk_reduce, parse_shape_key
 
 MAX_ROWS = 64
 # Programs a launch aims for when its config leaves split_k to the shape (split_k=0): two per SM
@@ -172,10 +172,7 @@ def skinny_gemm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl),
     )
     if split > 1:
-        _splitk_reduce_kernel[(cdiv(n, _REDUCE_BLOCK), m)](
-            out, b, y, n, out.stride(0), out.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, num_warps=4, **pdl_args(pdl),
-        )
+        _splitk_reduce(out, b, y, bias is not None, pdl)
     return y
 
 
