@@ -186,11 +186,11 @@ def main(argv=None) -> None:
     if args.emit is not None:
         serve_emitter(args.emit, args.tick_ms / 1e3, args.ticks_json)
         return
-    result = measure(args)
-    print(json.dumps(result, indent=1))
+    text = json.dumps(measure(args), indent=1)
+    print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
