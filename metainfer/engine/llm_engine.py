@@ -41,7 +41,7 @@ from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
-from metainfer.loader.gguf import gguf_config
+from metainfer.loader.gguf import gguf_config, share_gguf_readers
 from metainfer.models.shape_contract import validate_tp_config
 from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
@@ -85,30 +85,31 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         config.model_dir, config.gguf_file = locate_model(config.model)
-        spec = _read_spec(config)
-        config.finalize(spec)
-        # every tp, 1 included, before any weight is read: the constraints `metainfer spec` reports
-        validate_tp_config(spec, config.tensor_parallel_size, config.kv_cache_dtype)
-        self.spec = spec
-        self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
-        eos = set(spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver, or,
-        # under torchrun (external launcher), every process builds its own rank's (worker/tp/launched.py)
-        self.launcher = LaunchedRank(config) if config.distributed_executor_backend == "external_launcher" else None
-        self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 and self.launcher is None else None
-        if self.launcher is not None:
-            self.runner = self.launcher.build_runner(self.eos_token_ids)
-        elif self.tp_driver is not None:
-            self.runner = self.tp_driver.build_runner(self.eos_token_ids)
-        elif config.device == "mlx":  # the MLX backend (metainfer/mlx/): same scheduler, sampler and outputs
-            from metainfer.mlx.model_runner import MLXModelRunner
+        with share_gguf_readers():  # a GGUF is parsed once: its config here, rank 0's weights in the runner
+            spec = _read_spec(config)
+            config.finalize(spec)
+            # every tp, 1 included, before any weight is read: the constraints `metainfer spec` reports
+            validate_tp_config(spec, config.tensor_parallel_size, config.kv_cache_dtype)
+            self.spec = spec
+            self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
+            eos = set(spec.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                eos.add(self.tokenizer.eos_token_id)
+            self.eos_token_ids = tuple(sorted(eos))
+            # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver, or,
+            # under torchrun (external launcher), every process builds its own rank's (worker/tp/launched.py)
+            self.launcher = LaunchedRank(config) if config.distributed_executor_backend == "external_launcher" else None
+            self.tp_driver = TPDriver(config) if config.tensor_parallel_size > 1 and self.launcher is None else None
+            if self.launcher is not None:
+                self.runner = self.launcher.build_runner(self.eos_token_ids)
+            elif self.tp_driver is not None:
+                self.runner = self.tp_driver.build_runner(self.eos_token_ids)
+            elif config.device == "mlx":  # the MLX backend (metainfer/mlx/): same scheduler, sampler and outputs
+                from metainfer.mlx.model_runner import MLXModelRunner
 
-            self.runner = MLXModelRunner(config, eos_token_ids=self.eos_token_ids)
-        else:
-            self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
+                self.runner = MLXModelRunner(config, eos_token_ids=self.eos_token_ids)
+            else:
+                self.runner = ModelRunner(config, eos_token_ids=self.eos_token_ids)
         # every Triton kernel variant compiled before the engine takes requests (worker/warmup.py); under an
         # external launcher rank 0 runs the steps and the other ranks replay them (LaunchedRank.warm_up)
         warm_up = self.launcher.warm_up if self.launcher is not None else getattr(self.runner, "warm_up", None)

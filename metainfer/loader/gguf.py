@@ -6,6 +6,8 @@ llama.cpp's converter permutes Q/K rows of Llama-architecture checkpoints for it
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import os
@@ -23,11 +25,38 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# (abspath, size, mtime_ns) -> parsed reader, inside share_gguf_readers() only (None outside)
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("metainfer_gguf_readers", default=None)
+
+
+def _file_key(path: str) -> tuple[str, int, int]:
+    stat = os.stat(path)
+    return os.path.abspath(path), stat.st_size, stat.st_mtime_ns
+
+
+@contextlib.contextmanager
+def share_gguf_readers():
+    """One parse of a GGUF per engine build: GGUFReader's constructor takes ~2 s on the embedded 135M model (it
+    makes numpy views of each of its ~150k vocabulary entries), and the build needs the file twice (gguf_config,
+    then iterate_gguf for the weights). Inside the block both get the same reader; it is dropped on exit, so no
+    parsed file (nor its memory map) outlives the build."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def _reader(path: str):
     import gguf
-    return gguf.GGUFReader(path)
+
+    shared = _SHARED.get()
+    if shared is None:
+        return gguf.GGUFReader(path)
+    key = _file_key(path)  # a file rewritten mid-build is parsed again
+    if key not in shared:
+        shared[key] = gguf.GGUFReader(path)
+    return shared[key]
 
 
 def _field(reader, key: str, default=None):
@@ -38,8 +67,7 @@ def _field(reader, key: str, default=None):
 def gguf_config(path: str) -> dict:
     """An HF-style config.json dict built from the GGUF metadata. Parsing the file takes ~2 s (the embedded 135M
     model); a process that reads it twice (the CLI's checks before loading, then the engine) parses it once."""
-    stat = os.stat(path)
-    return copy.deepcopy(_gguf_config(os.path.abspath(path), stat.st_size, stat.st_mtime_ns))
+    return copy.deepcopy(_gguf_config(*_file_key(path)))
 
 
 @functools.lru_cache(maxsize=8)
