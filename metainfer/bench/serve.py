@@ -4,9 +4,11 @@ Random prompts of `--input-len` token ids (sent as a token-id prompt to /v1/comp
 the server sees exactly that many tokens; ids are drawn from `--token-id-range`), asking for
 exactly `--output-len` tokens (`ignore_eos`). Requests arrive as a Poisson process at
 `--request-rate` per second (`inf`: all at once), at most `--max-concurrency` in flight.
-Every request streams; times are taken at each SSE chunk that carries text:
+Every request streams; times are taken at each SSE chunk that carries tokens (a completion choice, or a chat delta
+with content; not the chat's role chunk), as vLLM's benchmark counts them: a chunk whose tokens end inside a
+character carries empty text and still counts:
 
-- TTFT: request sent -> first text chunk.      - ITL: gaps between text chunks.
+- TTFT: request sent -> first token chunk.     - ITL: gaps between token chunks.
 - TPOT: (E2EL - TTFT) / (output tokens - 1).   - E2EL: request sent -> stream done.
 
 Metric names are vLLM's `benchmark_serving` names (`mean_ttft_ms`, `p99_itl_ms`,
@@ -95,8 +97,8 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
                     result.output_tokens = usage.get("completion_tokens", 0)
                     result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
                 for choice in obj.get("choices") or []:
-                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if piece:
+                    delta = choice.get("delta") or {}
+                    if "text" in choice or ("content" in delta and "role" not in delta):  # tokens, maybe no text
                         if chunks == 0:
                             result.ttft = now - start
                         else:
@@ -105,7 +107,7 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
                         chunks += 1
         result.latency = time.perf_counter() - start
         if chunks == 0:
-            result.error = "no text was streamed"
+            result.error = "no tokens were streamed"
             return result
         result.output_tokens = result.output_tokens or chunks
         result.ok = True

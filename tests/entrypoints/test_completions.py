@@ -103,3 +103,27 @@ def test_stop_strings_stream_equals_full(server, client, ref):
                                               stream=True)
     assert c_full.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in c_stream)
     wait_idle(server)
+
+
+def test_a_stream_sends_one_chunk_per_step_even_inside_a_character(server, client, ref):
+    """Tokens that end inside a UTF-8 character decode to no new text; their chunk still goes out, with empty
+    text (vLLM's rule), so a client counts one chunk per token; the joined text equals the full answer's.
+    The prompt is chosen, by the tokenizer alone, so that its greedy output holds such a token."""
+    tokenizer = ref.get_tokenizer()
+    for prompt in (f"Sample {i}:" for i in range(40)):
+        out = ref.generate(prompt, greedy(32), use_tqdm=False)[0].outputs[0]
+        texts = [tokenizer.decode(out.token_ids[:k]) for k in range(1, 33)]
+        if any(t.endswith("\ufffd") for t in texts[:-1]):
+            break
+    else:
+        pytest.fail("no greedy output of 40 prompts ends a token inside a character: pick other prompts")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert len(pieces) == chunks[-1].usage.completion_tokens == 32
+    assert "" in pieces[:-1] and "".join(pieces) == out.text
+    chat = [{"role": "user", "content": prompt}]
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=32, temperature=0, stream=True) if c.choices]
+    assert sum(d.role is None for d in deltas) == 32  # the role chunk, then one a token
+    wait_idle(server)

@@ -25,7 +25,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from metainfer.engine.tokenizer import load_tokenizer
-from metainfer.entrypoints.openai.engine_core import freeze_startup_heap, start_engine_process, start_engine_thread
+from metainfer.entrypoints.openai.engine_core import (
+    EngineProcess,
+    freeze_startup_heap,
+    start_engine_process,
+    start_engine_thread,
+)
 from metainfer.entrypoints.openai.engine_loop import EngineLoop
 from metainfer.entrypoints.openai.errors import OpenAIError, add_exception_handlers, engine_dead
 from metainfer.entrypoints.openai.metrics import ServerMetrics
@@ -109,12 +114,15 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
               trust_request_chat_template: bool = False) -> FastAPI:
     """The ASGI app. `llm_or_kwargs`: a dict of `LLM` keyword arguments (the server's way: the engine is built
     in its own process, started here; this returns once it is ready, CUDA graphs and warm-up done, and raises
-    its build error: a ConfigError stays one; the process ends with the app), or an `LLM` the caller built and
-    keeps (its engine core runs in a thread of this process: same messages, shared GIL). `docs=False` drops
+    its build error: a ConfigError stays one; the process ends with the app), an `LLM` the caller built and
+    keeps (its engine core runs in a thread of this process: same messages, shared GIL), or an `EngineProcess`
+    already started and ready (its `ready_info` set). `docs=False` drops
     /docs, /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
     lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
     if isinstance(llm_or_kwargs, dict):
         handle = start_engine_process(llm_or_kwargs)
+    elif isinstance(llm_or_kwargs, EngineProcess):  # a core the caller started and saw ready (tools/server_jitter)
+        handle = llm_or_kwargs
     else:
         handle = start_engine_thread(llm_or_kwargs)
     if isinstance(served_model_names, str):

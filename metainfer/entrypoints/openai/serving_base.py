@@ -76,7 +76,7 @@ class OpenAIServing:
         return JSONResponse({"id": base, "object": obj, "created": created, "model": model,
                              "choices": choices(done), "usage": usage(done)})
 
-    async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool, want_tokens: bool,
+    async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool,
                      finals: Finals) -> AsyncIterator[tuple[CompletionOutput, int, str, list[int], list | None]]:
         """What is new per choice since its last yield: (choice, index, text, new token ids, their logprob dicts
         or None).
@@ -84,7 +84,9 @@ class OpenAIServing:
         The new tokens are sliced when the output arrives: a choice's token lists are the engine loop's own and
         grow while this generator waits for its consumer, so they must not be read after a yield.
         Text a stop string may still cut off (the last len(longest stop) - 1 characters) is held
-        back until the choice finishes; a finished choice is yielded once, with finish_reason."""
+        back until the choice finishes; a finished choice is yielded once, with finish_reason. Every output with
+        new tokens is yielded, with empty text where its tokens end inside a character or a held-back stop string
+        (vLLM sends those chunks too: a client sees each step's tokens, and `bench serve` counts them as tokens)."""
         hold = max((len(s) for s in params.stop_strings), default=1) - 1
         sent: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -102,7 +104,7 @@ class OpenAIServing:
                 text = c.text[start:end]
                 if echo and index not in sent:
                     text = self.prompt_text(out) + text
-                if not text and not finished and not (want_tokens and length > first):
+                if not text and not finished and length == first:
                     continue
                 sent[index], sent_tokens[index] = end, length
                 if finished:

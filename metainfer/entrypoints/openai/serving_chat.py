@@ -67,11 +67,11 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(req.n):
             yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, False, req.logprobs, finals):
+        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, False, finals):
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self.logprobs(ids, dicts or [], top_k)}
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+            choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason

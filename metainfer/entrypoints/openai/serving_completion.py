@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       finals: Finals):
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
-        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, want_logprobs, finals):
+        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, finals):
             logprobs = None
             if want_logprobs:
                 logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0))
