@@ -247,13 +247,15 @@ def sampling_params(args):
 
 def cmd_generate(args) -> int:
     from metainfer import LLM
+    from metainfer.loader.gguf import share_gguf_readers
     from metainfer.worker.tp.launched import follow_rank0
     prompts = args.prompts or ["The capital of France is"]
     if not all(prompts):
         usage_error("prompt must not be empty")
     params = sampling_params(args)  # before the model loads
-    check_prompts_fit(args, prompts)  # so is a prompt over the context
-    llm = LLM(**engine_kwargs(args))
+    with share_gguf_readers():  # the context check and the build parse a GGUF once (~2 s for the default model)
+        check_prompts_fit(args, prompts)  # so is a prompt over the context
+        llm = LLM(**engine_kwargs(args))
     if follow_rank0(llm):  # under torchrun, ranks > 0 replay rank 0's steps until it closes; rank 0 prints
         return 0
     try:

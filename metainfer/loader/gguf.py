@@ -39,8 +39,10 @@ def share_gguf_readers():
     """One parse of a GGUF per engine build: GGUFReader's constructor takes ~2 s on the embedded 135M model (it
     makes numpy views of each of its ~150k vocabulary entries), and the build needs the file twice (gguf_config,
     then iterate_gguf for the weights). Inside the block both get the same reader; it is dropped on exit, so no
-    parsed file (nor its memory map) outlives the build."""
-    token = _SHARED.set({})
+    parsed file (nor its memory map) outlives the build. Nested (the CLI's context check around the engine's own
+    block), the inner block shares the outer's readers."""
+    outer = _SHARED.get()
+    token = _SHARED.set({} if outer is None else outer)
     try:
         yield
     finally:

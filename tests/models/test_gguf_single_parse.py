@@ -119,3 +119,16 @@ def test_shared_reader_lives_only_inside_the_scope(tmp_path, parses):
     assert len(parses) == 1 and len(names) == 11
     dict(iterate_gguf(path))
     assert len(parses) == 2
+
+
+def test_cli_generate_parses_its_gguf_once(tmp_path, parses, capsys):
+    """`metainfer generate` checks the prompt against the model's context (the GGUF's config) before it builds the
+    engine: both in one scope, one parse."""
+    from metainfer.entrypoints import cli
+
+    path = str(tmp_path / "tiny.gguf")
+    _write_tiny_llama(path)
+    assert cli.main(["generate", "--model", path, "--device", "cpu", "--tokenizer", qwen_tokenizer_dir(),
+                     "--max-tokens", "2", "--num-kv-blocks", "8", "--enforce-eager", "a"]) == 0
+    assert parses == [path]
+    assert capsys.readouterr().out.startswith("a")
