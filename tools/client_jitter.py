@@ -108,7 +108,8 @@ def serve_emitter(port: int, tick_s: float, ticks_path: str) -> None:
         json.dump([b - a for a, b in zip(emitter.ticks, emitter.ticks[1:])], f)
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The value at rank q of the sorted values (nan for none)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
@@ -117,14 +118,14 @@ def _cpu(usage) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def measure(args) -> dict:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         ticks_path, record_path = os.path.join(tmp, "ticks.json"), os.path.join(tmp, "bench.json")
         emitter = subprocess.Popen([sys.executable, "-m", "tools.client_jitter", "--emit", str(port),
@@ -163,10 +164,10 @@ def measure(args) -> dict:
     chunks = record["total_output_tokens"]
     cpu = after - before - start_up_cpu
     return {"tick_ms": args.tick_ms, "streams": args.streams, "chunks": chunks,
-            "emitter_tick_p50_ms": round(_quantile(ticks, 0.5) * 1e3, 3),
-            "emitter_tick_p99_ms": round(_quantile(ticks, 0.99) * 1e3, 3),
-            "client_itl_p50_ms": round(_quantile(itls, 0.5) * 1e3, 3),
-            "client_itl_p99_ms": round(_quantile(itls, 0.99) * 1e3, 3),
+            "emitter_tick_p50_ms": round(quantile(ticks, 0.5) * 1e3, 3),
+            "emitter_tick_p99_ms": round(quantile(ticks, 0.99) * 1e3, 3),
+            "client_itl_p50_ms": round(quantile(itls, 0.5) * 1e3, 3),
+            "client_itl_p99_ms": round(quantile(itls, 0.99) * 1e3, 3),
             "client_cpu_s": round(cpu, 3), "client_cpu_us_per_chunk": round(cpu / chunks * 1e6, 1),
             "client_start_up_cpu_s": round(start_up_cpu, 3),
             "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
@@ -186,10 +187,15 @@ def main(argv=None) -> None:
     if args.emit is not None:
         serve_emitter(args.emit, args.tick_ms / 1e3, args.ticks_json)
         return
-    text = json.dumps(measure(args), indent=1)
+    report(measure(args), args.json)
+
+
+def report(result: dict, path: str | None) -> None:
+    """Print the result as JSON, and write it to `path` too when one is given."""
+    text = json.dumps(result, indent=1)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
 
 

@@ -20,12 +20,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from tools.client_jitter import free_port, quantile, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,16 +75,8 @@ def start_paced_engine(engine_kwargs: dict, tick_s: float):
     return handle
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _quantiles(values: list[float]) -> dict:
-    ordered = sorted(values)
-    pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 3)  # noqa: E731
-    return {"count": len(ordered), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99)}
+    return {"count": len(values), **{f"p{q}_ms": round(quantile(values, q / 100) * 1e3, 3) for q in (50, 90, 99)}}
 
 
 def measure(args, model: str) -> dict:
@@ -101,7 +94,7 @@ def measure(args, model: str) -> dict:
     handle = start_paced_engine(kwargs, args.tick_ms / 1e3)
     app = build_app(handle, served_model_names=["tiny"])
     freeze_startup_heap()  # as `serve` does for its HTTP process
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -152,11 +145,8 @@ def main(argv=None) -> None:
         model = args.model or tmp
         if args.model is None:
             build_model(model)
-        text = json.dumps(measure(args, model), indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        result = measure(args, model)
+    report(result, args.json)
 
 
 if __name__ == "__main__":
