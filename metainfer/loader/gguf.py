@@ -1,4 +1,5 @@
-"""GGUF source via the `gguf` package: config from metadata, tensors dequantized to HF layout.
+"""GGUF source: config from metadata, tensors dequantized to HF layout (the file parsed by gguf_file, the
+dequantization by the `gguf` package).
 
 llama.cpp's converter permutes Q/K rows of Llama-architecture checkpoints for its rotary;
 `_unpermute` restores HF's rotate-half layout. Qwen2/Qwen3 GGUFs are stored unpermuted.
@@ -36,11 +37,11 @@ def _file_key(path: str) -> tuple[str, int, int]:
 
 @contextlib.contextmanager
 def share_gguf_readers():
-    """One parse of a GGUF per engine build: GGUFReader's constructor takes ~2 s on the embedded 135M model (it
-    makes numpy views of each of its ~150k vocabulary entries), and the build needs the file twice (gguf_config,
-    then iterate_gguf for the weights). Inside the block both get the same reader; it is dropped on exit, so no
-    parsed file (nor its memory map) outlives the build. Nested (the CLI's context check around the engine's own
-    block), the inner block shares the outer's readers."""
+    """One parse of a GGUF per engine build: the build needs the file twice (gguf_config, then iterate_gguf for
+    the weights). The parse is ~10 ms with gguf_file (gguf-py's GGUFReader took ~2 s on the embedded 135M model);
+    sharing still keeps one memory map of the file per build. Inside the block both get the same reader; it is
+    dropped on exit, so no parsed file (nor its memory map) outlives the build. Nested (the CLI's context check
+    around the engine's own block), the inner block shares the outer's readers."""
     outer = _SHARED.get()
     token = _SHARED.set({} if outer is None else outer)
     try:
@@ -50,14 +51,16 @@ def share_gguf_readers():
 
 
 def _reader(path: str):
-    import gguf
+    """The parsed file (gguf_file._GGUFFile: scalars and the tensor table; arrays such as the vocabulary are only
+    stepped over), shared inside share_gguf_readers()."""
+    from metainfer.loader import gguf_file
 
     shared = _SHARED.get()
     if shared is None:
-        return gguf.GGUFReader(path)
+        return gguf_file._GGUFFile(path)
     key = _file_key(path)  # a file rewritten mid-build is parsed again
     if key not in shared:
-        shared[key] = gguf.GGUFReader(path)
+        shared[key] = gguf_file._GGUFFile(path)
     return shared[key]
 
 
@@ -67,8 +70,8 @@ def _field(reader, key: str, default=None):
 
 
 def gguf_config(path: str) -> dict:
-    """An HF-style config.json dict built from the GGUF metadata. Parsing the file takes ~2 s (the embedded 135M
-    model); a process that reads it twice (the CLI's checks before loading, then the engine) parses it once."""
+    """An HF-style config.json dict built from the GGUF metadata; cached per file (path, size, mtime), so a process
+    that reads it twice (the CLI's checks before loading, then the engine) parses it once."""
     return copy.deepcopy(_gguf_config(*_file_key(path)))
 
 
