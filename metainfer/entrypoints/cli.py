@@ -253,7 +253,7 @@ def cmd_generate(args) -> int:
     if not all(prompts):
         usage_error("prompt must not be empty")
     params = sampling_params(args)  # before the model loads
-    with share_gguf_readers():  # the context check and the build parse a GGUF once (~2 s for the default model)
+    with share_gguf_readers():  # the context check and the build parse a GGUF once
         check_prompts_fit(args, prompts)  # so is a prompt over the context
         llm = LLM(**engine_kwargs(args))
     if follow_rank0(llm):  # under torchrun, ranks > 0 replay rank 0's steps until it closes; rank 0 prints
