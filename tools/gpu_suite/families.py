@@ -58,6 +58,9 @@ def engine_figures(args, name: str) -> dict:
         tp = run_throughput(llm, progress=False)
         res["throughput"] = {k: tp[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")}
         res["throughput"]["decode_seconds"] = tp["timeline"]["decode_seconds"]
+        # the prefill steps' count, tokens and time, and the preemptions: an A/B of a prefill-side change (run 81's
+        # MoE table) reads them here, not from elapsed - decode
+        res["throughput"].update(prefill=tp["timeline"]["prefill"], preemptions=tp["preemptions"])
         runner = llm.llm_engine.runner
         res.update(linear=describe_linear(runner.ops.linear), num_kv_blocks=runner.num_blocks,
                    kv_bytes_per_token=runner.attn_backend.bytes_per_block(len(runner.attention_layers), 1))
