@@ -417,3 +417,30 @@ def test_a_submit_queued_behind_tokenizing_gets_a_503_when_the_engine_stops():
             assert info.value.status == 503
 
     asyncio.run(run())
+
+
+def test_pieces_yield_every_output_with_new_tokens_even_without_new_text():
+    """A step whose token ends inside a character adds no text: its piece still goes out (empty text, its token
+    id), so a client sees every step (vLLM's rule); an output with no new token (nothing to say) is skipped."""
+    from metainfer.entrypoints.openai.serving_base import OpenAIServing
+    from metainfer.outputs import CompletionOutput, RequestOutput
+
+    # cumulative outputs as the engine loop hands them over: texts "a", "a" (token 2 ends mid-character),
+    # "a\u00e9" (token 3 completes it), the same again (no new token), then finished
+    steps = [([1], "a", None), ([1, 2], "a", None), ([1, 2, 3], "a\u00e9", None), ([1, 2, 3], "a\u00e9", None),
+             ([1, 2, 3, 4], "a\u00e9b", "length")]
+
+    class Group:
+        position = {"r": 0}
+
+        async def outputs(self):
+            for ids, text, finish in steps:
+                yield RequestOutput("r", None, [9], [CompletionOutput(0, text, list(ids), finish_reason=finish)],
+                                    finish is not None)
+
+    serving = OpenAIServing.__new__(OpenAIServing)
+
+    async def collect():
+        return [(text, ids) async for _, _, text, ids, _ in serving.pieces(Group(), 1, SamplingParams(), False, {})]
+
+    assert asyncio.run(collect()) == [("a", [1]), ("", [2]), ("\u00e9", [3]), ("b", [4])]
