@@ -24,6 +24,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """The innermost (sub)command that parsed is remembered (`_cli_prog`), so an unknown option is reported
+        against its own help (`metainfer serve --help`), not the top level's."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_cli_prog"):
+            namespace._cli_prog = self.prog
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(namespace, "_cli_prog", self.prog)
+            print(f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)", file=sys.stderr)
+            raise SystemExit(2)
+        return namespace
+
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
     """Every option string of the parser and its subcommands."""
@@ -43,8 +59,15 @@ def with_option_name(message: str, parser: argparse.ArgumentParser) -> str:
     first = re.match(r"[a-z][a-z0-9_]*", message)
     if first is None:
         return message
-    option = _OPTION_OF_ENGINE_FIELD.get(first.group(), "--" + first.group().replace("_", "-"))
-    return f"{option}: {message}" if option in _options(parser) else message
+    options = _options(parser)
+    # the first word is the field; a constraint's message ("constraint.tp_divides_heads: num_attention_heads (9)
+    # is not divisible by tensor_parallel_size (2)") names it later: the first field in it that an option sets
+    names = [first.group()] if not first.group().startswith("constraint") else re.findall(r"[a-z][a-z0-9_]*", message)
+    for name in names:
+        option = _OPTION_OF_ENGINE_FIELD.get(name, "--" + name.replace("_", "-"))
+        if option in options:
+            return f"{option}: {message}"
+    return message
 
 
 def usage_error(message: str) -> NoReturn:

@@ -376,3 +376,19 @@ def test_bad_values_fail_fast_in_the_console_command(weightless_dir):
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], (argv[:3], proc.returncode, err)
         assert "Traceback" not in err and not out.strip()
     assert time.perf_counter() - start < 30  # ~4 s on 2 idle cores; a model load would fail, not just be slow
+
+
+@pytest.mark.parametrize("argv, prog, unknown", [(["serve", "--max-tokens", "3"], "metainfer serve", "--max-tokens"),
+                                                (["bench", "latency", "--num-iters", "3"], "metainfer bench latency",
+                                                 "--num-iters 3"),
+                                                (["generate", "--bogus"], "metainfer generate", "--bogus")])
+def test_an_unknown_option_points_to_its_subcommands_help(capsys, argv, prog, unknown):
+    line = _usage_line(capsys, argv)
+    assert line == f"{prog}: error: unrecognized arguments: {unknown} (see {prog} --help)", line
+
+
+def test_a_constraint_error_names_the_option(capsys, weightless_dir):
+    """The spec's constraint (its heads not divisible by --tp) names --tp, as the other engine errors their option;
+    refused before any weight is read (a weightless folder)."""
+    line = _usage_line(capsys, ["generate", "--model", weightless_dir, "--device", "cpu", "--tp", "3", "x"])
+    assert line.startswith("metainfer: error: --tp: constraint."), line
