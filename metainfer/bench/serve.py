@@ -255,19 +255,19 @@ def format_table(record: dict, percentiles: list[float]) -> str:
 
 # -- command line ---------------------------------------------------------------------------
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1 (default http://127.0.0.1:8000)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
                    help="the endpoint to load (default /v1/completions)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
                    help="Bearer key of a server started with --api-key (default: $METAINFER_API_KEY)")
     p.add_argument("--num-prompts", type=int_at_least(1), default=100, help="requests to send (default 100)")
-    p.add_argument("--input-len", type=int_at_least(1), default=256, help="prompt tokens (chat endpoint: words)")
+    p.add_argument("--input-len", type=int_at_least(1), default=256, help="prompt tokens (chat endpoint: words; default 256)")
     p.add_argument("--output-len", type=int_at_least(1), default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--random-range-ratio", type=checked(float, lambda r: 0 <= r <= 1, "in [0, 1]"), default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths), r in [0, 1]")
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths), r in [0, 1] (default 0)")
     p.add_argument("--token-id-range", type=int_at_least(0), nargs=2, default=[10, 500], metavar=("LOW", "HIGH"),
-                   help="random prompt ids are drawn from [LOW, HIGH); keep HIGH <= the vocabulary size")
+                   help="random prompt ids are drawn from [LOW, HIGH); keep HIGH <= the vocabulary size (default 10 500)")
     p.add_argument("--request-rate", type=checked(float, lambda r: r > 0, "> 0 (inf: all at once)"),
                    default=float("inf"), help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int_at_least(1), default=None, help="most requests in flight at once")
@@ -275,9 +275,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--timeout", type=checked(float, lambda t: 0 < t < math.inf, "> 0 and finite"), default=600.0,
-                   help="per-request timeout, seconds")
+                   help="per-request timeout, seconds (default 600)")
     p.add_argument("--metric-percentiles", type=_percentiles, default="99",
-                   help="comma-separated, each in [0, 100], e.g. 50,90,99")
+                   help="comma-separated, each in [0, 100], e.g. 50,90,99 (default 99)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one untimed request before the run")
     p.add_argument("--save-detailed", action="store_true", help="add per-request lists to the JSON")
     p.add_argument("--output-json", "--result-file", dest="output_json", default=None, help="write the record here")
