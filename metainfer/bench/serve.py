@@ -262,12 +262,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
                    help="Bearer key of a server started with --api-key (default: $METAINFER_API_KEY)")
     p.add_argument("--num-prompts", type=int_at_least(1), default=100, help="requests to send (default 100)")
-    p.add_argument("--input-len", type=int_at_least(1), default=256, help="prompt tokens (chat endpoint: words; default 256)")
+    p.add_argument("--input-len", type=int_at_least(1), default=256,
+                   help="prompt tokens (chat endpoint: words; default 256)")
     p.add_argument("--output-len", type=int_at_least(1), default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--random-range-ratio", type=checked(float, lambda r: 0 <= r <= 1, "in [0, 1]"), default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (mixed lengths), r in [0, 1] (default 0)")
     p.add_argument("--token-id-range", type=int_at_least(0), nargs=2, default=[10, 500], metavar=("LOW", "HIGH"),
-                   help="random prompt ids are drawn from [LOW, HIGH); keep HIGH <= the vocabulary size (default 10 500)")
+                   help="random prompt ids are drawn from [LOW, HIGH); keep HIGH <= the vocabulary size "
+                        "(default 10 500)")
     p.add_argument("--request-rate", type=checked(float, lambda r: r > 0, "> 0 (inf: all at once)"),
                    default=float("inf"), help="requests per second, Poisson arrivals (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int_at_least(1), default=None, help="most requests in flight at once")
