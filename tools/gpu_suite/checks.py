@@ -4,6 +4,7 @@ eager, and the test files compiled on the GPU (pytest in a subprocess)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from tools.gpu_suite.common import ROOT, copy_tokenizer, out_dir, release, show
+from tools.gpu_suite.common import ROOT, copy_tokenizer, ensure_packages, out_dir, release, show
 
 HQ, HK, D, HIDDEN, INTER = 32, 8, 128, 4096, 12288  # Qwen3-8B
 
@@ -201,9 +202,29 @@ def graphs(args, results) -> dict:
     return summary
 
 
-def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filter: str = "") -> dict:
+def progress_counts(output: str) -> dict:
+    """What pytest's -q progress lines ("..s.F  [ 42%]", the last one maybe unfinished) say ran: the counts of
+    a run cut off before its JUnit XML was written."""
+    marks = ""
+    for line in output.splitlines():
+        head = line.split(" [")[0].rstrip() if line.rstrip().endswith("%]") else line.strip()
+        if head and set(head) <= set(".sFExX"):
+            marks += head
+    return {"passed": marks.count("."), "skipped": marks.count("s"), "failed": marks.count("F"),
+            "errors": marks.count("E")}
+
+
+def summarize_tests(counts: dict, failed: list[str]) -> list[str]:
+    return [f"{counts.get('tests', 0)} tests, {counts.get('failures', 0)} failed, {counts.get('errors', 0)} errors, "
+            f"{counts.get('skipped', 0)} skipped"] + failed
+
+
+def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filter: str = "",
+                  workers: int = 1, output_name: str = "gpu_tests_output.txt") -> dict:
     """Test files compiled on the GPU (METAINFER_TEST_GPU=1: no Triton interpreter, bf16 too). Counts come
-    from pytest's JUnit XML; the whole output is kept in $OUT/gpu_tests_output.txt."""
+    from pytest's JUnit XML (from the progress lines if the timeout cut it off); the whole output is kept in
+    $OUT/<output_name>. `workers` > 1: pytest-xdist processes sharing the GPU, a file to a process
+    (most of the time is Triton compiling, on the CPU: 16 cores there)."""
     env = dict(os.environ, METAINFER_TEST_GPU="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                METAINFER_SHARED_GPU_TIMEOUT="60",
                METAINFER_TEST_TOKENIZER_DIR=os.path.join(ROOT, ".gpu_assets", "tokenizer"))
@@ -212,15 +233,20 @@ def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filte
         os.remove(junit)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}",
            *(["-m", marker] if marker else []), *(["-k", test_filter] if test_filter else [])]
+    if workers > 1:
+        ensure_packages({"xdist": "pytest-xdist"})
+        cmd += ["-n", str(workers), "--dist", "loadfile"]
+    # its own session, so a timeout ends the xdist workers with it (they hold GPU memory the next sections need)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:  # keep what it printed: the tests that ran are named there
-        output = "".join(s.decode() if isinstance(s, bytes) else s for s in (exc.stdout, exc.stderr) if s)
-        output += f"\n(timed out after {timeout:.0f} s)"
+        output, returncode = proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:  # keep what it printed: the tests that ran are counted there
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\n(timed out after {timeout:.0f} s)"
         returncode = "timeout"
     os.makedirs(out_dir(), exist_ok=True)
-    with open(os.path.join(out_dir(), "gpu_tests_output.txt"), "w") as f:
+    with open(os.path.join(out_dir(), output_name), "w") as f:
         f.write(output)
     counts, failed = {}, []
     if os.path.exists(junit):
@@ -229,12 +255,15 @@ def pytest_on_gpu(files: list[str], timeout: float, marker: str = "", test_filte
                 counts[key] = counts.get(key, 0) + int(suite.get(key, 0))
             failed += [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                        if c.find("failure") is not None or c.find("error") is not None]
+    if not counts:
+        partial = progress_counts(output)
+        counts = {"tests": sum(partial.values()), "failures": partial["failed"], "errors": partial["errors"],
+                  "skipped": partial["skipped"], "from_progress_lines": True}
     tail = output[-3000:]
     print(tail, flush=True)
-    summary = [f"{counts.get('tests', 0)} tests, {counts.get('failures', 0)} failed, {counts.get('errors', 0)} "
-               f"errors, {counts.get('skipped', 0)} skipped"] + failed
-    return {"files": files, "marker": marker, "counts": counts, "failed": failed, "summary": summary,
-            "returncode": returncode, "output_tail": tail}
+    summary = summarize_tests(counts, failed)
+    return {"files": files, "marker": marker, "workers": workers, "counts": counts, "failed": failed,
+            "summary": summary, "returncode": returncode, "output_tail": tail}
 
 
 def allreduce(args, results) -> dict:
@@ -245,8 +274,30 @@ def allreduce(args, results) -> dict:
 def gpu_tests(args, results) -> dict:
     """The kernel tests compiled on the GPU: races the interpreter cannot show (the split-KV merge by the
     last split to finish), bf16, the compiled GEMV, skinny GEMM and fused q/k kernels. The timeout is what
-    is left of --budget-s; with under --quick-below-s left, only the tests not marked slow run."""
-    left = args.budget_s - (time.perf_counter() - args.started)
-    marker = args.gpu_test_marker or ("not slow" if left < args.quick_below_s else "")
-    return pytest_on_gpu(args.gpu_test_files.split(","), timeout=max(left - 15, 60), marker=marker,
-                         test_filter=args.gpu_test_filter)
+    is left of --budget-s; with under --quick-below-s left, only the tests not marked slow run. Files under
+    tests/kernels run over --gpu-test-workers processes (they hold tensors, no engine); the others first, in
+    one process: an engine sizes its KV pool from the GPU's free memory, so it must not share the GPU."""
+    files = args.gpu_test_files.split(",")
+    shared = [f for f in files if args.gpu_test_workers > 1 and f.rstrip("/").startswith("tests/kernels")]
+    alone = [f for f in files if f not in shared]
+    parts = []
+    for group, workers, name in ((alone, 1, "gpu_tests_output.txt"),
+                                 (shared, args.gpu_test_workers, "gpu_tests_output_workers.txt")):
+        if group:
+            left = args.budget_s - (time.perf_counter() - args.started)
+            marker = args.gpu_test_marker or ("not slow" if left < args.quick_below_s else "")
+            parts.append(pytest_on_gpu(group, timeout=max(left - 15, 60), marker=marker,
+                                       test_filter=args.gpu_test_filter, workers=workers, output_name=name))
+    return parts[0] if len(parts) == 1 else merge_test_runs(parts)
+
+
+def merge_test_runs(parts: list[dict]) -> dict:
+    """One record of several pytest_on_gpu runs: counts added, failures listed, the first bad return code."""
+    counts = {key: sum(p["counts"].get(key, 0) for p in parts) for key in ("tests", "failures", "errors", "skipped")}
+    if any(p["counts"].get("from_progress_lines") for p in parts):
+        counts["from_progress_lines"] = True
+    failed = [name for part in parts for name in part["failed"]]
+    summary = summarize_tests(counts, failed)
+    returncode = next((p["returncode"] for p in parts if p["returncode"] != 0), 0)
+    return {"files": [f for p in parts for f in p["files"]], "parts": parts, "counts": counts, "failed": failed,
+            "summary": summary, "returncode": returncode}

@@ -7,9 +7,12 @@ before it returned (a tuning sweep's winners feed the A/B that follows it).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import traceback
 
@@ -22,6 +25,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 def out_dir() -> str:
     """$OUT on the device machine (what comes back), else ./gpu_out."""
     return os.environ.get("OUT", "gpu_out")
+
+
+def ensure_packages(packages: dict[str, str]) -> list[str]:
+    """Install from `.gpu_assets/wheels` (built by scripts/gpu_assets.sh; the device has no network) the
+    {module: pip name} the machine lacks; returns the pip names installed."""
+    missing = [name for module, name in packages.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        wheels = os.path.join(ROOT, ".gpu_assets", "wheels")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
+                        *missing], check=True)
+    return missing
 
 
 def model_dir(args) -> str:

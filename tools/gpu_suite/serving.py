@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,7 +19,17 @@ import subprocess
 import sys
 import time
 
-from tools.gpu_suite.common import ROOT, bench_llm, error_of, model_dir, on_engine, out_dir, release, show
+from tools.gpu_suite.common import (
+    ROOT,
+    bench_llm,
+    ensure_packages,
+    error_of,
+    model_dir,
+    on_engine,
+    out_dir,
+    release,
+    show,
+)
 
 
 def _timed_generate(llm, prompt_ids: list[int], max_tokens: int) -> dict:
@@ -53,16 +62,8 @@ def prefix_hits(args) -> dict:
     return res
 
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "aiohttp")  # the server, the suite's /metrics reads, bench serve
-
-
-def _ensure_server_packages() -> dict:
-    missing = [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
-    if missing:
-        wheels = os.path.join(ROOT, ".gpu_assets", "wheels")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
-                        *missing], check=True)
-    return {"installed": missing}
+# the server, the suite's /metrics reads, bench serve's client
+SERVER_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx", "aiohttp": "aiohttp"}
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -84,7 +85,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
 def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concurrency=64) -> dict:
     from metainfer import SamplingParams
 
-    res = {"setup": _ensure_server_packages(), "num_prompts": num_prompts, "input_len": input_len,
+    res = {"setup": {"installed": ensure_packages(SERVER_PACKAGES)}, "num_prompts": num_prompts, "input_len": input_len,
            "output_len": output_len, "concurrency": concurrency}
 
     def offline(llm) -> dict:
