@@ -38,6 +38,12 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _all_ints(values) -> bool:
+    """`_is_int` of every element. Plain ints are decided by one C-level pass over the element types (a
+    throughput run's 148,779 prompt ids took ~0.25 s through the per-element isinstance checks, twice)."""
+    return set(map(type, values)) <= {int} or all(_is_int(t) for t in values)
+
+
 def _is_number(value) -> bool:
     """A real number (numpy's too), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -115,9 +121,10 @@ def check_prompt_ids(ids) -> list[int]:
         raise InvalidRequestError("prompt", f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
     if not ids:
         raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
-    if not all(_is_int(t) for t in ids):
+    plain = set(map(type, ids)) <= {int}  # one C-level pass (see _all_ints)
+    if not plain and not all(_is_int(t) for t in ids):
         raise InvalidRequestError("prompt", "prompt_token_ids must be a list of integers")
-    return [int(t) for t in ids]
+    return list(ids) if plain else [int(t) for t in ids]
 
 
 def check_prompt_length(prompt_token_ids: list[int], max_model_len: int) -> None:
@@ -144,10 +151,10 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
     if not prompt_token_ids:
         raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
     check_prompt_length(prompt_token_ids, limits.max_model_len)
-    if not all(_is_int(t) for t in prompt_token_ids):
+    if not _all_ints(prompt_token_ids):
         raise InvalidRequestError("prompt", "prompt_token_ids must be a list of integers")
-    bad = [t for t in prompt_token_ids if not 0 <= t < model_vocab_size]
-    if bad:
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= model_vocab_size:
+        bad = [t for t in prompt_token_ids if not 0 <= t < model_vocab_size]
         raise InvalidRequestError("prompt", f"prompt_token_ids contain ids outside [0, {model_vocab_size}): "
                                             f"{bad[:5]}")
     if limits.kv_tokens is not None and p.n > 1:

@@ -461,6 +461,8 @@ def test_float32_bounds_sample_real_tokens(setup):
     ({"prompt_token_ids": "abc"}, OK, "prompt"), ({"prompt_token_ids": [1, 2.5]}, OK, "prompt"),
     ({"prompt_token_ids": [1, 2], "prompt": 7}, OK, "prompt"), ({"prompt": {"prompt": "x"}}, OK, "prompt"),
     ({"prompt": None}, OK, "prompt"), (3.5, OK, "prompt"), ({}, OK, "prompt"),
+    ({"prompt_token_ids": [1, True]}, OK, "prompt"), ({"prompt_token_ids": [3, -1]}, OK, "prompt"),
+    ({"prompt_token_ids": [2**70, 1]}, OK, "prompt"), ({"prompt_token_ids": (4, "5")}, OK, "prompt"),
     ({"prompt_token_ids": [1, 2]}, {"temperature": 0}, "sampling_params"),
     ({"prompt_token_ids": [1, 2]}, "greedy", "sampling_params"),
 ])
