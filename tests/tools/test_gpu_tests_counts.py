@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.processes import wait_gone
 from tools.gpu_suite import checks
 
 OUTCOMES = textwrap.dedent("""
@@ -82,19 +83,7 @@ def test_cut_off_run_counts_what_ran_and_ends_its_workers(tmp_path, monkeypatch)
     assert res["counts"]["failures"] == 0
     worker_pids = [int(name) for name in os.listdir(pid_dir)]
     assert worker_pids, "the hanging test never started"
-    deadline = time.monotonic() + 10
-    while any(map(_running, worker_pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(map(_running, worker_pids)), "the xdist worker outlived pytest"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan killed with its group waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert wait_gone(worker_pids, timeout=10) == [], "the xdist worker outlived pytest"
 
 
 def test_engine_tests_run_alone_and_kernel_tests_share_the_gpu(monkeypatch):
