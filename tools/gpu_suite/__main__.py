@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick-below-s", type=float, default=200.0,
                    help="with less than this left for gpu_tests, only the tests not marked slow run")
     p.add_argument("--gpu-test-files", default="tests/kernels", help="comma list of test paths for gpu_tests")
+    p.add_argument("--ab-tables-of", default="NVIDIA H200",
+                   help="ab: also run this GPU's GEMV / skinny tables on the current one ('' for none)")
     p.add_argument("--gpu-test-workers", type=int, default=4,
                    help="gpu_tests: pytest-xdist processes sharing the GPU (1: one process, no xdist)")
     p.add_argument("--gpu-test-marker", default="", help="pytest -m expression for gpu_tests (overrides the above)")

@@ -23,11 +23,12 @@ def _measure(llm, batches, iters: int) -> dict:
     return {f"bs{b}": run_latency(llm, batch_size=b, input_len=32, output_len=128, iters=iters) for b in batches}
 
 
-def _kernel_variants(runner, results) -> tuple[list, list]:
+def _kernel_variants(args, runner, results) -> tuple[list, list]:
     """(bs1 variants, 4-32-row variants) as (name, KernelOps). bs1: the GEMV launch shapes around the
-    shipped table under PDL (it was swept in isolation without PDL), cuBLAS, the torch step inputs and a
-    `gemv` sweep's winners of this run; the default first and last (the run's own noise). Rows: a
-    `skinny_sweep` of this run against the shipped skinny table."""
+    shipped table under PDL (it was swept in isolation without PDL), cuBLAS, the torch step inputs, a
+    `gemv` sweep's winners of this run and `--ab-tables-of` GPU's tables; the default first and last (the
+    run's own noise). Rows: a `skinny_sweep` of this run and the other GPU's tables against the shipped
+    skinny table."""
     from metainfer.kernels import select_ops, step_inputs_ref
     from metainfer.kernels.gemv import GemvConfig
     from metainfer.kernels.tuned_configs import load_tuned_configs
@@ -51,13 +52,18 @@ def _kernel_variants(runner, results) -> tuple[list, list]:
     swept = results.get("gemv", {}).get("table")
     if swept:
         bs1.append(("gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
+    # another GPU's GEMV and skinny tables on this one (an H200's on an H100: the same GH100 die and 132 SMs)
+    other = args.ab_tables_of if args.ab_tables_of and args.ab_tables_of != gpu else ""
+    if other:
+        bs1.append((f"tables_of {other}", select_ops(dev, gpu_name=other, pdl=pdl)))
     bs1.append(("default_again", default))
     rows = []
     skinny = results.get("skinny_sweep", {}).get("table")
     if skinny:
-        rows = [("default", default),
-                ("skinny_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_table=skinny))]
-    return bs1, rows
+        rows.append(("skinny_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, skinny_table=skinny)))
+    if other:
+        rows.append((f"tables_of {other}", select_ops(dev, gpu_name=other, pdl=pdl)))
+    return bs1, [("default", default), *rows] if rows else []
 
 
 def ab(args, results) -> dict:
@@ -68,7 +74,7 @@ def ab(args, results) -> dict:
     default = runner.ops
     res = {"bs1": {}, "rows": {}, "switches": {}, "graph_batch_sizes": runner.graph_batch_sizes, "pdl": default.pdl}
     try:
-        bs1, rows = _kernel_variants(runner, results)
+        bs1, rows = _kernel_variants(args, runner, results)
         for name, ops in bs1:
             runner.swap_kernels(ops)
             res["bs1"][name] = _measure(llm, (1,), 3)["bs1"]
