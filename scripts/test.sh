@@ -16,8 +16,16 @@ ruff check "${lint[@]}"
 # loadscope: a module's tests stay on one worker, so a module-scoped fixture (a tiny checkpoint and
 # its HF reference) is built once, not once per worker
 workers=(-n 2 --dist loadscope)
+# a test path among the arguments replaces the default `tests` (else pytest would run both)
+where=(tests)
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        where=()
+        break
+    fi
+done
 if ((quick)); then
-    python -m pytest tests -p no:cacheprovider "${workers[@]}" -m "not slow and not tp and not gpu" "$@"
+    python -m pytest "${where[@]}" -p no:cacheprovider "${workers[@]}" -m "not slow and not tp and not gpu" "$@"
 else
-    python -m pytest tests -p no:cacheprovider "${workers[@]}" "$@"
+    python -m pytest "${where[@]}" -p no:cacheprovider "${workers[@]}" "$@"
 fi

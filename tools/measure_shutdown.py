@@ -5,7 +5,8 @@ event, to `LLM.close()` (the server's "engine closed" log line) and to the proce
         [--shutdown-timeouts 0.5 5]
 
 Without --model it builds the tests' tiny random Qwen3 (real Qwen3 tokenizer) in a temporary folder. Each run
-starts a CPU server, opens a stream of --max-tokens tokens (ignore_eos), sends SIGTERM after its first event.
+starts a CPU server, opens a stream of --max-tokens tokens (ignore_eos), sends SIGTERM after its first event;
+a stream that ends on its own before the drain limit measured nothing, and the tool then exits 1.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="runs per shutdown timeout (default 3)")
     p.add_argument("--shutdown-timeouts", type=float, nargs="+", default=[0.5, 5.0],
                    help="--shutdown-timeout values to measure (default 0.5 5)")
-    p.add_argument("--max-tokens", type=int, default=480, help="tokens the open stream asks for (default 480)")
+    p.add_argument("--max-tokens", type=int, default=3000,
+                   help="tokens the open stream asks for (default 3000: longer than the default 5-s drain on an idle "
+                        "CPU, so the drain's cut-off is what is measured)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, ROOT)
             from tests.helpers.tiny_models import build_tiny_model
 
-            build_tiny_model(tmp, "qwen3", vocab_size=151936)
+            build_tiny_model(tmp, "qwen3", vocab_size=151936, max_position_embeddings=4096)
             model = tmp
         runs = [one_run(model, t, args.max_tokens) for t in args.shutdown_timeouts for _ in range(args.runs)]
     result = {"command": "python -m tools.measure_shutdown " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -99,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
     for r in runs:
         print(r)
-    return 0 if all(r["exit_status"] == 0 for r in runs) else 1
+    finished = [r for r in runs if r["stream_ended_with"] == "finished"]
+    if finished:  # the stream ended on its own before the drain limit: that run measured no cut-off
+        print(f"{len(finished)} run(s) finished their stream before the drain limit: raise --max-tokens",
+              file=sys.stderr)
+    return 0 if all(r["exit_status"] == 0 for r in runs) and not finished else 1
 
 
 if __name__ == "__main__":
