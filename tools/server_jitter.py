@@ -95,12 +95,14 @@ def measure(args, model: str) -> dict:
     app = build_app(handle, served_model_names=["tiny"])
     freeze_startup_heap()  # as `serve` does for its HTTP process
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                           loop=args.loop, http=args.http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.02)
+        cpu_before = time.process_time()  # this process is the HTTP process (the engine and the client are not)
         with tempfile.TemporaryDirectory() as tmp:
             record_path = os.path.join(tmp, "bench.json")
             subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
@@ -110,6 +112,7 @@ def measure(args, model: str) -> dict:
                             "--json"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             with open(record_path) as f:
                 record = json.load(f)
+        http_cpu_s = time.process_time() - cpu_before
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
         server.should_exit = True
@@ -118,8 +121,9 @@ def measure(args, model: str) -> dict:
     itls = [x for per_request in record["itls"] for x in per_request]
     return {"tick_ms": args.tick_ms, "streams": args.streams, "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len,
-            "max_mixed_prefill_tokens": args.max_mixed_prefill_tokens,
+            "max_mixed_prefill_tokens": args.max_mixed_prefill_tokens, "loop": args.loop, "http": args.http,
             "output_tok_s": round(record["output_throughput"], 1),
+            "http_process_cpu_us_per_token": round(http_cpu_s * 1e6 / record["total_output_tokens"], 1),
             "engine_step_interval": histogram_quantiles(metrics, "metainfer:engine_step_interval_seconds",
                                                         (0.5, 0.9, 0.99)),
             "server_itl": histogram_quantiles(metrics, "metainfer:inter_token_latency_seconds", (0.5, 0.9, 0.99)),
@@ -136,6 +140,10 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-mixed-prefill-tokens", type=int, default=256,
                    help="as `serve`'s default (0: uncapped)")
+    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="uvicorn's event loop (default auto: uvloop where installed, as `serve`)")
+    p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                   help="uvicorn's HTTP protocol (default auto: httptools where installed, as `serve`)")
     p.add_argument("--model", default=None, help="a model folder (default: tools.serve_overhead's tiny Qwen3)")
     p.add_argument("--json", default=None, help="write the result here too")
     args = p.parse_args(argv)

@@ -63,7 +63,8 @@ def prefix_hits(args) -> dict:
 
 
 # the server, the suite's /metrics reads, bench serve's client
-SERVER_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx", "aiohttp": "aiohttp"}
+SERVER_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx", "aiohttp": "aiohttp",
+                   "uvloop": "uvloop", "httptools": "httptools"}  # the last two: uvicorn's faster loop and parser
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
