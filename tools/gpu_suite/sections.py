@@ -25,6 +25,7 @@ SECTIONS = {
     "skinny_sweep": studies.skinny_sweep,
     "attn_sweep": studies.attn_sweep,
     "attn_kv_dtype": studies.attn_kv_dtype,
+    "attn_read_probe": studies.attn_read_probe,
     "sampler": studies.sampler,
     "ab": ab.ab,
     "moe_families": families.moe_families,

@@ -159,6 +159,54 @@ def attn_kv_dtype(args, results) -> dict:
     return res
 
 
+def _read_probe_calls(q, tables, lens, probes: bool) -> dict:
+    """{name: call(cache pair)}: the engine's decode attention, and with `probes` the read probe's four variants."""
+    from metainfer.kernels import paged_decode_attention_triton
+    from tools.kv_read_probe import kv_read_probe
+
+    calls = {"attention": lambda c: paged_decode_attention_triton(q, c[0], c[1], tables, lens, D ** -0.5)}
+    for block_n in (64, 128) if probes else ():
+        for widen in (False, True):
+            calls[f"probe_{'widen' if widen else 'raw'}_n{block_n}"] = (
+                lambda c, w=widen, n=block_n: kv_read_probe(c[0], c[1], tables, lens, widen=w, block_n=n))
+    return calls
+
+
+def attn_read_probe(args, results) -> dict:
+    """What bounds the fp8 decode attention (2.2-2.7 TB/s against bf16's copy rate): at 256 x 600 and 512 x 1,500
+    (the 1,000 x 1,000 protocol's rows) over 8 distinct fp8 caches, the engine's kernel against tools/kv_read_probe
+    walking the same cache the same way with no math (raw: loads only; widen: loads + the fp16 widening), 64- and
+    128-token tiles; the bf16 kernel beside for the copy rate it reaches. us a launch and GB/s of K/V read."""
+    from metainfer.kernels import FP8_KV_DTYPE
+    from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
+
+    dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
+    for batch, ctx in ((256, 600), (512, 1500)):
+        per_seq = -(-ctx // BLOCK)
+        tables, lens = _tables(batch, per_seq, dev), torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(batch, HQ, D, device=dev, dtype=bf16)
+        row = res.setdefault(f"b{batch}_ctx{ctx}", {})
+        for cache_name, cache_dtype in (("fp8", FP8_KV_DTYPE), ("bf16", bf16)):
+            caches = []
+            for _ in range(8):
+                kv = to_cache_dtype(torch.randn(2, batch * per_seq, BLOCK, HK, D, device=dev, dtype=bf16), cache_dtype)
+                caches.append((kv[0], token_major_copy(kv[1]) if cache_name == "fp8" else kv[1]))
+            kv_bytes = batch * ctx * HK * D * 2 * caches[0][0].element_size()
+            for name, call in _read_probe_calls(q, tables, lens, probes=cache_name == "fp8").items():
+                key = f"{cache_name}_{name}"
+                try:
+                    us = _time_layers(call, caches)
+                except Exception as exc:  # one failing variant must not lose the others
+                    row[key] = error_of(exc)
+                    continue
+                row[key] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1)}
+                print(f"attn_read_probe b{batch} ctx{ctx} {key}: {us:.1f} us, {kv_bytes / us / 1e3:.0f} GB/s",
+                      flush=True)
+            del caches
+            torch.cuda.empty_cache()
+    return res
+
+
 def sampler(args, results) -> dict:
     """The torch sampler against the one-pass Gumbel-max kernel on [B, 151936] bf16 logits (greedy and
     temperature 0.6): ms a call (CUDA events, after a warm-up), and the greedy tokens compared."""
