@@ -84,12 +84,8 @@ class LaunchedStep:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        config.model_dir, config.gguf_file = locate_model(config.model)
         with share_gguf_readers():  # a GGUF is parsed once: its config here, rank 0's weights in the runner
-            spec = _read_spec(config)
-            config.finalize(spec)
-            # every tp, 1 included, before any weight is read: the constraints `metainfer spec` reports
-            validate_tp_config(spec, config.tensor_parallel_size, config.kv_cache_dtype)
+            spec = resolve_config(config)
             self.spec = spec
             self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
             eos = set(spec.eos_token_ids)
@@ -465,6 +461,18 @@ def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
     decode_rows = {id(s) for s in batch.seqs[: batch.num_decode_rows]}
     num_decode = sum(id(s) in decode_rows for s in seqs)
     return replace(batch, seqs=seqs, is_prefill=num_decode < len(seqs), num_decode_rows=num_decode)
+
+
+def resolve_config(config: EngineConfig) -> ModelSpec:
+    """Locate the model, read its spec and finalize `config` against it (every option checked, ConfigError naming
+    the field), with the tp constraints `metainfer spec` reports (every tp, 1 included): everything the engine
+    checks before it loads a weight. `metainfer serve` runs it before it starts the engine process, so a bad option
+    is refused there in about the time `generate` takes to refuse it."""
+    config.model_dir, config.gguf_file = locate_model(config.model)
+    spec = _read_spec(config)
+    config.finalize(spec)
+    validate_tp_config(spec, config.tensor_parallel_size, config.kv_cache_dtype)
+    return spec
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:

@@ -46,6 +46,21 @@ def missing_server_packages() -> list[str]:
     return [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
 
 
+def check_engine_options(kwargs: dict) -> None:
+    """Every engine option checked here, before the engine process starts (a bad one is one line, as fast as
+    `generate` refuses it): the engine's own checks (llm_engine.resolve_config) on the model's spec, with a CUDA
+    device checked for presence only and the rest on the CPU, so this process, which only serves HTTP, makes no
+    CUDA context (its memory would come out of the engine's KV pool). The GPU-only checks (fp8 needs compute
+    capability 8.9) stay the engine process's."""
+    from metainfer.config import EngineConfig
+    from metainfer.config.engine_config import resolve_device
+    from metainfer.engine.llm_engine import resolve_config
+
+    device = kwargs.get("device", "auto")
+    on_cuda = device != "mlx" and resolve_device(device).type == "cuda"  # a device this machine lacks: refused
+    resolve_config(EngineConfig(**({**kwargs, "device": "cpu"} if on_cuda else kwargs)))
+
+
 def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     from metainfer.entrypoints.cli import usage_error
 
@@ -75,6 +90,8 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
                    trust_request_chat_template=args.trust_request_chat_template)
     if kwargs.get("distributed_executor_backend") != "external_launcher":
         from metainfer.entrypoints.openai.engine_core import EngineStartError
+
+        check_engine_options(kwargs)
 
         try:
             code = serve(kwargs, **options)  # the engine in its own process, built, warmed up and closed by serve

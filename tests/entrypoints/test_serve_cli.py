@@ -121,3 +121,23 @@ def test_serve_caps_the_prompt_tokens_of_mixed_steps_by_default_and_offline_does
     assert engine_kwargs(parser.parse_args(["serve", "--max-mixed-prefill-tokens", "0"]))[
         "max_mixed_prefill_tokens"] is None
     assert engine_kwargs(parser.parse_args(["generate", "hi"]))["max_mixed_prefill_tokens"] is None
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"), (["--block-size", "0"], "--block-size"),
+    (["--max-model-len", "100000"], "--max-model-len"), (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+    (["--tp", "3"], "--tp"),
+])
+def test_serve_refuses_a_bad_engine_option_before_its_engine_process_starts(model_dir, monkeypatch, capsys, argv,
+                                                                            option):
+    """One line naming the option, exit 2, and no engine process (api_server.serve is never reached)."""
+    from metainfer.entrypoints import cli
+    from metainfer.entrypoints.openai import api_server
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine process was started")
+
+    monkeypatch.setattr(api_server, "serve", no_engine)
+    assert cli.main(["serve", "--model", model_dir, "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("metainfer: error: ") and option in err[0], err
