@@ -53,6 +53,23 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, iters: int = 10) -> f
     return 2 * n * 4 / elapsed
 
 
+def gemm_flops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """bf16 n x n x n matmul on random data, FLOP/s (cuBLAS's practical ceiling: the compute side of the floors,
+    as copy_bandwidth is the bytes side; tools/throughput_floor --tflops)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    elapsed = (time.perf_counter() - start) / iters
+    del a, b
+    return 2 * n**3 / elapsed
+
+
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step must read: every parameter except the embedding table
     (one row is read), counting a tied LM head once; of stacked MoE experts only the routed share

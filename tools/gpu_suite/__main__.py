@@ -101,11 +101,12 @@ def main(argv=None) -> None:
         return
     import torch
 
-    from metainfer.bench.common import copy_bandwidth, environment
+    from metainfer.bench.common import copy_bandwidth, environment, gemm_flops
 
     args.started = time.perf_counter()
     results = {"env": environment()}
     results["env"]["copy_bw_GBs"] = copy_bandwidth(torch.device("cuda")) / 1e9
+    results["env"]["gemm_bf16_TFLOPs"] = gemm_flops(torch.device("cuda")) / 1e12  # the floors' compute rate
     for name in args.sections.split(","):
         run_section(name, args, results)
     table = render(results)
