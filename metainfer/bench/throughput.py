@@ -100,7 +100,8 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     return {"num_seqs": num_seqs, "input_range": [min_in, max_in], "output_range": [min_out, max_out],
             "elapsed_s": elapsed, "input_tokens": in_tokens, "output_tokens": out_tokens,
             "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
-            "preemptions": engine.scheduler.num_preemptions, "timeline": summarize_timeline(trace, end),
+            "preemptions": engine.scheduler.num_preemptions, "kv_reserve_ratio": engine.scheduler.kv_reserve.ratio,
+            "timeline": summarize_timeline(trace, end),
             "allocator": allocator}
 
 

@@ -98,6 +98,10 @@ class EngineConfig:
     # budget): a prompt arriving adds at most this much work to the running streams' next token, bounding
     # their inter-token latency; steps without decode rows still take max_num_batched_tokens. None: no cap
     max_mixed_prefill_tokens: int | None = None
+    # share of what each running request may still generate (max_tokens left, at most 4,096) whose KV blocks
+    # a prompt's admission leaves free, so admitted requests finish without preemption (engine/kv_reserve.py,
+    # SGLang's new-token ratio); None: learned from finished requests (1.0 until one finishes); 0: none (vLLM)
+    kv_reserve_ratio: float | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -173,6 +177,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens < 1:
             raise ConfigError(f"max_mixed_prefill_tokens must be >= 1, got {self.max_mixed_prefill_tokens}")
+        if self.kv_reserve_ratio is not None and not 0.0 <= self.kv_reserve_ratio <= 1.0:
+            raise ConfigError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
         if self.load_format == "gguf" and self.gguf_file is None:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:

@@ -68,10 +68,15 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def blocks_to_allocate(self, seq: Sequence) -> int:
+        """Free blocks `allocate` would take: all the sequence's blocks less its cached ones still in use
+        (a freed cached block is taken from the free list)."""
         hits = self._cached_prefix(seq)
         in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        return self.blocks_needed(seq.num_tokens) - in_use <= len(self.free)
+        return self.blocks_needed(seq.num_tokens) - in_use
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_to_allocate(seq) <= len(self.free)
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached ones."""

@@ -8,12 +8,14 @@ decode rows (Sarathi-Serve's stall-free budget), so each running stream's inter-
 most that much prefill work while prompts arrive; a step without decode rows takes the whole budget.
 When blocks run out for a decode row, the most recently admitted running sequence is
 preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
-a step that preempted (and still has decode rows) admits no waiting prompt. The samples of an n > 1 request
-after the first wait until the first has computed (and the prefix cache registered) their common prompt, so
-it is prefilled once. Three step kinds come out
-(`ScheduledBatch`): pure decode (rows longest context first; the decode kernels and CUDA graphs), pure
-prefill, and mixed (decode rows first, then prefill rows); the latter two run the prefill-with-context
-attention, a decode row being a 1-token query over its context.
+a step that preempted (and still has decode rows) admits no waiting prompt. A prompt is admitted only if the
+pool keeps room for what the running sequences may still generate (engine/kv_reserve.py), so requests that run
+to their max_tokens are not preempted and recomputed over and over (vLLM admits greedily). The samples of an
+n > 1 request after the first wait until the first has computed (and the prefix cache registered) their common
+prompt, so it is prefilled once. Three step kinds come out (`ScheduledBatch`): pure decode (rows longest
+context first; the decode kernels and CUDA graphs), pure prefill, and mixed (decode rows first, then prefill
+rows); the latter two run the prefill-with-context attention, a decode row being a 1-token query over its
+context.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from metainfer.engine.block_manager import BlockManager
+from metainfer.engine.kv_reserve import KVReserve
 from metainfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -59,8 +62,10 @@ def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_mixed_prefill_tokens: int | None = None):
+                 max_model_len: int, max_mixed_prefill_tokens: int | None = None,
+                 kv_reserve_ratio: float | None = None):
         self.block_manager = block_manager
+        self.kv_reserve = KVReserve(block_manager.block_size, max_model_len, kv_reserve_ratio)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -93,12 +98,22 @@ class Scheduler:
 
     def _schedule_prefills(self, budget: int) -> list[Sequence]:
         scheduled: list[Sequence] = []
+        bm, reserve = self.block_manager, None  # the running sequences' future demand (kv_reserve.ReservePlan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                if self._sibling_prefilling(seq, scheduled) or not self.block_manager.can_allocate(seq):
+                if self._sibling_prefilling(seq, scheduled):
                     break
-                self.block_manager.allocate(seq)
+                if bm.blocks_to_allocate(seq) > bm.num_free_blocks:
+                    break
+                # an idle engine admits whatever fits (a reserve larger than the pool waits on nothing); ratio 0:
+                # greedy admission, vLLM's
+                if self.running and self.kv_reserve.ratio > 0:
+                    if reserve is None:
+                        reserve = self.kv_reserve.plan(self.running, bm.num_free_blocks)
+                    if not reserve.admit(seq):
+                        break
+                bm.allocate(seq)
                 if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
                     seq.num_cached_prompt_tokens = seq.num_computed_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -166,6 +181,8 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks (registered first: free_sequence)."""
         seq.status = SequenceStatus.FINISHED
         seq.drop_pending()
+        if seq.finish_reason in ("stop", "length"):
+            self.kv_reserve.record_finished(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -194,6 +194,10 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="most prompt tokens in a step that also decodes running sequences (bounds their "
                         "inter-token latency while prompts arrive; 0: no cap beyond the step budget; default: "
                         + (f"{SERVE_MAX_MIXED_PREFILL_TOKENS} for serve)" if serving else "no cap)"))
+    p.add_argument("--kv-reserve-ratio", type=float, default=None,
+                   help="share of each running request's remaining max_tokens (at most 4,096) whose KV blocks stay "
+                        "free when a prompt is admitted, in [0, 1]; 0: admit whatever fits and preempt later "
+                        "(vLLM); default: learned from finished requests, 1 until one finishes")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=2048,
                    help="prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs; "
                         "0: eagerly (default 2048)")
@@ -230,6 +234,7 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 max_piecewise_graph_tokens=getattr(args, "max_piecewise_graph_tokens", 2048),
                 max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None) or None,  # 0: no cap
+                kv_reserve_ratio=getattr(args, "kv_reserve_ratio", None),
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,

@@ -174,7 +174,8 @@ def test_kv_full_preempts_and_recovers_with_nothing_lost(reference, engine):
     preempt and recompute; every output equals HF's and every block comes back."""
     folder, model = reference
     device = engine.llm_engine.config.device
-    tight = LLM(folder, device=device, dtype="float32", max_model_len=256, num_kv_blocks=12)
+    tight = LLM(folder, device=device, dtype="float32", max_model_len=256, num_kv_blocks=12,
+                kv_reserve_ratio=0.0)
     prompts = make_prompts([40] * 8, seed=31)
     got = generate_ids(tight, prompts, _greedy(40))
     assert tight.llm_engine.scheduler.num_preemptions > 0

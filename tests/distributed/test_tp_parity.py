@@ -59,7 +59,7 @@ def test_tp_under_preemption_chunking_and_prefix_cache(tmp_path):
     build_tiny_model(folder, "qwen3", vocab_size=VOCAB, num_key_value_heads=1, tie_word_embeddings=True)
     prompts = make_prompts([40, 9, 30, 3], vocab=VOCAB, seed=5)
     prompts.append(prompts[0][:32] + [7, 8])  # shares two full blocks with the first prompt
-    kw = dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=24)
+    kw = dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=24, kv_reserve_ratio=0.0)
     expected, _ = generate(folder, prompts, **kw)
     threads = torch.get_num_threads()
     got, llm = generate(folder, prompts, tp=2, **kw)
@@ -79,7 +79,7 @@ def test_moe_families_tp2_equal_tp1(arch, tmp_path):
     prompts = make_prompts(LENGTHS, vocab=VOCAB, seed=3)
     # 7 blocks: with mixed steps the prompts are admitted as the budget allows, and 8 blocks already hold
     # the peak of the four that run together (preemption needs fewer)
-    kw = dict(block_size=16, num_kv_blocks=7, max_num_batched_tokens=32)
+    kw = dict(block_size=16, num_kv_blocks=7, max_num_batched_tokens=32, kv_reserve_ratio=0.0)
     expected, _ = generate(folder, prompts, **kw)
     assert expected == hf_greedy(model, prompts, NEW_TOKENS)
     got, llm = generate(folder, prompts, tp=2, **kw)

@@ -33,8 +33,9 @@ def _engine(folder, async_scheduling=True, **kw):
     return llm
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"num_kv_blocks": 16}, {"max_num_batched_tokens": 24},
-                                       {"block_size": 1}], ids=["plain", "preempt", "chunked", "block1"])
+@pytest.mark.parametrize("engine_kw", [{}, {"num_kv_blocks": 16, "kv_reserve_ratio": 0.0},  # greedy admission: preempts
+                                       {"max_num_batched_tokens": 24}, {"block_size": 1}],
+                         ids=["plain", "preempt", "chunked", "block1"])
 def test_greedy_matches_hf(reference, engine_kw):
     folder, prompts, expected, model = reference
     llm = _engine(folder, **engine_kw)

@@ -149,7 +149,7 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("engine_kw", [
     dict(max_num_batched_tokens=16, async_scheduling=False),
     dict(max_num_batched_tokens=16, async_scheduling=True),
-    dict(max_num_batched_tokens=24, num_kv_blocks=14, async_scheduling=True),
+    dict(max_num_batched_tokens=24, num_kv_blocks=14, kv_reserve_ratio=0.0, async_scheduling=True),
     dict(max_num_batched_tokens=64, max_mixed_prefill_tokens=7, async_scheduling=True),
 ], ids=["chunked-sync", "chunked-async", "preempt-async", "mixed-cap-async"])
 def test_greedy_with_mixed_steps_matches_hf(reference, engine_kw):

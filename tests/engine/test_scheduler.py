@@ -9,9 +9,13 @@ from metainfer.engine.sequence import Sequence, SequenceStatus
 from metainfer.sampling_params import SamplingParams
 
 
-def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512):
+def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512,
+               kv_reserve_ratio=0.0):
+    """Greedy admission (vLLM's) by default: these tests pin the budget, order and preemption mechanics on small
+    pools; the KV reserve's own tests (tests/engine/test_kv_reserve.py) turn it on."""
     return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=False), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                     kv_reserve_ratio=kv_reserve_ratio)
 
 
 def _seqs(prompt_lens, max_tokens=100):
@@ -161,7 +165,8 @@ def test_a_preempted_sequence_goes_back_ahead_of_the_waiting_queue():
 
 
 def test_cached_prompt_tokens_are_recorded_at_the_first_admission_only():
-    sched = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512)
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512,
+                      kv_reserve_ratio=0.0)
     bm = sched.block_manager
 
     def run(batch):

@@ -60,6 +60,7 @@ def test_bad_engine_option_is_one_line(capsys, model_dir):
     (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: kv_cache_dtype"),
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: gpu_memory_utilization"),
     (["--max-piecewise-graph-tokens", "-1"], "--max-piecewise-graph-tokens: max_piecewise_graph_tokens"),
+    (["--kv-reserve-ratio", "1.5"], "--kv-reserve-ratio: kv_reserve_ratio"),
 ])
 def test_engine_option_errors_name_the_cli_option(capsys, model_dir, argv, option):
     line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", *argv])

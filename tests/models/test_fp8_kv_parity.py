@@ -49,7 +49,7 @@ def test_fp8_cache_matches_hf_over_fp8_kv(reference):
 
 def test_fp8_cache_chunked_prefill_and_preemption(reference):
     folder, prompts, expected, model = reference
-    llm, got = _generate(folder, prompts, max_num_batched_tokens=24, num_kv_blocks=20)
+    llm, got = _generate(folder, prompts, max_num_batched_tokens=24, num_kv_blocks=20, kv_reserve_ratio=0.0)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_matches_hf(model, prompts, got, expected)
 

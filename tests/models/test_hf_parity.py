@@ -54,8 +54,16 @@ def test_block_sizes(reference, block_size):
 @FIRST_VARIANT_FAST
 def test_preemption_keeps_outputs(reference):
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 192 tokens: must preempt.
-    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16)
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, kv_reserve_ratio=0.0)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@FIRST_VARIANT_FAST
+def test_kv_reserve_admits_what_can_finish(reference):
+    # the same pool with the default admission (the KV reserve, 1.0 until a request finishes): the prompts
+    # wait until the running ones can finish beside them (29 blocks at the end against 20), none is preempted
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16)
+    assert llm.llm_engine.scheduler.num_preemptions == 0
 
 
 @FIRST_VARIANT_FAST

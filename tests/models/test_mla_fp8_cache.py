@@ -95,7 +95,7 @@ def test_fp8_latent_cache_matches_hf_over_fp8_latent(reference):
 def test_fp8_latent_cache_chunked_prefill_and_preemption(reference):
     folder, prompts, expected, model = reference
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt and recompute
-    llm = _llm(folder, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
+    llm = _llm(folder, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48, kv_reserve_ratio=0.0)
     got = generate_ids(llm, prompts, GREEDY)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_drained(llm)

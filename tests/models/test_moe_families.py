@@ -118,7 +118,8 @@ def test_first_token_logprobs_equal_hf(reference):
 @EVERY_VARIANT
 def test_preemption_and_chunked_prefill_keep_outputs(reference):
     # 20 blocks of 16 = 320 tokens for 6 sequences needing 221 + 144 tokens: must preempt
-    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48)
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, max_num_batched_tokens=48,
+                                  kv_reserve_ratio=0.0)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 

@@ -50,7 +50,7 @@ def test_graph_inputs_read_in_place_give_hf_greedy(reference):
     states read back from the output the graph body left. Greedy output must still equal HF."""
     folder, prompts, expected, model = reference
     llm = LLM(folder, device="cpu", dtype="float32", async_scheduling=True,
-              num_kv_blocks=14)  # preemption too: rows change buckets and tables
+              num_kv_blocks=14, kv_reserve_ratio=0.0)  # preemption too: rows change buckets and tables
     assert llm.llm_engine.lookahead == 1
     runner = llm.llm_engine.runner
     runner.graphs = graphs = _EagerGraphs(runner, capture=True)

@@ -99,7 +99,7 @@ class _NoCapture(_Split):
 def test_steps_through_the_static_buffers_give_hf_greedy(tmp_path, arch):
     model, prompts, expected = hf_reference(str(tmp_path), arch, LENGTHS, NEW_TOKENS)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48,
-              num_kv_blocks=12)  # chunked prompts, mixed steps and preemption
+              num_kv_blocks=12, kv_reserve_ratio=0.0)  # chunked prompts, mixed steps and preemption
     runner = llm.llm_engine.runner
     runner.piecewise = pieces = _EagerPieces(runner, 64, capture=True)
     got = generate_ids(llm, prompts, GREEDY)

@@ -63,10 +63,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-variants", default="",
                    help="serving serve_vs_offline: ';'-separated extra `metainfer serve` args, one server each "
                         "against the one offline run (the first is the reported figure; '' = defaults)")
+    p.add_argument("--throughput-1k-variants", default="bf16,fp8",
+                   help="serving throughput_1k: comma list of bf16, fp8, bf16_greedy (kv_reserve_ratio 0: the KV "
+                        "reserve's A/B)")
     p.add_argument("--agreement-positions", type=int, default=128,
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args(argv)
+    from tools.gpu_suite.serving import THROUGHPUT_1K_VARIANTS
+
+    bad = [name for name in args.throughput_1k_variants.split(",") if name not in THROUGHPUT_1K_VARIANTS]
+    if bad:
+        p.error(f"unknown --throughput-1k-variants {bad}; known: {', '.join(THROUGHPUT_1K_VARIANTS)}")
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
     if unknown:
         p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")

@@ -122,16 +122,17 @@ GRAPH_VARIANTS = {
     "graph_no_pdl": dict(enable_pdl=False),
     "graph_torch_sampler": dict(enable_fused_sampler=False),  # greedy: fused == torch argmax
     "graph_sync": dict(async_scheduling=False),
-    "graph_preempt": dict(num_kv_blocks=60),
-    "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60),
+    "graph_preempt": dict(num_kv_blocks=60, kv_reserve_ratio=0.0),  # greedy admission: it preempts
+    "eager_async_preempt": dict(enforce_eager=True, num_kv_blocks=60, kv_reserve_ratio=0.0),
     "eager_no_prefix": dict(enforce_eager=True, enable_prefix_caching=False),
     "eager_kv_fp8": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8"),
     "graph_kv_fp8": dict(kv_cache_dtype="fp8"),
-    "graph_kv_fp8_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60),
+    "graph_kv_fp8_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60, kv_reserve_ratio=0.0),
     # an fp16 model over the fp8 cache (16-bit q and fp8 products in fp16)
     "eager_kv_fp8_fp16": dict(enforce_eager=True, async_scheduling=False, kv_cache_dtype="fp8", dtype="float16"),
     "graph_kv_fp8_fp16": dict(kv_cache_dtype="fp8", dtype="float16"),
-    "graph_kv_fp8_fp16_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60, dtype="float16"),
+    "graph_kv_fp8_fp16_preempt": dict(kv_cache_dtype="fp8", num_kv_blocks=60, kv_reserve_ratio=0.0,
+                                      dtype="float16"),
 }
 PREEMPTING = [name for name, kw in GRAPH_VARIANTS.items() if "num_kv_blocks" in kw]
 

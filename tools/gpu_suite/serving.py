@@ -7,7 +7,8 @@
   out, at concurrency 64, against the offline engine decoding the same shape with max_num_seqs=64
   (output tok/s both). Target >= 90% of offline, ITL p99 <= 2x median. Needs fastapi, uvicorn, httpx
   and aiohttp: installed from `.gpu_assets/wheels` when the machine lacks them.
-- `throughput_1k`: 1,000 prompts of 1,000 tokens, 1,000 out, max_num_seqs 512, bf16 and fp8 KV.
+- `throughput_1k`: 1,000 prompts of 1,000 tokens, 1,000 out, max_num_seqs 512, bf16 and fp8 KV (and greedy
+  admission, `--throughput-1k-variants`).
 """
 
 from __future__ import annotations
@@ -183,17 +184,24 @@ def histogram_quantiles(text: str, name: str, quantiles=(0.5, 0.9, 0.99)) -> dic
     return out
 
 
+# the 1,000 x 1,000 runs: bf16 and fp8 KV with the engine's defaults; bf16_greedy: vLLM's greedy admission
+# (kv_reserve_ratio 0: prompts admitted while they fit, preempted and recomputed later), the KV reserve's A/B
+THROUGHPUT_1K_VARIANTS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "bf16_greedy": {"kv_reserve_ratio": 0.0}}
+
+
 def throughput_1k(args) -> dict:
     from metainfer.bench.throughput import run_throughput
 
     def brief(llm) -> dict:
         full = run_throughput(llm, num_seqs=1000, min_in=1000, max_in=1000, min_out=1000, max_out=1000,
                               progress=False)
-        return {**{k: full[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s")},
-                "decode_seconds": full["timeline"]["decode_seconds"]}
+        return {**{k: full[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s", "preemptions", "kv_reserve_ratio")},
+                "decode_seconds": full["timeline"]["decode_seconds"], "prefill": full["timeline"]["prefill"],
+                "num_kv_blocks": llm.llm_engine.block_manager.num_blocks}
 
     res = {}
-    for name, kw in {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}}.items():
+    for name in args.throughput_1k_variants.split(","):
+        kw = THROUGHPUT_1K_VARIANTS[name]
         try:
             res[name] = on_engine(args, brief, max_num_seqs=512, **kw)
         except Exception as exc:

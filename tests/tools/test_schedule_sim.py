@@ -1,0 +1,37 @@
+"""tools/schedule_sim: the engine's scheduler on a protocol with no model. At a pool that greedy admission
+oversubscribes, the KV reserve finishes every request without a preemption or a recomputed token while ratio 0
+preempts and recomputes; at an unbounded pool the priced schedule agrees with tools/throughput_floor's own
+idealised scheduler (an independent walk of the same requests)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from tools.schedule_sim import simulate
+from tools.throughput_floor import floor
+
+CONFIG = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/configs/qwen3-8b.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tight():
+    return {ratio: simulate(CONFIG, "nano-vllm", 6000, ratio) for ratio in (None, 0.0)}
+
+
+def test_the_reserve_finishes_everything_without_preemption(tight):
+    auto, greedy = tight[None], tight[0.0]
+    assert auto["preemptions"] == 0 and auto["recomputed_tokens"] == 0
+    assert greedy["preemptions"] > 0 and greedy["recomputed_tokens"] > 0
+    assert auto["output_tokens"] == greedy["output_tokens"]  # every request ran to its max_tokens either way
+    assert auto["final_ratio"] == 1.0  # ignore_eos: every finished request used all it was allowed
+
+
+def test_an_unbounded_pool_prices_like_the_floor():
+    sim = simulate(CONFIG, "nano-vllm", 10**6, None, max_num_seqs=256)
+    ideal = floor(CONFIG, "nano-vllm", 2.0, 4.3e12, 790e12, 8192)
+    assert sim["preemptions"] == 0
+    assert sim["output_tokens"] == ideal["output_tokens"]
+    assert sim["seconds"] == pytest.approx(ideal["prefill"] + ideal["decode_serial"], rel=0.05)
