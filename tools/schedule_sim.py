@@ -9,8 +9,10 @@ drives `metainfer.engine.scheduler.Scheduler` and `BlockManager` (the engine's, 
 own requests (the bench's seed), every sampled token read back at once, and prices each step as the floor does
 (`throughput_floor.model_costs`): max(weight bytes, GEMM FLOPs) + max(KV bytes, attention FLOPs). The
 prices are a floor's, not the GPU's; what the tool measures is the schedule (steps, rows, recomputation) and
-the difference between rules at those prices. `--stop-fraction a,b` makes each request stop (finish_reason
-"stop") after U[a, b] x its max_tokens, the case where reserving all of max_tokens would be too cautious.
+the difference between rules at those prices (`--step-overhead-ms` adds a fixed cost a step, to see how a rule
+that runs more, emptier steps fares when steps cost more than their bytes). `--stop-fraction a,b` makes each
+request stop (finish_reason "stop") after U[a, b] x its max_tokens, the case where reserving all of max_tokens
+would be too cautious.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tools.throughput_floor import PROTOCOLS, model_costs, weight_bytes
 
 def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: float | None, *, block_size=16,
              max_num_seqs: int | None = None, max_batched_tokens=8192, max_model_len=4096, kv_elem_bytes=2.0,
-             bw=4.3e12, flops=790e12, stop_fraction: tuple[float, float] | None = None) -> dict:
+             bw=4.3e12, flops=790e12, stop_fraction: tuple[float, float] | None = None, step_overhead_s=0.0) -> dict:
     from metainfer.bench.throughput import make_requests
     from metainfer.engine.block_manager import BlockManager
     from metainfer.engine.scheduler import Scheduler
@@ -52,7 +54,7 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
         gemm = max(weight_bytes(costs, tokens) / bw, 2 * costs.active_params * tokens / flops)
         attention = max(context * costs.kv_bytes_per_token / bw, costs.attn_flops_per_pair * pairs / flops)
         kind = "prefill" if batch.is_prefill else "decode"
-        t[f"{kind}_s"] += gemm + attention
+        t[f"{kind}_s"] += gemm + attention + step_overhead_s
         t[f"{kind}_steps"] += 1
         t["prefill_tokens"] += batch.num_prefill_tokens
         t["decode_rows"] += batch.num_decode_rows
@@ -90,6 +92,9 @@ def main(argv=None) -> None:
     p.add_argument("--kv-elem-bytes", type=float, default=2.0, help="2 for bf16, 1 for fp8")
     p.add_argument("--bw-tbs", type=float, default=4.3, help="copy rate, TB/s (the H200's measured 4.3)")
     p.add_argument("--tflops", type=float, default=790.0, help="bf16 GEMM rate (the H200's cuBLAS 790)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="a fixed cost added to every step (launches, sampler, host; ~2 ms on an H100 at a few rows: "
+                        "run 83's 7.7 ms steps of 9 rows against 5.5 ms of weights), so fewer, fuller steps weigh more")
     p.add_argument("--stop-fraction", default=None, help="a,b: each request stops after U[a, b] x its max_tokens")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
@@ -101,7 +106,7 @@ def main(argv=None) -> None:
         rows.append(simulate(config, args.protocol, args.num_kv_blocks, ratio, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                              kv_elem_bytes=args.kv_elem_bytes, bw=args.bw_tbs * 1e12, flops=args.tflops * 1e12,
-                             stop_fraction=stop))
+                             stop_fraction=stop, step_overhead_s=args.step_overhead_ms / 1e3))
         r = rows[-1]
         print(f"reserve {r['kv_reserve_ratio']}: {r['output_tok_s']:.0f} tok/s at the floor's prices, "
               f"{r['seconds']:.1f} s (prefill {r['prefill_s']:.1f} s, {r['prefill_steps']} steps; decode "
@@ -109,7 +114,8 @@ def main(argv=None) -> None:
               f"{r['recomputed_tokens']} tokens recomputed, {r['rows_per_step']} decode rows a step")
     if args.output_json:
         record = {"config": config["architectures"][0], "protocol": args.protocol, "num_kv_blocks": args.num_kv_blocks,
-                  "kv_elem_bytes": args.kv_elem_bytes, "stop_fraction": stop, "rules": rows}
+                  "kv_elem_bytes": args.kv_elem_bytes, "stop_fraction": stop, "bw_tbs": args.bw_tbs,
+                  "tflops": args.tflops, "step_overhead_ms": args.step_overhead_ms, "rules": rows}
         with open(args.output_json, "w") as f:
             json.dump(record, f, indent=1)
 
