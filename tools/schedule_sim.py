@@ -27,7 +27,7 @@ from tools.throughput_floor import PROTOCOLS, model_costs, weight_bytes
 def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: float | None, *, block_size=16,
              max_num_seqs: int | None = None, max_batched_tokens=8192, max_model_len=4096, kv_elem_bytes=2.0,
              bw=4.3e12, flops=790e12, stop_fraction: tuple[float, float] | None = None, step_overhead_s=0.0) -> dict:
-    from metainfer.bench.throughput import make_requests
+    from metainfer.bench.throughput import DECODE_BINS, make_requests
     from metainfer.engine.block_manager import BlockManager
     from metainfer.engine.scheduler import Scheduler
     from metainfer.engine.sequence import Sequence
@@ -46,6 +46,7 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
         sched.add(seq)
     t = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
          "decode_rows": 0, "output_tokens": 0}
+    bins: dict[str, dict] = {}  # decode steps by rows, the bench timeline's bins (its `decode`), at the floor's prices
     while (batch := sched.schedule()) is not None:
         tokens = batch.num_tokens
         context = sum(s.num_computed_tokens + s.num_scheduled_tokens for s in batch.seqs)
@@ -55,6 +56,13 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
         attention = max(context * costs.kv_bytes_per_token / bw, costs.attn_flops_per_pair * pairs / flops)
         kind = "prefill" if batch.is_prefill else "decode"
         t[f"{kind}_s"] += gemm + attention + step_overhead_s
+        if not batch.is_prefill:
+            rows = len(batch.seqs)
+            entry = bins.setdefault(f"<={next((b for b in DECODE_BINS if rows <= b), rows)}",
+                                    {"steps": 0, "seqs": 0, "seconds": 0.0})
+            entry["steps"] += 1
+            entry["seqs"] += rows
+            entry["seconds"] += gemm + attention + step_overhead_s
         t[f"{kind}_steps"] += 1
         t["prefill_tokens"] += batch.num_prefill_tokens
         t["decode_rows"] += batch.num_decode_rows
@@ -75,6 +83,8 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
             **{k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()},
             "rows_per_step": round(t["decode_rows"] / max(t["prefill_steps"] + t["decode_steps"], 1), 1),
             "final_ratio": round(sched.kv_reserve.ratio, 3), "seconds": round(seconds, 3),
+            "decode_bins": {k: {**v, "seconds": round(v["seconds"], 4),
+                                "ms_per_step": round(v["seconds"] * 1e3 / v["steps"], 3)} for k, v in bins.items()},
             "output_tok_s": round(t["output_tokens"] / seconds, 1)}
 
 

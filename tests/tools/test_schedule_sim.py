@@ -35,3 +35,11 @@ def test_an_unbounded_pool_prices_like_the_floor():
     assert sim["preemptions"] == 0
     assert sim["output_tokens"] == ideal["output_tokens"]
     assert sim["seconds"] == pytest.approx(ideal["prefill"] + ideal["decode_serial"], rel=0.05)
+
+
+def test_decode_bins_cover_every_decode_step(tight):
+    for rule in tight.values():
+        bins = rule["decode_bins"]
+        assert sum(b["steps"] for b in bins.values()) == rule["decode_steps"]
+        assert sum(b["seqs"] for b in bins.values()) <= rule["decode_rows"]  # the rest: mixed steps' decode rows
+        assert sum(b["seconds"] for b in bins.values()) == pytest.approx(rule["decode_s"], abs=1e-2)
