@@ -60,7 +60,9 @@ def engine_figures(args, name: str) -> dict:
         res["throughput"]["decode_seconds"] = tp["timeline"]["decode_seconds"]
         # the prefill steps' count, tokens and time, and the preemptions: an A/B of a prefill-side change (run 81's
         # MoE table) reads them here, not from elapsed - decode
-        res["throughput"].update(prefill=tp["timeline"]["prefill"], preemptions=tp["preemptions"])
+        # the decode steps by rows: each bin against its floor (`tools/schedule_sim` gives the floor's bins)
+        res["throughput"].update(prefill=tp["timeline"]["prefill"], preemptions=tp["preemptions"],
+                                 decode_bins=tp["timeline"]["decode"])
         runner = llm.llm_engine.runner
         res.update(linear=describe_linear(runner.ops.linear), num_kv_blocks=runner.num_blocks,
                    kv_bytes_per_token=runner.attn_backend.bytes_per_block(len(runner.attention_layers), 1))
