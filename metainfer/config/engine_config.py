@@ -100,7 +100,8 @@ class EngineConfig:
     max_mixed_prefill_tokens: int | None = None
     # share of what each running request may still generate (max_tokens left, at most 4,096) whose KV blocks
     # a prompt's admission leaves free, so admitted requests finish without preemption (engine/kv_reserve.py,
-    # SGLang's new-token ratio); None: learned from finished requests (1.0 until one finishes); 0: none (vLLM)
+    # SGLang's new-token ratio); None: learned from finished requests, apart for requests with and without a
+    # max_tokens (1.0 and 0.7 until one finishes); 0: none (vLLM's greedy admission)
     kv_reserve_ratio: float | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -51,7 +51,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix matching -------------------------------------------------------------
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids whose contents equal the sequence's leading full blocks, short of the block holding its
         last token: that token is always recomputed (its logits start the output), and recomputing it into a
         shared block would write into another sequence's cache (a block-aligned prompt: as vLLM, its last
@@ -68,20 +68,21 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def blocks_to_allocate(self, seq: Sequence) -> int:
+    def blocks_to_allocate(self, seq: Sequence, hits: list[int] | None = None) -> int:
         """Free blocks `allocate` would take: all the sequence's blocks less its cached ones still in use
-        (a freed cached block is taken from the free list)."""
-        hits = self._cached_prefix(seq)
+        (a freed cached block is taken from the free list). `hits`: cached_prefix(seq), if already found."""
+        hits = self.cached_prefix(seq) if hits is None else hits
         in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return self.blocks_needed(seq.num_tokens) - in_use
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.blocks_to_allocate(seq) <= len(self.free)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached ones."""
+    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached ones (`hits`: cached_prefix(seq),
+        if already found; nothing may be allocated or freed in between)."""
         assert not seq.block_table, "sequence already has blocks"
-        hits = self._cached_prefix(seq)
+        hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -8,11 +8,13 @@ room for what the running requests may still generate (its new-token ratio); so 
 peak instead of its sum: a prompt is admitted only if the pool holds the running sequences and it at every
 step until each has generated its estimate (ReservePlan), so one that ends early frees room for the rest.
 A sequence's estimate is `ratio` x the tokens it may still generate: its max_tokens left, at most the
-context left and at most CLIP_TOKENS (a request without max_tokens would otherwise claim the whole
-context). `ratio` is fixed (`EngineConfig.kv_reserve_ratio`; 0 is vLLM's greedy admission) or learned: tokens
-generated over tokens allowed by the last WINDOW sequences that finished (stop or length), 1.0 before one has.
-Requests that run to max_tokens are then never preempted; a chat whose replies stop early is estimated by what
-its replies take. Preemption stays the fallback when the estimate is short.
+context left and at most CLIP_TOKENS (a request without max_tokens would otherwise claim the whole context).
+`ratio` is fixed (`EngineConfig.kv_reserve_ratio`; 0 is vLLM's greedy admission) or learned, apart for
+requests with a max_tokens within the clip and for the others: tokens generated over tokens allowed by the
+last WINDOW of each that finished (stop or length), INITIAL_RATIO before one has. Requests that run to
+max_tokens are then not preempted (checked with prefix sharing, n samples and chunked prompts in
+tests/engine/test_kv_reserve.py); a chat whose replies stop early is estimated by what its replies take.
+Preemption stays the fallback when an estimate is short.
 """
 
 from __future__ import annotations
@@ -23,25 +25,44 @@ from collections import deque
 from metainfer.engine.sequence import Sequence
 
 CLIP_TOKENS = 4096  # most future tokens counted for one sequence (SGLang clips its estimate alike)
-WINDOW = 256  # finished sequences the learned ratio averages over
+WINDOW = 256  # finished sequences each learned ratio averages over
+# Learned ratios start here: a request with max_tokens (at most CLIP_TOKENS) is assumed to use all of it, as
+# benchmark clients and chat clients that set it do; one without starts at SGLang's initial new-token ratio
+INITIAL_RATIO = {True: 1.0, False: 0.7}
 
 
 class KVReserve:
+    """The estimate: how many tokens each sequence may still generate. Requests with a max_tokens within the
+    clip ("bounded") and without ("open": no max_tokens, or one past the clip) learn separate ratios, so a
+    chat's early stops do not shrink the estimate of requests that run to their max_tokens."""
+
     def __init__(self, block_size: int, max_model_len: int, ratio: float | None = None):
         if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {ratio}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.fixed_ratio = ratio
-        self._finished: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (generated, allowed)
-        self._generated = 0
-        self._allowed = 0
+        self._finished = {bounded: deque(maxlen=WINDOW) for bounded in (True, False)}  # (generated, allowed)
+        self._sums = {bounded: [0, 0] for bounded in (True, False)}
+
+    @staticmethod
+    def bounded(seq: Sequence) -> bool:
+        return seq.params.max_tokens is not None and seq.params.max_tokens <= CLIP_TOKENS
+
+    def ratio_of(self, bounded: bool) -> float:
+        if self.fixed_ratio is not None:
+            return self.fixed_ratio
+        generated, allowed = self._sums[bounded]
+        return generated / allowed if allowed else INITIAL_RATIO[bounded]
 
     @property
     def ratio(self) -> float:
-        if self.fixed_ratio is not None:
-            return self.fixed_ratio
-        return self._generated / self._allowed if self._allowed else 1.0
+        """The bounded requests' ratio (the one a throughput protocol uses); 0 only when fixed at 0."""
+        return self.ratio_of(True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.fixed_ratio != 0.0
 
     def allowed_tokens(self, seq: Sequence) -> int:
         """Tokens the sequence may still generate: its max_tokens left, the context left, at most CLIP_TOKENS."""
@@ -50,9 +71,14 @@ class KVReserve:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens)
         return max(0, min(left, CLIP_TOKENS))
 
-    def plan(self, running, free_blocks: int) -> ReservePlan:
-        """The running sequences' future demand, for the admissions of one schedule call."""
-        return ReservePlan(self, running, free_blocks)
+    def estimate(self, seq: Sequence) -> int:
+        """Tokens the sequence is expected to generate still: its ratio x its allowed tokens."""
+        return math.ceil(self.ratio_of(self.bounded(seq)) * self.allowed_tokens(seq))
+
+    def plan(self, running, waiting_with_blocks, block_manager, prompt_budget: int) -> ReservePlan:
+        """The demand of the running sequences (and of a waiting one that already holds blocks: a chunked
+        prompt, a preempted one ahead of it), for the admissions of one schedule call."""
+        return ReservePlan(self, running, waiting_with_blocks, block_manager, prompt_budget)
 
     def record_finished(self, seq: Sequence) -> None:
         """A sequence that stopped or reached its length: what it generated against what it was allowed."""
@@ -63,62 +89,101 @@ class KVReserve:
             allowed = min(allowed, seq.params.max_tokens)
         if allowed <= 0:
             return
+        bounded = self.bounded(seq)
+        window, sums = self._finished[bounded], self._sums[bounded]
         generated = min(seq.num_known_output_tokens, allowed)
-        if len(self._finished) == self._finished.maxlen:
-            old_generated, old_allowed = self._finished[0]
-            self._generated -= old_generated
-            self._allowed -= old_allowed
-        self._finished.append((generated, allowed))
-        self._generated += generated
-        self._allowed += allowed
+        if len(window) == window.maxlen:
+            old_generated, old_allowed = window[0]
+            sums[0] -= old_generated
+            sums[1] -= old_allowed
+        window.append((generated, allowed))
+        sums[0] += generated
+        sums[1] += allowed
 
 
 class ReservePlan:
     """Blocks the running sequences will hold over their remaining steps, so a prompt is admitted only if the
-    pool never runs out before they finish. Sequence i holds about (tokens_i + t) / block_size + 1 blocks t
-    steps from now, until it has generated its estimate ratio x allowed_i; the demand peaks just before one
-    of them ends, so the peak is the largest, over the estimates e_k, of the sum over sequences still running
-    at e_k of their blocks then. A sequence that ends early frees its blocks for the rest: that is what lets a
-    mix of lengths run more sequences than the sum of their final sizes would (the nano-vllm protocol at
+    pool never runs out before they finish. Blocks a sequence holds alone (reference count 1) and its growth,
+    one token a step until its estimate, go when it ends; blocks shared by several (prefix-cache hits, the
+    common prompt of n samples) are counted as held to the end, and left out of the capacity with everything
+    held by sequences outside the plan. Sequence i then holds base_i + t / block_size blocks t steps from now,
+    base_i = its own blocks + the unfilled share of its last block's successor (tokens / block_size + 1 - table
+    length), until its estimate e_i; the demand peaks just before one of them ends, so the peak is the largest,
+    over k, of the sum over sequences with e_i >= e_k of base_i + e_k / block_size. A prompt computed in D
+    chunks starts generating D - 1 steps later: its estimate is pushed back by that much (its growth counted
+    from now: a few blocks too many). A sequence that ends early frees its blocks for the rest: that is what
+    lets a mix of lengths run more sequences than the sum of their final sizes would (the nano-vllm protocol at
     Qwen3-30B-A3B's H100 pool: 71 rows a step with the final sizes against 83 with greedy admission), while
     requests that all end together (the 1,000 x 1,000 protocol) are admitted only as far as they all fit."""
 
-    def __init__(self, reserve: KVReserve, running, free_blocks: int):
-        self.block_size = bs = reserve.block_size
+    def __init__(self, reserve: KVReserve, running, waiting_with_blocks, block_manager, prompt_budget: int):
         self.reserve = reserve
-        self.ratio = ratio = reserve.ratio
-        # (steps left, blocks now) of each running sequence, as _entry; inlined: this runs every step a prompt waits
-        clip, max_len = CLIP_TOKENS, reserve.max_model_len
-        entries, held = [], 0
-        for seq in running:
+        self.block_manager = block_manager
+        self.block_size = bs = reserve.block_size
+        self.prompt_budget = max(1, prompt_budget)
+        blocks = block_manager.blocks
+        self.entries: list[list[float]] = []  # [steps left, base blocks] a sequence
+        self.owner_of: dict[int, list[float]] = {}  # a sequence's first block held alone -> its entry
+        capacity = block_manager.num_free_blocks
+        # reserve.estimate and _prefill_steps_left inlined: this loop runs every step a prompt waits
+        ratio = {True: reserve.ratio_of(True), False: reserve.ratio_of(False)}
+        clip, max_len, budget = CLIP_TOKENS, reserve.max_model_len, self.prompt_budget
+        for seq in (*running, *waiting_with_blocks):
+            table = seq.block_table
+            shared = 0  # sharing is a prefix property: a leading run of blocks with other holders
+            while shared < len(table) and blocks[table[shared]].ref_count > 1:
+                shared += 1
+            own = len(table) - shared
             tokens = len(seq.token_ids)
-            left = max_len - tokens
+            allowed = max_len - tokens
             max_tokens = seq.params.max_tokens
             if max_tokens is not None:
-                left = min(left, max_tokens - tokens + seq.num_prompt_tokens)
-            entries.append((math.ceil(ratio * max(0, min(left, clip))), tokens / bs + 1))
-            held += len(seq.block_table)
-        self.capacity = free_blocks + held
-        self.entries = entries
-        self.final_total = sum(blocks for _, blocks in entries) + sum(left for left, _ in entries) / bs
+                allowed = min(allowed, max_tokens - tokens + seq.num_prompt_tokens)
+            left = math.ceil(ratio[max_tokens is not None and max_tokens <= clip] * max(0, min(allowed, clip)))
+            prompt_left = tokens - seq.num_computed_tokens
+            if prompt_left > budget:
+                left += -(-prompt_left // budget) - 1
+            entry = [left, own + tokens / bs + 1 - len(table)]
+            self.entries.append(entry)
+            if own:
+                self.owner_of[table[shared]] = entry
+            capacity += own
+        self.capacity = capacity
+        self.final_total = sum(base + left / bs for left, base in self.entries)
 
-    def _entry(self, seq: Sequence) -> tuple[int, float]:
-        return math.ceil(self.ratio * self.reserve.allowed_tokens(seq)), seq.num_tokens / self.block_size + 1
-
-    def admit(self, seq: Sequence) -> bool:
-        """Whether the pool holds the running sequences and this one at every step until they finish; if so
-        it is counted with them for the next prompt of this call."""
-        entry = self._entry(seq)
-        final = entry[1] + entry[0] / self.block_size
+    def admit(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether the pool holds the planned sequences and this one (its prefix-cache `hits`, as
+        BlockManager.cached_prefix found them) at every step until they finish; if so it joins the plan."""
+        bs, blocks = self.block_size, self.block_manager.blocks
+        # hits another sequence holds alone become shared: held to the end, out of that one's base and the capacity
+        taken_over = [b for b in hits if blocks[b].ref_count == 1]
+        owner = self.owner_of.get(taken_over[0]) if taken_over else None
+        fresh = self.block_manager.blocks_needed(seq.num_tokens) - sum(1 for b in hits if blocks[b].ref_count > 0)
+        computed = len(hits) * bs  # after allocation
+        chunks_left = max(0, -(-(seq.num_tokens - computed) // self.prompt_budget) - 1)
+        entry = [self.reserve.estimate(seq) + chunks_left, fresh + seq.num_tokens / bs + 1
+                 - self.block_manager.blocks_needed(seq.num_tokens)]
+        shift = len(taken_over) if owner is not None else 0
+        capacity = self.capacity - shift
+        final_total = self.final_total + entry[1] + entry[0] / bs - shift
+        if owner is not None:
+            owner[1] -= shift
         self.entries.append(entry)
-        if self.final_total + final > self.capacity:  # the quick check: fits even if every sequence ran to its end
-            self.entries.sort(reverse=True)  # by steps left; after the first, one insertion: timsort's linear case
-            held, count, per_step = 0.0, 0, 1.0 / self.block_size
-            for left, blocks in self.entries:
-                held += blocks
+        if final_total > capacity:  # the quick check: fits even if every sequence ran to its end
+            self.entries.sort(key=lambda e: e[0], reverse=True)
+            held, count, per_step = 0.0, 0, 1.0 / bs
+            for left, base in self.entries:
+                held += base
                 count += 1
-                if held + count * left * per_step > self.capacity:
+                if held + count * left * per_step > capacity:
                     self.entries.remove(entry)
+                    if owner is not None:
+                        owner[1] += shift
                     return False
-        self.final_total += final
+        # its first block held alone after allocation, if another prompt of this call may hit it: a cached block it
+        # revives (fresh blocks are not hashed before the step is read back)
+        revived = next((b for b in hits if blocks[b].ref_count == 0), None)
+        if revived is not None:
+            self.owner_of[revived] = entry
+        self.capacity, self.final_total = capacity, final_total
         return True

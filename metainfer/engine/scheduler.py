@@ -104,16 +104,20 @@ class Scheduler:
             if not seq.block_table:
                 if self._sibling_prefilling(seq, scheduled):
                     break
-                if bm.blocks_to_allocate(seq) > bm.num_free_blocks:
+                hits = bm.cached_prefix(seq)
+                if bm.blocks_to_allocate(seq, hits) > bm.num_free_blocks:
                     break
                 # an idle engine admits whatever fits (a reserve larger than the pool waits on nothing); ratio 0:
                 # greedy admission, vLLM's
-                if self.running and self.kv_reserve.ratio > 0:
+                if self.running and self.kv_reserve.enabled:
                     if reserve is None:
-                        reserve = self.kv_reserve.plan(self.running, bm.num_free_blocks)
-                    if not reserve.admit(seq):
+                        prompt_budget = min(self.max_num_batched_tokens - len(self.running),
+                                            self.max_mixed_prefill_tokens)
+                        reserve = self.kv_reserve.plan(self.running, [s for s in self.waiting if s.block_table],
+                                                       bm, prompt_budget)
+                    if not reserve.admit(seq, hits):
                         break
-                bm.allocate(seq)
+                bm.allocate(seq, hits)
                 if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
                     seq.num_cached_prompt_tokens = seq.num_computed_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -162,12 +166,15 @@ class Scheduler:
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and queue it first, after a prompt part-way through its chunks: that one
+        holds blocks and needs none to go on, while the preempted one may not fit until it finishes (ahead of
+        it, neither would ever run)."""
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.insert(1 if self.waiting and self.waiting[0].block_table else 0, seq)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts once the step is launched (its K/V will be in the cache

@@ -1,7 +1,10 @@
 """The KV reserve (engine/kv_reserve.py): what a prompt's admission leaves free for the running sequences'
-future tokens. The estimate's arithmetic, the learned ratio (window, aborts ignored), and the scheduler: a pool
-that greedy admission (ratio 0, vLLM's) fills and then preempts is admitted so that everything finishes
-without a preemption; an idle engine still admits a request larger than its reserve."""
+future tokens. The estimate's arithmetic; the learned ratios (bounded and open requests apart, window, aborts
+ignored); the plan's peak against a step-by-step walk of the same model; and the scheduler driven as the engine
+drives it: a pool that greedy admission (ratio 0, vLLM's) fills and then preempts is admitted so that every
+request that runs to its max_tokens finishes without a preemption, with prefix caching (shared prompt blocks,
+n samples), chunked prompts and the server's mixed-step cap; an idle engine still admits a request larger than
+its reserve; a preempted sequence never blocks a prompt part-way through its chunks."""
 
 from __future__ import annotations
 
@@ -11,14 +14,15 @@ import random
 import pytest
 
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.kv_reserve import CLIP_TOKENS, WINDOW, KVReserve
+from metainfer.engine.kv_reserve import CLIP_TOKENS, INITIAL_RATIO, WINDOW, KVReserve
 from metainfer.engine.scheduler import Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.sampling_params import SamplingParams
 
 
-def _seq(prompt_len, max_tokens, name="r"):
-    return Sequence(name, 0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+def _seq(prompt, max_tokens, name="r", index=0, n=1):
+    ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    return Sequence(name, index, ids, SamplingParams(max_tokens=max_tokens, n=n))
 
 
 def _finished(reserve, generated, max_tokens, prompt_len=4):
@@ -39,17 +43,33 @@ def test_allowed_tokens_is_max_tokens_left_within_the_context_and_the_clip():
     assert r.allowed_tokens(done) == 0
 
 
-def _running(prompt_len, max_tokens, generated, block_size):
-    seq = _seq(prompt_len, max_tokens)
-    seq.token_ids += [7] * generated
-    seq.block_table = list(range(-(-seq.num_tokens // block_size)))
-    return seq
+def test_learned_ratios_are_generated_over_allowed_per_class_over_the_last_window():
+    r = KVReserve(block_size=16, max_model_len=100_000)
+    assert r.ratio_of(True) == INITIAL_RATIO[True] == 1.0 and r.ratio_of(False) == INITIAL_RATIO[False]
+    _finished(r, 25, 100)
+    _finished(r, 75, 100)
+    assert r.ratio == r.ratio_of(True) == pytest.approx(0.5)
+    _finished(r, 400, None)  # an open request (no max_tokens): allowed the clip, its own ratio
+    _finished(r, 600, 2 * CLIP_TOKENS)  # a max_tokens past the clip counts as open too
+    assert r.ratio_of(True) == pytest.approx(0.5)
+    assert r.ratio_of(False) == pytest.approx(1000 / (2 * CLIP_TOKENS))
+    assert r.estimate(_seq(4, None)) == math.ceil(1000 / (2 * CLIP_TOKENS) * CLIP_TOKENS)
+    for _ in range(WINDOW):
+        _finished(r, 10, 40)
+    assert r.ratio == pytest.approx(0.25)  # the first two left the window
+    fixed = KVReserve(16, 100_000, ratio=0.3)
+    _finished(fixed, 1, 100)
+    assert fixed.ratio_of(True) == fixed.ratio_of(False) == 0.3
+    assert not KVReserve(16, 100, ratio=0.0).enabled
+    with pytest.raises(ValueError, match="kv_reserve_ratio"):
+        KVReserve(16, 100, ratio=1.5)
 
 
-def _fits_step_by_step(seqs, ratio, block_size, capacity, reserve):
-    """Independent reference: walk every future step and sum the blocks of the sequences still running."""
-    ends = [math.ceil(ratio * reserve.allowed_tokens(s)) for s in seqs]
-    for step in range(int(max(ends, default=0)) + 2):
+def _fits_step_by_step(seqs, reserve, block_size, capacity):
+    """Independent reference for unshared sequences: walk every future step and sum the blocks (tokens / block
+    size + 1, one token a step) of the sequences still running."""
+    ends = [reserve.estimate(s) for s in seqs]
+    for step in range(max(ends, default=0) + 2):
         held = sum(s.num_tokens / block_size + 1 + min(step, end) / block_size
                    for s, end in zip(seqs, ends) if step <= end)
         if held > capacity + 1e-9:
@@ -62,80 +82,89 @@ def test_plan_admits_exactly_when_every_future_step_fits(ratio):
     rng = random.Random(3)
     for _ in range(300):
         bs = rng.choice([1, 4, 16])
-        reserve = KVReserve(block_size=bs, max_model_len=400, ratio=ratio)
         running = []
-        for _ in range(rng.randint(1, 6)):
+        for i in range(rng.randint(1, 6)):
             max_tokens = rng.randint(1, 80)
-            running.append(_running(rng.randint(1, 60), max_tokens, rng.randint(0, max_tokens), bs))
-        new = _seq(rng.randint(1, 60), rng.randint(1, 80))
-        held = sum(len(s.block_table) for s in running)
-        free = rng.randint(max(0, -(-new.num_tokens // bs)), held + 40)
-        plan = reserve.plan(running, free)
-        assert plan.admit(new) == _fits_step_by_step(running + [new], ratio, bs, free + held, reserve)
+            seq = _seq(range(100 * i, 100 * i + rng.randint(1, 60)), max_tokens, name=f"r{i}")
+            seq.token_ids += [7] * rng.randint(0, max_tokens)
+            running.append(seq)
+        new = _seq(range(9000, 9000 + rng.randint(1, 60)), rng.randint(1, 80), name="new")
+        held = sum(-(-s.num_tokens // bs) for s in running)
+        bm = BlockManager(held + rng.randint(0, 40 + -(-new.num_tokens // bs)), bs, enable_prefix_caching=False)
+        for seq in running:
+            bm.allocate(seq)
+        reserve = KVReserve(block_size=bs, max_model_len=400, ratio=ratio)
+        plan = reserve.plan(running, [], bm, prompt_budget=1 << 20)
+        expected = _fits_step_by_step(running + [new], reserve, bs, bm.num_free_blocks + held)
+        assert plan.admit(new, bm.cached_prefix(new)) == expected
 
 
 def test_a_sequence_that_ends_early_makes_room_the_sum_of_final_sizes_would_not():
-    # block size 1: a sequence of n tokens holds n + 1 blocks (the +1: a partial block). Running: A and B of
-    # 10 tokens, A ends after 2 more, B after 20; a new prompt N of 10 tokens with 10 to go. Held: 39 blocks
-    # at step 2 (13 each), 42 at step 10 (B 21, N 21), 31 at step 20 (B): the peak is 42, while their
+    # block size 1: a sequence of n tokens holds n + 1 blocks in the model (the +1: a partial block). Running:
+    # A and B of 10 tokens, A ends after 2 more, B after 20; a new prompt N of 10 tokens with 10 to go. Held: 39
+    # blocks at step 2 (13 each), 42 at step 10 (B 21, N 21), 31 at step 20 (B): the peak is 42, while their
     # final sizes sum to 13 + 31 + 21 = 65. The running two hold 20 blocks now.
-    running = [_running(10, 2, 0, 1), _running(10, 20, 0, 1)]
-    assert KVReserve(block_size=1, max_model_len=400).plan(running, free_blocks=50 - 20).admit(_seq(10, 10))
-    assert not KVReserve(block_size=1, max_model_len=400).plan(running, free_blocks=41 - 20).admit(_seq(10, 10))
-    assert KVReserve(block_size=1, max_model_len=400).plan(running, free_blocks=41 - 20).admit(_seq(10, 9))  # 40
+    def plan_with_pool(pool):
+        running = [_seq(range(1, 11), 2, "A"), _seq(range(101, 111), 20, "B")]
+        bm = BlockManager(pool, 1, enable_prefix_caching=False)
+        for seq in running:
+            bm.allocate(seq)
+        return KVReserve(block_size=1, max_model_len=400).plan(running, [], bm, prompt_budget=1024), bm
+
+    for pool, max_tokens, fits in ((50, 10, True), (41, 10, False), (41, 9, True)):  # the last peaks at 40
+        plan, bm = plan_with_pool(pool)
+        new = _seq(range(201, 211), max_tokens, "N")
+        assert plan.admit(new, bm.cached_prefix(new)) is fits, (pool, max_tokens)
 
 
-def test_learned_ratio_is_generated_over_allowed_of_the_last_window():
-    r = KVReserve(block_size=16, max_model_len=100_000)
-    assert r.ratio == 1.0  # nothing finished yet: reserve all of it
-    _finished(r, 25, 100)
-    _finished(r, 75, 100)
-    assert r.ratio == pytest.approx(0.5)
-    _finished(r, 10, None)  # allowed: the clip
-    assert r.ratio == pytest.approx(110 / (200 + CLIP_TOKENS))
-    for _ in range(WINDOW):
-        _finished(r, 10, 40)
-    assert r.ratio == pytest.approx(0.25)  # the first three left the window
-    fixed = KVReserve(16, 100_000, ratio=0.3)
-    _finished(fixed, 1, 100)
-    assert fixed.ratio == 0.3
-    with pytest.raises(ValueError, match="kv_reserve_ratio"):
-        KVReserve(16, 100, ratio=1.5)
-
-
-def _run(sched, seqs, stop_after=None):
-    """Drive the scheduler as the engine does (tokens read back at once); returns the most sequences that ran
-    together. `stop_after`: a sequence stops ("stop") after this many tokens instead of its max_tokens."""
-    for seq in seqs:
-        sched.add(seq)
-    most = 0
-    while (batch := sched.schedule()) is not None:
+def _drive(sched, arrivals, stop_after=None):
+    """The engine's loop, tokens read back at once: arrivals {step: [seqs]}; the full blocks hashed on read-back
+    (prefix caching); a sequence stops ("stop") after stop_after tokens if given, else at its max_tokens.
+    Returns the most sequences that ran together; fails if the scheduler stops making progress."""
+    seqs, step, most = [], 0, 0
+    bm = sched.block_manager
+    while True:
+        for seq in arrivals.get(step, []):
+            sched.add(seq)
+            seqs.append(seq)
+        batch = sched.schedule()
+        step += 1
+        assert step < 100_000
+        if batch is None:
+            if any(k >= step for k in arrivals):
+                continue
+            break
         sampling = batch.sampling_seqs
         sched.after_step(batch)
         most = max(most, len(sched.running))
         for seq in sampling:
             seq.token_ids.append(7)
+        for seq in batch.seqs:
+            bm.register_full_blocks(seq)
+        for seq in sampling:
             if seq.num_output_tokens >= (stop_after or seq.params.max_tokens):
                 seq.finish_reason = "stop" if stop_after else "length"
                 sched.finish(seq)
-    assert all(s.is_finished for s in seqs) and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert all(s.is_finished for s in seqs), "a request never ran: the scheduler stalled"
+    assert bm.num_free_blocks == bm.num_blocks
     return most
 
 
-def _scheduler(num_blocks, ratio=None):
-    return Scheduler(BlockManager(num_blocks, 4, enable_prefix_caching=False), max_num_seqs=8,
-                     max_num_batched_tokens=64, max_model_len=256, kv_reserve_ratio=ratio)
+def _scheduler(num_blocks, ratio=None, block_size=4, prefix_caching=False, **kw):
+    kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, **kw}
+    return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+                     kv_reserve_ratio=ratio, **kw)
 
 
 def test_requests_that_run_to_max_tokens_are_not_preempted():
     # 4-token blocks, 8 prompts of 8 tokens, 24 out: 8 blocks each at the end, 64 against a pool of 20.
     # Greedy admission takes all 8 prompts (16 blocks) and must preempt as they grow; the reserve admits two
-    # (2 x 8 = 16 blocks; a third's 8 would not fit beside them) and the rest as they finish.
+    # at a time (each peaks at 8 + 1 partial block in its model) and the rest as they finish.
     greedy = _scheduler(20, ratio=0.0)
-    assert _run(greedy, [_seq(8, 24, f"g{i}") for i in range(8)]) > 2
+    assert _drive(greedy, {0: [_seq(8, 24, f"g{i}") for i in range(8)]}) > 2
     assert greedy.num_preemptions > 0
     reserved = _scheduler(20)
-    assert _run(reserved, [_seq(8, 24, f"r{i}") for i in range(8)]) == 2
+    assert _drive(reserved, {0: [_seq(8, 24, f"r{i}") for i in range(8)]}) == 2
     assert reserved.num_preemptions == 0
     assert reserved.kv_reserve.ratio == 1.0
 
@@ -145,30 +174,89 @@ def test_a_reserve_learned_from_early_stops_admits_more():
     # are admitted beside more running ones than at ratio 1 (2 at a time)
     sched = _scheduler(20)
     seqs = [_seq(8, 24, f"r{i}") for i in range(12)]
-    _run(sched, seqs[:2], stop_after=6)
+    _drive(sched, {0: seqs[:2]}, stop_after=6)
     assert sched.kv_reserve.ratio == pytest.approx(0.25)
-    assert _run(sched, seqs[2:], stop_after=6) > 2
+    assert _drive(sched, {0: seqs[2:]}, stop_after=6) > 2
     assert sched.num_preemptions == 0
 
 
-def test_aborted_sequences_teach_the_ratio_nothing():
-    sched = _scheduler(20)
-    (seq,) = [_seq(8, 24)]
-    sched.add(seq)
-    sched.after_step(sched.schedule())
-    seq.finish_reason = "abort"
-    sched.finish(seq)
-    assert sched.kv_reserve.ratio == 1.0 and not sched.kv_reserve._finished
+def test_n_samples_share_their_prompt_blocks_in_the_plan():
+    # 4 samples of a 256-token prompt (16 shared blocks of 16) with 64 tokens out each: prompt once + 4 x 5
+    # blocks = 36 fit a pool of 40, while counting the prompt per sample (4 x 21 = 84) would run them one at a
+    # time; greedy admission's figures are the comparison
+    runs = {}
+    for ratio in (None, 0.0):
+        sched = _scheduler(40, ratio, block_size=16, prefix_caching=True, max_num_batched_tokens=1024,
+                           max_model_len=1024)
+        samples = [_seq(256, 64, "req", index=i, n=4) for i in range(4)]
+        runs[ratio] = (_drive(sched, {0: samples}), sched.num_preemptions)
+    assert runs[None] == (4, 0) and runs[0.0][0] == 4
+
+
+def test_shared_prefix_blocks_stay_counted_until_their_last_holder_ends():
+    # prefix caching on, every request runs to its max_tokens: with shared prompt blocks counted once and held
+    # to the end, random mixes of shared prefixes, n samples and arrivals never preempt (the peak ignored
+    # sharing before: a shared block looked free once its first holder ended)
+    rng = random.Random(7)
+    for _ in range(400):
+        bs = rng.choice([1, 2, 4])
+        pool = rng.randint(20, 80)
+        prefixes = [list(range(1000 * k, 1000 * k + rng.randint(0, 24))) for k in (1, 2)] + [[]]
+        arrivals = {}
+        for i in range(rng.randint(2, 8)):
+            prompt = rng.choice(prefixes) + [50_000 + 100 * i + j for j in range(rng.randint(1, 12))]
+            max_tokens = rng.randint(1, 30)
+            if len(prompt) + max_tokens > pool * bs:
+                continue
+            n = rng.choice([1, 1, 2, 3])
+            arrivals.setdefault(rng.randint(0, 20), []).extend(
+                _seq(prompt, max_tokens, f"r{i}", index=k, n=n) for k in range(n))
+        sched = _scheduler(pool, 1.0, block_size=bs, prefix_caching=True, max_num_seqs=16,
+                           max_num_batched_tokens=rng.choice([8, 1024]), max_model_len=pool * bs)
+        _drive(sched, arrivals)
+        assert sched.num_preemptions == 0
+
+
+def test_a_chunked_prompt_counts_the_steps_before_its_first_token():
+    # the server's cap (256 prompt tokens a step beside decodes): 12 streams of 128 + 256 tokens run; a
+    # 4,000-token prompt arriving at step 40 takes 16 steps of chunks, while every stream grows 16 tokens the
+    # admission must have counted
+    rng = random.Random(0)
+    for pool in range(300, 420, 8):
+        sched = _scheduler(pool, 1.0, block_size=16, max_num_seqs=64, max_num_batched_tokens=8192,
+                           max_model_len=8192, max_mixed_prefill_tokens=256)
+        streams = [_seq([rng.randint(1, 30_000) for _ in range(128)], 256, f"s{i}") for i in range(12)]
+        long = _seq([rng.randint(1, 30_000) for _ in range(4000)], 16, "long")
+        _drive(sched, {0: streams, 40: [long]})
+        assert sched.num_preemptions == 0, pool
+
+
+def test_a_preempted_sequence_queues_behind_a_prompt_part_way_through_its_chunks():
+    # block size 1, 8 tokens a step, greedy admission: A (4 + 80 tokens) runs; B's 140-token prompt arrives and
+    # takes blocks chunk by chunk until A cannot grow and preempts itself. Queued ahead of B, A needed blocks B
+    # held, and B never ran again (a stall); behind B, B finishes its prompt, runs, and A follows.
+    for ratio in (0.0, None):
+        sched = _scheduler(150, ratio, block_size=1, max_num_batched_tokens=8, max_model_len=150)
+        _drive(sched, {0: [_seq(range(1, 5), 80, "A")], 2: [_seq(range(100, 240), 1, "B")]})
 
 
 def test_an_idle_engine_admits_a_request_larger_than_its_reserve():
     # 8 + 200 tokens would need 52 blocks of a pool of 20 (the engine caps max_model_len at the pool, so this
     # only shows the rule): nothing runs, so it is admitted rather than waiting for room that cannot come
-    sched = Scheduler(BlockManager(20, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
-                      max_model_len=256)
+    sched = _scheduler(20)
     seq = _seq(8, 200)
     sched.add(seq)
-    plan = sched.kv_reserve.plan([], sched.block_manager.num_free_blocks)
-    assert not plan.admit(seq), "its reserve alone does not fit the pool"
+    plan = sched.kv_reserve.plan([], [], sched.block_manager, prompt_budget=64)
+    assert not plan.admit(seq, []), "its reserve alone does not fit the pool"
     batch = sched.schedule()
     assert batch is not None and batch.seqs == [seq]
+
+
+def test_aborted_sequences_teach_the_ratio_nothing():
+    sched = _scheduler(20)
+    seq = _seq(8, 24)
+    sched.add(seq)
+    sched.after_step(sched.schedule())
+    seq.finish_reason = "abort"
+    sched.finish(seq)
+    assert sched.kv_reserve.ratio == 1.0 and not sched.kv_reserve._finished[True]
