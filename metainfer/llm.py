@@ -137,7 +137,7 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now, under the server's metric names (vLLM's LLM.get_metrics): tokens
         computed and generated, prefix-cache queries and hits (prompt tokens looked up / found), preemptions,
-        failed requests, and the running / waiting requests and the KV cache's use."""
+        failed requests, the running / waiting requests, the KV cache's use and the KV reserve's learned ratios."""
         e = self.llm_engine
         counters = {"prompt_tokens": e.stats["prompt_tokens"], "generation_tokens": e.stats["generation_tokens"],
                     "prefix_cache_queries": e.block_manager.prefix_query_tokens,
@@ -146,8 +146,10 @@ class LLM:
                     "request_failed": e.stats["failed_requests"]}
         gauges = {"num_requests_running": e.num_running(), "num_requests_waiting": e.num_waiting(),
                   "kv_cache_usage_perc": e.kv_cache_usage()}
+        ratios = zip(("bounded", "open"), e.scheduler.kv_reserve.reported_ratios())
         return ([Metric(f"metainfer:{name}_total", "counter", value) for name, value in counters.items()]
-                + [Metric(f"metainfer:{name}", "gauge", value) for name, value in gauges.items()])
+                + [Metric(f"metainfer:{name}", "gauge", value) for name, value in gauges.items()]
+                + [Metric("metainfer:kv_reserve_ratio", "gauge", r, {"requests": k}) for k, r in ratios])
 
     def close(self) -> None:
         self.llm_engine.close()

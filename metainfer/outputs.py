@@ -40,3 +40,4 @@ class Metric:
     name: str
     kind: str  # "counter" (monotonic since the engine started) | "gauge" (now)
     value: float
+    labels: dict[str, str] = field(default_factory=dict)  # beside model_name, as the server renders them

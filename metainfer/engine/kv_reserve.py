@@ -64,6 +64,10 @@ class KVReserve:
     def enabled(self) -> bool:
         return self.fixed_ratio != 0.0
 
+    def reported_ratios(self) -> tuple[float, float]:
+        """(bounded, open) as the metrics report them: both 0 under greedy admission."""
+        return (self.ratio_of(True), self.ratio_of(False)) if self.enabled else (0.0, 0.0)
+
     def allowed_tokens(self, seq: Sequence) -> int:
         """Tokens the sequence may still generate: its max_tokens left, the context left, at most CLIP_TOKENS."""
         left = self.max_model_len - seq.num_tokens

@@ -1,5 +1,5 @@
-"""The server's pieces without a server: request bodies and their checks (protocol), and the
-Prometheus text the metrics render from engine outputs."""
+"""The server's pieces without a server: request bodies and their checks (protocol), the
+Prometheus text the metrics render from engine outputs, and the engine's stats they are rendered from."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+from metainfer import LLM
+from metainfer.engine.kv_reserve import INITIAL_RATIO
+from metainfer.entrypoints.openai.engine_core import STATS_FIELDS, EngineCore
 from metainfer.entrypoints.openai.engine_loop import RequestState
 from metainfer.entrypoints.openai.errors import OpenAIError
 from metainfer.entrypoints.openai.metrics import ServerMetrics
@@ -72,3 +75,39 @@ def test_metrics_render_from_outputs():
     assert f'metainfer:request_success_total{{{label},finished_reason="stop"}} 0' in text
     assert usage({"a": out("a", 3, "length")}) == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                                                    "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_metrics_render_the_kv_reserve_ratios():
+    m = ServerMetrics()
+    m.publish_stats((0,) * len(STATS_FIELDS[:-2]) + (0.375, 0.7))
+    text = m.render("m")
+    assert 'metainfer:kv_reserve_ratio{model_name="m",requests="bounded"} 0.375' in text
+    assert 'metainfer:kv_reserve_ratio{model_name="m",requests="open"} 0.7' in text
+
+
+def test_engine_stats_carry_the_ratios_learned_from_finished_requests(model_dir):
+    """Two requests of 8 allowed tokens: one runs to its length, the other stops on its third token. The bounded
+    ratio is what they generated over what they were allowed (11 / 16, counted from their outputs); no request
+    without max_tokens finished, so the open one is its initial 0.7; `LLM.get_metrics` reports the same; greedy
+    admission reports 0 for both."""
+    prompt = list(range(5, 25))
+    llm = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    try:
+        full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+        stop = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[full.token_ids[2]])
+        cut = llm.generate([prompt], stop)[0].outputs[0]
+        generated = len(full.token_ids) + len(cut.token_ids)
+        assert len(cut.token_ids) < 8
+        stats = dict(zip(STATS_FIELDS, EngineCore(llm.llm_engine, None, None).stats(0)))
+        assert stats["kv_reserve_ratio_bounded"] == pytest.approx(generated / 16)
+        assert stats["kv_reserve_ratio_open"] == pytest.approx(INITIAL_RATIO[False])
+        offline = {m.labels["requests"]: m.value for m in llm.get_metrics() if m.name == "metainfer:kv_reserve_ratio"}
+        assert offline == {"bounded": stats["kv_reserve_ratio_bounded"], "open": stats["kv_reserve_ratio_open"]}
+    finally:
+        llm.close()
+    greedy = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=64, kv_reserve_ratio=0.0)
+    try:
+        stats = dict(zip(STATS_FIELDS, EngineCore(greedy.llm_engine, None, None).stats(0)))
+        assert (stats["kv_reserve_ratio_bounded"], stats["kv_reserve_ratio_open"]) == (0.0, 0.0)
+    finally:
+        greedy.close()

@@ -16,5 +16,5 @@ def test_health_models_metrics(server, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_count",
-                 "num_requests_running_max"):
+                 "num_requests_running_max", "kv_reserve_ratio"):
         assert f"metainfer:{name}" in r.text, name

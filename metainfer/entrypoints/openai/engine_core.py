@@ -43,7 +43,7 @@ log = logging.getLogger("metainfer.server")
 
 STATS_FIELDS = ("running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "preemptions",
                 "failed_requests", "failed_steps", "prefix_cache_queries", "prefix_cache_hits", "engine_errors",
-                "batch_size", "step_interval")
+                "batch_size", "step_interval", "kv_reserve_ratio_bounded", "kv_reserve_ratio_open")
 
 
 class EngineCore:
@@ -194,7 +194,7 @@ class EngineCore:
                 e.stats.get("generation_tokens", 0), getattr(e.scheduler, "num_preemptions", 0),
                 e.stats.get("failed_requests", 0), e.stats.get("failed_steps", 0),
                 e.block_manager.prefix_query_tokens, e.block_manager.prefix_hit_tokens, self.engine_errors,
-                batch_size, step_interval)
+                batch_size, step_interval, *e.scheduler.kv_reserve.reported_ratios())
 
 
 def freeze_startup_heap() -> int:

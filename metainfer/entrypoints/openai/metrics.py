@@ -55,6 +55,7 @@ class ServerMetrics:
         self.preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, found there
+        self.kv_reserve_ratios = (0.0, 0.0)  # the KV reserve's learned ratios: requests with / without max_tokens
         self.success: collections.Counter[str] = collections.Counter()
         self.aborted = 0
         self.engine_errors = 0  # the engine died (counted here) ...
@@ -99,13 +100,15 @@ class ServerMetrics:
     def publish_stats(self, stats: tuple) -> None:
         """The engine's gauges and counters as the engine process sent them (engine_core.STATS_FIELDS)."""
         (running, waiting, kv_usage, prompt_tokens, generation_tokens, preemptions, failed_requests, failed_steps,
-         prefix_queries, prefix_hits, engine_errors, batch_size, step_interval) = stats
+         prefix_queries, prefix_hits, engine_errors, batch_size, step_interval,
+         ratio_bounded, ratio_open) = stats
         with self.lock:
             self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
             self.prompt_tokens, self.generation_tokens, self.preemptions = prompt_tokens, generation_tokens, preemptions
             self.failed_requests, self.failed_steps = failed_requests, failed_steps
             self.prefix_cache_queries, self.prefix_cache_hits = prefix_queries, prefix_hits
             self.core_engine_errors = engine_errors
+            self.kv_reserve_ratios = (ratio_bounded, ratio_open)
             self.peak_running = max(self.peak_running, running, batch_size)
             if batch_size:
                 self.batch.observe(batch_size)
@@ -152,6 +155,10 @@ class ServerMetrics:
                  "Prompt tokens found in the prefix cache."),
             ):
                 scalar(name, kind, value, text)
+            head("metainfer:kv_reserve_ratio", "gauge", "Share of its allowed tokens a request is expected to "
+                 "generate, learned from finished requests, by whether they set max_tokens (0: greedy admission).")
+            for requests, ratio in zip(("bounded", "open"), self.kv_reserve_ratios):
+                out.append(f'metainfer:kv_reserve_ratio{{{label},requests="{requests}"}} {_num(ratio)}')
             head("metainfer:request_success_total", "counter", "Requests finished, by finish reason.")
             for reason in sorted(set(self.success) | {"stop", "length"}):
                 out.append(f'metainfer:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
