@@ -227,6 +227,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
 
 
 def engine_kwargs(args) -> dict:
+    mixed = getattr(args, "max_mixed_prefill_tokens", None)
+    if mixed is not None and mixed < 0:  # the CLI's 0 is the engine's None; a negative value is neither
+        usage_error(f"--max-mixed-prefill-tokens: must be >= 0 (0: no cap), got {mixed}")
     model = args.model or default_model_path()
     device = args.device or ("cpu" if args.model is None else "auto")
     return dict(model=model, device=device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -234,7 +237,7 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 max_piecewise_graph_tokens=getattr(args, "max_piecewise_graph_tokens", 2048),
-                max_mixed_prefill_tokens=getattr(args, "max_mixed_prefill_tokens", None) or None,  # 0: no cap
+                max_mixed_prefill_tokens=mixed or None,  # 0: no cap
                 kv_reserve_ratio=getattr(args, "kv_reserve_ratio", None),
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
@@ -249,7 +252,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"most tokens to generate (default {max_tokens}; clamped to the context left)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in [1e-06, 1] (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1: all (default 0)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min_p x the top probability: 0 (off) or in [1e-06, 1] (default 0)")
@@ -311,10 +314,11 @@ def cmd_chat(args) -> int:
     engine = llm.llm_engine
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("metainfer chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    prompt = "> " if sys.stdin.isatty() else ""  # piped turns: the replies alone on stdout
     try:
         for turn in range(10**9):
             try:
-                line = input("> ").strip()
+                line = input(prompt).strip()
             except EOFError:
                 break
             if not line:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import os
 import sys
 
@@ -71,12 +72,12 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         usage_error("give the model either as MODEL or as --model, not both")
     args.model = args.model or args.model_tag
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        usage_error("--max-queued-requests must be >= 0")
-    if not args.shutdown_timeout >= 0:
-        usage_error("--shutdown-timeout must be >= 0")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        usage_error(f"--max-queued-requests: must be >= 1 (default: no cap), got {args.max_queued_requests}")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        usage_error(f"--shutdown-timeout: must be >= 0 and finite, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
-        usage_error(f"--port must be in [0, 65535], got {args.port}")
+        usage_error(f"--port: must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from metainfer import LLM
     from metainfer.entrypoints.openai.api_server import default_served_name, serve

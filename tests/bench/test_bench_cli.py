@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from metainfer.entrypoints import cli
 from tests.helpers.tiny_models import build_tiny_model
@@ -91,6 +92,21 @@ def test_bench_baseline_eager_json(model_dir, tmp_path):
     # fit in that generate's wall time, and the rate follows from it
     assert result["tpot_ms"] * (4 - 1) < 4 / result["e2e_output_tok_s"] * 1e3
     assert result["decode_tok_s"] == pytest.approx(1e3 / result["tpot_ms"], rel=1e-9)
+
+
+def test_bench_baseline_records_whether_transformers_compiled(model_dir, tmp_path, capsys):
+    """transformers compiles a static-cache generate only on GPUs: on the CPU the "compile" mode is a static cache
+    alone, and the record and the printed line say so. The graph counter it reads does move when torch.compile
+    builds a graph, so its False is measured, not assumed."""
+    from metainfer.bench.baselines import _dynamo_graphs
+
+    before = _dynamo_graphs()
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert _dynamo_graphs() > before
+    record = _bench_json("baseline", model_dir, tmp_path, "--modes", "eager,compile", "--batch-size", "1",
+                         "--input-len", "8", "--output-len", "4", "--iters", "1")
+    assert [(r["mode"], r["compiled"]) for r in record["results"]] == [("eager", False), ("compile", False)]
+    assert "HF static cache, not compiled" in capsys.readouterr().out
 
 
 def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir, capsys):

@@ -368,7 +368,7 @@ def test_generate_and_chat_commands_print_once_what_tp1_prints(tmp_path, command
         records = json.loads(want)
         assert [len(r["token_ids"]) for r in records] == [8, 8] and all(r["text"] for r in records), records
     else:
-        assert want.count("> ") == 3, want  # two answered turns, then the empty line
+        assert want.count("\n") >= 2 and "> " not in want[:2], want  # a reply line a turn; no prompt on a pipe
     code, got, err = run_command(metainfer_cmd(*args, torchrun=True), stdin)
     assert code == 0, err
     assert got == want, err

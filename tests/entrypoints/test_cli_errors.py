@@ -178,7 +178,10 @@ def test_serve_without_the_server_packages_names_the_extra(capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, option", [
     (["--port", "70000"], "--port"), (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
-    (["--max-queued-requests", "-1"], "--max-queued-requests"), (["other-model"], "MODEL or as --model"),
+    (["--max-queued-requests", "-1"], "--max-queued-requests"),
+    (["--max-queued-requests", "0"], "--max-queued-requests: must be >= 1"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout"), (["other-model"], "MODEL or as --model"),
+    (["--max-mixed-prefill-tokens", "-1"], "--max-mixed-prefill-tokens: must be >= 0 (0: no cap)"),
 ])
 def test_bad_serve_values_exit_2_naming_the_option(capsys, monkeypatch, argv, option):
     monkeypatch.setattr(serve_cli, "missing_server_packages", lambda: [])
@@ -393,3 +396,10 @@ def test_a_constraint_error_names_the_option(capsys, weightless_dir):
     refused before any weight is read (a weightless folder)."""
     line = _usage_line(capsys, ["generate", "--model", weightless_dir, "--device", "cpu", "--tp", "3", "x"])
     assert line.startswith("metainfer: error: --tp: constraint."), line
+
+
+def test_build_app_refuses_a_queue_cap_that_would_refuse_every_request():
+    from metainfer.entrypoints.openai.api_server import build_app
+
+    with pytest.raises(ValueError, match="max_queued_requests"):  # before any engine starts
+        build_app({"model": MISSING}, max_queued_requests=0)

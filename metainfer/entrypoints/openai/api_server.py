@@ -119,6 +119,8 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
     already started and ready (its `ready_info` set). `docs=False` drops
     /docs, /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
     lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
+    if max_queued_requests is not None and max_queued_requests < 1:  # 0 would refuse every request
+        raise ValueError(f"max_queued_requests must be >= 1 (None: no cap), got {max_queued_requests}")
     if isinstance(llm_or_kwargs, dict):
         handle = start_engine_process(llm_or_kwargs)
     elif isinstance(llm_or_kwargs, EngineProcess):  # a core the caller started and saw ready (tools/server_jitter)
