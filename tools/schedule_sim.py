@@ -26,16 +26,19 @@ from tools.throughput_floor import PROTOCOLS, model_costs, weight_bytes
 
 def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: float | None, *, block_size=16,
              max_num_seqs: int | None = None, max_batched_tokens=8192, max_model_len=4096, kv_elem_bytes=2.0,
-             bw=4.3e12, flops=790e12, stop_fraction: tuple[float, float] | None = None, step_overhead_s=0.0) -> dict:
+             bw=4.3e12, flops=790e12, stop_fraction: tuple[float, float] | None = None, step_overhead_s=0.0,
+             num_prompts: int | None = None, kv_reserve_min_running: int | None = None) -> dict:
     from metainfer.bench.throughput import DECODE_BINS, make_requests
     from metainfer.engine.block_manager import BlockManager
     from metainfer.engine.scheduler import Scheduler
     from metainfer.engine.sequence import Sequence
 
     num_seqs, (min_in, max_in), (min_out, max_out), default_seqs = PROTOCOLS[protocol]
+    num_seqs = num_prompts or num_seqs
     costs = model_costs(config, kv_elem_bytes)
     sched = Scheduler(BlockManager(num_kv_blocks, block_size), max_num_seqs or default_seqs, max_batched_tokens,
-                      max_model_len, kv_reserve_ratio=kv_reserve_ratio)
+                      max_model_len, kv_reserve_ratio=kv_reserve_ratio,
+                      **({} if kv_reserve_min_running is None else {"kv_reserve_min_running": kv_reserve_min_running}))
     prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out, vocab=config["vocab_size"])
     rng = random.Random(1)
     stop_at = {}
@@ -106,6 +109,9 @@ def main(argv=None) -> None:
                    help="a fixed cost added to every step (launches, sampler, host; ~2 ms on an H100 at a few rows: "
                         "run 83's 7.7 ms steps of 9 rows against 5.5 ms of weights), so fewer, fuller steps weigh more")
     p.add_argument("--stop-fraction", default=None, help="a,b: each request stops after U[a, b] x its max_tokens")
+    p.add_argument("--num-prompts", type=int, default=None, help="default: the protocol's")
+    p.add_argument("--kv-reserve-min-running", type=int, default=None,
+                   help="running sequences from which the reserve applies (default: the engine's)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     config = json.load(open(args.config))
@@ -116,7 +122,8 @@ def main(argv=None) -> None:
         rows.append(simulate(config, args.protocol, args.num_kv_blocks, ratio, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                              kv_elem_bytes=args.kv_elem_bytes, bw=args.bw_tbs * 1e12, flops=args.tflops * 1e12,
-                             stop_fraction=stop, step_overhead_s=args.step_overhead_ms / 1e3))
+                             stop_fraction=stop, step_overhead_s=args.step_overhead_ms / 1e3,
+                             num_prompts=args.num_prompts, kv_reserve_min_running=args.kv_reserve_min_running))
         r = rows[-1]
         print(f"reserve {r['kv_reserve_ratio']}: {r['output_tok_s']:.0f} tok/s at the floor's prices, "
               f"{r['seconds']:.1f} s (prefill {r['prefill_s']:.1f} s, {r['prefill_steps']} steps; decode "

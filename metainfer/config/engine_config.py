@@ -103,6 +103,9 @@ class EngineConfig:
     # SGLang's new-token ratio); None: learned from finished requests, apart for requests with and without a
     # max_tokens (1.0 and 0.7 until one finishes); 0: none (vLLM's greedy admission)
     kv_reserve_ratio: float | None = None
+    # the reserve applies from this many running sequences; below it admission is greedy (a decode step below the
+    # GPU's ridge, ~184-200 rows of bf16 GEMM on an H100 / H200, costs the same with more rows: engine/kv_reserve.py)
+    kv_reserve_min_running: int = 192
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -180,6 +183,8 @@ class EngineConfig:
             raise ConfigError(f"max_mixed_prefill_tokens must be >= 1, got {self.max_mixed_prefill_tokens}")
         if self.kv_reserve_ratio is not None and not 0.0 <= self.kv_reserve_ratio <= 1.0:
             raise ConfigError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
+        if not self.kv_reserve_min_running >= 1:
+            raise ConfigError(f"kv_reserve_min_running must be >= 1, got {self.kv_reserve_min_running}")
         if self.load_format == "gguf" and self.gguf_file is None:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:

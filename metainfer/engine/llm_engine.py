@@ -121,7 +121,8 @@ class LLMEngine:
                         capacity, config.max_model_len)
             config.max_model_len = capacity
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.max_mixed_prefill_tokens, config.kv_reserve_ratio)
+                                   config.max_model_len, config.max_mixed_prefill_tokens, config.kv_reserve_ratio,
+                                   config.kv_reserve_min_running)
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.kv_reserve import KVReserve
+from metainfer.engine.kv_reserve import MIN_RUNNING, KVReserve
 from metainfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -63,9 +63,9 @@ def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_mixed_prefill_tokens: int | None = None,
-                 kv_reserve_ratio: float | None = None):
+                 kv_reserve_ratio: float | None = None, kv_reserve_min_running: int = MIN_RUNNING):
         self.block_manager = block_manager
-        self.kv_reserve = KVReserve(block_manager.block_size, max_model_len, kv_reserve_ratio)
+        self.kv_reserve = KVReserve(block_manager.block_size, max_model_len, kv_reserve_ratio, kv_reserve_min_running)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,9 +107,9 @@ class Scheduler:
                 hits = bm.cached_prefix(seq)
                 if bm.blocks_to_allocate(seq, hits) > bm.num_free_blocks:
                     break
-                # an idle engine admits whatever fits (a reserve larger than the pool waits on nothing); ratio 0:
-                # greedy admission, vLLM's
-                if self.running and self.kv_reserve.enabled:
+                # greedy admission (vLLM's) below kv_reserve_min_running running sequences and at ratio 0; an idle
+                # engine admits whatever fits (a reserve larger than the pool waits on nothing)
+                if len(self.running) >= self.kv_reserve.min_running and self.kv_reserve.enabled:
                     if reserve is None:
                         prompt_budget = min(self.max_num_batched_tokens - len(self.running),
                                             self.max_mixed_prefill_tokens)

@@ -151,7 +151,7 @@ def _drive(sched, arrivals, stop_after=None):
 
 
 def _scheduler(num_blocks, ratio=None, block_size=4, prefix_caching=False, **kw):
-    kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, **kw}
+    kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, "kv_reserve_min_running": 1, **kw}
     return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
                      kv_reserve_ratio=ratio, **kw)
 
@@ -167,6 +167,17 @@ def test_requests_that_run_to_max_tokens_are_not_preempted():
     assert _drive(reserved, {0: [_seq(8, 24, f"r{i}") for i in range(8)]}) == 2
     assert reserved.num_preemptions == 0
     assert reserved.kv_reserve.ratio == 1.0
+
+
+def test_below_min_running_prompts_are_admitted_greedily():
+    # the same 8 prompts and pool as above: from 3 running sequences on the reserve applies, so 3 run together
+    # (admitted greedily while fewer ran) where the reserve from the first sequence runs 2 and greedy admission
+    # 8; three do not fit at their full 8 blocks each, so one is preempted when the pool runs out
+    at_three = _scheduler(20, kv_reserve_min_running=3)
+    assert _drive(at_three, {0: [_seq(8, 24, f"t{i}") for i in range(8)]}) == 3
+    assert at_three.num_preemptions > 0
+    with pytest.raises(ValueError, match="kv_reserve_min_running"):
+        KVReserve(4, 256, None, 0)
 
 
 def test_a_reserve_learned_from_early_stops_admits_more():

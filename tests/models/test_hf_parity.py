@@ -62,7 +62,7 @@ def test_preemption_keeps_outputs(reference):
 def test_kv_reserve_admits_what_can_finish(reference):
     # the same pool with the default admission (the KV reserve, 1.0 until a request finishes): the prompts
     # wait until the running ones can finish beside them (29 blocks at the end against 20), none is preempted
-    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16)
+    llm = assert_engine_matches_hf(reference, GREEDY, num_kv_blocks=20, block_size=16, kv_reserve_min_running=1)
     assert llm.llm_engine.scheduler.num_preemptions == 0
 
 
