@@ -34,6 +34,8 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
     from metainfer.engine.sequence import Sequence
 
     num_seqs, (min_in, max_in), (min_out, max_out), default_seqs = PROTOCOLS[protocol]
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     num_seqs = num_prompts or num_seqs
     costs = model_costs(config, kv_elem_bytes)
     sched = Scheduler(BlockManager(num_kv_blocks, block_size), max_num_seqs or default_seqs, max_batched_tokens,

@@ -79,7 +79,8 @@ class KVReserve:
         return self.fixed_ratio != 0.0
 
     def reported_ratios(self) -> tuple[float, float]:
-        """(bounded, open) as the metrics report them: both 0 under greedy admission."""
+        """(bounded, open) as the metrics report them: both 0 when the ratio is fixed at 0; otherwise the ratios the
+        reserve would use, also while fewer than min_running sequences run (admission is greedy then)."""
         return (self.ratio_of(True), self.ratio_of(False)) if self.enabled else (0.0, 0.0)
 
     def allowed_tokens(self, seq: Sequence) -> int:

@@ -109,6 +109,17 @@ def test_bench_baseline_records_whether_transformers_compiled(model_dir, tmp_pat
     assert "HF static cache, not compiled" in capsys.readouterr().out
 
 
+def test_bench_baseline_says_compiled_when_a_graph_was_built_during_the_warm_up(model_dir, monkeypatch):
+    """The other side: a graph built while the warm-up runs (as on a GPU) makes the record say compiled."""
+    from metainfer.bench import baselines
+    from metainfer.bench.baselines import load_hf_model, time_hf
+
+    graphs = iter(range(100))  # every read one more than the last: a graph built between the two reads
+    monkeypatch.setattr(baselines, "_dynamo_graphs", lambda: next(graphs))
+    hf = load_hf_model(model_dir, torch.float32, torch.device("cpu"), dummy=False)
+    assert time_hf(hf, 1, 8, 4, iters=1, mode="compile")["compiled"] is True
+
+
 def test_bench_baseline_rejects_an_fp8_kv_cache(model_dir, capsys):
     """HF keeps its own cache in the model dtype: the flag must not be silently ignored."""
     assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--modes", "eager",

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.kv_reserve import CLIP_TOKENS, INITIAL_RATIO, WINDOW, KVReserve
+from metainfer.engine.kv_reserve import CLIP_TOKENS, INITIAL_RATIO, MIN_RUNNING, WINDOW, KVReserve
 from metainfer.engine.scheduler import Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.sampling_params import SamplingParams
@@ -178,6 +178,18 @@ def test_below_min_running_prompts_are_admitted_greedily():
     assert at_three.num_preemptions > 0
     with pytest.raises(ValueError, match="kv_reserve_min_running"):
         KVReserve(4, 256, None, 0)
+
+
+def test_the_engine_default_threshold_is_the_reserves(tmp_path):
+    from metainfer.config import ConfigError, EngineConfig
+    from metainfer.engine.llm_engine import resolve_config
+    from tests.helpers.tiny_models import build_tiny_model
+
+    assert EngineConfig("m").kv_reserve_min_running == MIN_RUNNING
+    folder = str(tmp_path / "tiny")
+    build_tiny_model(folder, "qwen3")
+    with pytest.raises(ConfigError, match="kv_reserve_min_running"):
+        resolve_config(EngineConfig(folder, device="cpu", kv_reserve_min_running=0))
 
 
 def test_a_reserve_learned_from_early_stops_admits_more():
