@@ -52,6 +52,7 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self):
+        """The engine's tokenizer; None when it was built with skip_tokenizer_init=True."""
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -127,7 +128,11 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation, chat_template_kwargs=None, add_generation_prompt=True) -> list[int]:
-        ids = self.get_tokenizer().apply_chat_template(
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (its chat template): this LLM was built with "
+                             "skip_tokenizer_init=True")
+        ids = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
             **(chat_template_kwargs or {}))
         if hasattr(ids, "keys") and "input_ids" in ids:  # transformers v5 returns a BatchEncoding

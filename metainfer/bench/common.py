@@ -88,6 +88,12 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def add_skip_tokenizer_arg(p) -> None:
+    """--skip-tokenizer-init for the benches whose prompts are random token ids (latency, throughput)."""
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="build no tokenizer: a config-only model folder (--load-format dummy) needs no --tokenizer")
+
+
 def add_batch_shape_args(p) -> None:
     """--batch-size, --input-len, --output-len: the one batch shape that `bench latency` and `bench baseline`
     both time (the same defaults, so the two records compare)."""

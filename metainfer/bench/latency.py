@@ -19,6 +19,7 @@ import torch
 
 from metainfer.bench.common import (
     add_batch_shape_args,
+    add_skip_tokenizer_arg,
     copy_bandwidth,
     decode_weight_bytes,
     run_on_engine,
@@ -106,6 +107,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, iters: in
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("latency", help="TTFT / TPOT / bandwidth for one batch shape")
     add_engine_args(p)
+    add_skip_tokenizer_arg(p)
     add_batch_shape_args(p)
     p.add_argument("--iters", type=int_at_least(1), default=3, help="timed iterations (medians are reported; "
                    "vLLM's benchmark_latency defaults to 30)")

@@ -11,7 +11,7 @@ import argparse
 import random
 import time
 
-from metainfer.bench.common import run_on_engine, sync, write_json
+from metainfer.bench.common import add_skip_tokenizer_arg, run_on_engine, sync, write_json
 from metainfer.entrypoints.cli import check_fits_context
 
 
@@ -108,6 +108,7 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("throughput", help="offline throughput (nano-vllm protocol by default)")
     add_engine_args(p)
+    add_skip_tokenizer_arg(p)
     p.add_argument("--num-seqs", type=int, default=256, help="requests (default 256)")
     p.add_argument("--min-input-len", type=int, default=100, help="shortest random prompt (default 100)")
     p.add_argument("--max-input-len", type=int, default=1024, help="longest random prompt (default 1024)")

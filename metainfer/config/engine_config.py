@@ -117,6 +117,10 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
+    # build no tokenizer (vLLM's option): prompts are token ids, outputs carry ids and no text, stop strings and
+    # chat templates are refused; the stop tokens come from the model's config. For dummy-weight runs of a
+    # config-only folder and for callers that tokenize themselves.
+    skip_tokenizer_init: bool = False
     cpu_kv_cache_gib: float = 2.0
     # per-request bounds checked when a request is added (engine/request_validation.py)
     max_n: int = 128  # samples of one request (OpenAI's own cap); vLLM caps best-of fan-out alike
@@ -193,6 +197,9 @@ class EngineConfig:
             raise ConfigError(f"max_piecewise_graph_tokens must be >= 0, got {self.max_piecewise_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.skip_tokenizer_init and self.tokenizer is not None:
+            raise ConfigError(f"skip_tokenizer_init=True builds no tokenizer, but tokenizer={self.tokenizer!r} "
+                              "names one: pass one of them")
         self.torch_device = resolve_device(self.device)
         self.torch_dtype = resolve_dtype(self.dtype, spec.torch_dtype, self.torch_device)
         if self.device == "mlx":

@@ -39,7 +39,7 @@ from metainfer.engine.request_validation import (
 )
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
-from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from metainfer.engine.tokenizer import IncrementalDetokenizer, NoText, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
 from metainfer.loader.gguf import gguf_config, share_gguf_readers
 from metainfer.models.shape_contract import validate_tp_config
@@ -87,9 +87,10 @@ class LLMEngine:
         with share_gguf_readers():  # a GGUF is parsed once: its config here, rank 0's weights in the runner
             spec = resolve_config(config)
             self.spec = spec
-            self.tokenizer = load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer)
+            self.tokenizer = (None if config.skip_tokenizer_init
+                              else load_tokenizer(config.model_dir, config.gguf_file, config.tokenizer))
             eos = set(spec.eos_token_ids)
-            if self.tokenizer.eos_token_id is not None:
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
                 eos.add(self.tokenizer.eos_token_id)
             self.eos_token_ids = tuple(sorted(eos))
             # one runner class on every rank; with TP, rank 0's is built alongside the workers' by the driver, or,
@@ -125,7 +126,7 @@ class LLMEngine:
                                    config.kv_reserve_min_running)
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
-        self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else NoText()
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "failed_steps": 0, "failed_requests": 0}
         self._failed: list[Request] = []  # finished by fault isolation, reported by the next step()
@@ -175,6 +176,9 @@ class LLMEngine:
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.tokenizer is None and params.stop_strings:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer: this engine was built with "
+                                              "skip_tokenizer_init=True (stop_token_ids work)")
         text, ids = self._tokenize(prompt)
         check_request(params, ids, self.spec.vocab_size, self.request_limits())  # engine/request_validation.py
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
@@ -191,7 +195,7 @@ class LLMEngine:
         """What one request may ask of this engine (ids either the model or the tokenizer can name)."""
         c = self.config
         if self._id_space is None:
-            self._id_space = max(self.spec.vocab_size, len(self.tokenizer))
+            self._id_space = max(self.spec.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         return RequestLimits(vocab_size=self._id_space,
                              max_model_len=c.max_model_len, max_n=min(c.max_n, c.max_num_seqs),
                              max_logprobs=min(c.max_logprobs, self.spec.vocab_size),
@@ -451,6 +455,9 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
                                             f"{type(prompt).__name__}")
     if not prompt:
         raise InvalidRequestError("prompt", "prompt must not be empty")
+    if tokenizer is None:
+        raise InvalidRequestError("prompt", "a text prompt needs a tokenizer: this engine was built with "
+                                            "skip_tokenizer_init=True; pass token ids (prompt_token_ids)")
     ids = tokenizer.encode(prompt, add_special_tokens=True)
     if not ids:
         raise InvalidRequestError("prompt", "prompt encodes to zero tokens")

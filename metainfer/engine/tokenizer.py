@@ -25,7 +25,8 @@ def load_tokenizer(model_dir: str, gguf_file: str | None = None, tokenizer: str 
         # alone) or fail with a message that names no folder (vocab.json without merges.txt)
         raise ConfigError(f"model folder {model_dir!r} has no tokenizer files that define a vocabulary "
                           f"({VOCABULARY_FILES}); pass a folder that has them with --tokenizer PATH "
-                          "(LLM(tokenizer=PATH))")
+                          "(LLM(tokenizer=PATH)), or build none for token-id prompts with "
+                          "LLM(skip_tokenizer_init=True) (bench latency / throughput: --skip-tokenizer-init)")
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
@@ -115,3 +116,13 @@ def _backend_decode(tokenizer):
             or type(tokenizer)._decode is not TokenizersBackend._decode):
         return None
     return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class NoText:
+    """The detokenizer of an engine built with skip_tokenizer_init: outputs carry token ids and empty text."""
+
+    def update(self, seq: Sequence) -> str:
+        return ""
+
+    def flush(self, seq: Sequence) -> str:
+        return ""

@@ -245,6 +245,7 @@ def engine_kwargs(args) -> dict:
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,
                 max_n=getattr(args, "max_n", 128), max_logprobs=getattr(args, "max_logprobs", 20),
                 tokenizer=getattr(args, "tokenizer", None),
+                skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
                 distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
                 distributed_timeout_s=getattr(args, "distributed_timeout_s", 600.0))
 

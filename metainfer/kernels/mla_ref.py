@@ -72,13 +72,25 @@ def _attend(q_lat, q_pe, ctx, kv_lora_rank, scale, first_pos):
 
 
 def mla_decode_attention_ref(q_lat, q_pe, cache, block_tables, context_lens, scale, *, plans=None):
-    out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
+    """One batched pass in fp32, as the dense decode reference (attention_ref.py): every row's blocks gathered
+    up to the longest context, keys past a row's length masked, rows of length 0 give zeros. Why batched: the
+    per-row loop it replaced cost the CPU engine's DeepSeek-V2 decode a Python pass and three small einsums a
+    row a layer (docs/PERFORMANCE.md, session 26)."""
+    lens = context_lens.long()
+    max_len = int(lens.max()) if lens.numel() else 0
+    if max_len == 0:
+        return torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     kv_lora_rank = q_lat.shape[-1]
-    for b, length in enumerate(context_lens.tolist()):
-        if length > 0:
-            ctx = _context(cache, block_tables[b], length)
-            out[b] = _attend(q_lat[b:b + 1], q_pe[b:b + 1], ctx, kv_lora_rank, scale, length - 1)[0]
-    return out
+    blocks = block_tables[:, : -(-max_len // cache.shape[1])].long().clamp_min(0)  # -1: unused, masked below
+    ctx = cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, Lc, L+R]
+    past_end = torch.arange(max_len, device=q_lat.device)[None, :] >= lens[:, None]  # [B, Lc]
+    # slots past a row's end hold another row's latents or stale (maybe NaN) data: zero, not 0 * NaN
+    ctx = ctx.masked_fill(past_end[:, :, None], 0.0)
+    latent, k_pe = ctx[..., :kv_lora_rank], ctx[..., kv_lora_rank:]
+    scores = (torch.einsum("bhl,bcl->bhc", q_lat.float(), latent)
+              + torch.einsum("bhr,bcr->bhc", q_pe.float(), k_pe)) * scale
+    probs = scores.masked_fill(past_end[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(nan=0.0)
+    return torch.einsum("bhc,bcl->bhl", probs, latent).to(q_lat.dtype)
 
 
 def mla_prefill_attention_ref(q_lat, q_pe, cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale,
@@ -107,10 +119,13 @@ def mla_expanded_attention_ref(q, kv, k_pe, cu_seqlens_q, cu_seqlens_k, max_seql
         if q1 == q0:
             continue
         k = torch.cat([kv[k0:k1, :, :nope], k_pe[k0:k1, None, :].expand(-1, heads, -1)], dim=-1).float()
-        visible = (torch.arange(k1 - k0, device=q.device)[None, :]
-                   <= (k1 - k0) - (q1 - q0) + torch.arange(q1 - q0, device=q.device)[:, None])
+        if k1 - k0 == q1 - q0:  # no cached prefix: SDPA's fused causal kernel (top-left is exact here)
+            visible, causal = None, True
+        else:  # bottom-right causal: query i sits at (k1 - k0) - (q1 - q0) + i
+            visible, causal = (torch.arange(k1 - k0, device=q.device)[None, :]
+                               <= (k1 - k0) - (q1 - q0) + torch.arange(q1 - q0, device=q.device)[:, None]), False
         o = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1), k.transpose(0, 1),
                                            kv[k0:k1, :, nope:].float().transpose(0, 1), attn_mask=visible,
-                                           scale=scale)
+                                           is_causal=causal, scale=scale)
         out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
