@@ -1,8 +1,9 @@
 """The FastAPI app of the OpenAI-compatible server: assembly, auth, the small routes, and `serve`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /docs, /redoc,
-/openapi.json (all behind the optional bearer key; the docs can be turned off), GET /health (503 once
-the engine is gone), GET /metrics (Prometheus); /health and /metrics stay open, as in vLLM.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], POST /tokenize, /detokenize
+(vLLM's), GET /docs, /redoc, /openapi.json (all behind the optional bearer key; the docs can be turned off),
+GET /health (503 once the engine is gone), GET /metrics (Prometheus), GET /version; those three stay open, as
+in vLLM.
 POST bodies must be `application/json` (415 otherwise: a text/plain body is a CORS "simple request" a
 web page could send to a key-less loopback server). All live requests share one continuously batched
 engine, stepped by the engine core in its own process (engine_core.py; this process tokenizes, decodes and
@@ -24,6 +25,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from metainfer import __version__
 from metainfer.engine.tokenizer import load_tokenizer
 from metainfer.entrypoints.openai.engine_core import (
     EngineProcess,
@@ -37,6 +39,7 @@ from metainfer.entrypoints.openai.metrics import ServerMetrics
 from metainfer.entrypoints.openai.serving_base import check_model
 from metainfer.entrypoints.openai.serving_chat import OpenAIServingChat
 from metainfer.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from metainfer.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 log = logging.getLogger("metainfer.server")
 
@@ -58,6 +61,8 @@ class OpenAIServer:
         self.engine_loop = EngineLoop(handle, tokenizer, self.metrics, max_queued_requests, self.max_model_len)
         self.completion = OpenAIServingCompletion(self.engine_loop, self.served_model_names, self.max_logprobs)
         self.chat = OpenAIServingChat(self.engine_loop, self.served_model_names, self.max_logprobs)
+        self.tokenization = OpenAIServingTokenization(self.engine_loop, self.served_model_names, self.max_logprobs,
+                                                      self.max_model_len)
         self.created = int(time.time())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -98,6 +103,9 @@ class OpenAIServer:
             return engine_dead().response()
         return Response(status_code=200)
 
+    async def version(self, request: Request):
+        return JSONResponse({"version": __version__})
+
     async def prometheus(self, request: Request):
         return Response(self.metrics.render(self.served_model_names[0]),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -136,6 +144,7 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
         handle.stop(timeout=10)
         raise
     server.chat.trust_request_chat_template = trust_request_chat_template
+    server.tokenization.trust_request_chat_template = trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,7 +164,10 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
     app.add_api_route("/v1/chat/completions", server.chat.create, methods=["POST"], dependencies=post)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
+    app.add_api_route("/tokenize", server.tokenization.tokenize, methods=["POST"], dependencies=post)
+    app.add_api_route("/detokenize", server.tokenization.detokenize, methods=["POST"], dependencies=post)
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     if docs:
         _add_docs(app, auth)

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -282,6 +283,17 @@ class EngineLoop:
                 raise from_engine_error(_RefusedRequest(message, param)) from None
             raise OpenAIError(500, f"internal error: {message}", "server_error", None, "internal_error")
         return group
+
+    async def run_tokenizer(self, fn: Callable):
+        """fn(tokenizer) on the tokenizing thread, in order with the prompts, with that thread's tokenizer (/tokenize,
+        /detokenize: a long text must not hold the event loop); any error it raises is a 400 (from_engine_error)."""
+        def call():
+            try:
+                return fn(self.prompt_tokenizer)
+            except Exception as exc:
+                raise from_engine_error(exc) from None
+
+        return await self._loop.run_in_executor(self._tokenizing, call)
 
     def _check_admissible(self, num_requests: int) -> None:
         """503 when the engine is gone, the server drains, or `num_requests` more would overfill the queue."""

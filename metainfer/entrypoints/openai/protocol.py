@@ -140,29 +140,17 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatTemplateFields(_Body):
+    """The messages and how the chat template renders them: /v1/chat/completions and /tokenize share them."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
 
-    def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
+    def check_template_kwargs(self, trust_request_chat_template: bool) -> None:
         """`trust_request_chat_template` (serve --trust-request-chat-template): a request may bring its own
         chat template; off by default, as in vLLM: a template is a program the engine thread runs (a nested
         loop froze every stream for 28 s)."""
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
-            raise bad_request(f"top_logprobs must be in [0, {max_logprobs}]", "top_logprobs")
-        if self.top_logprobs and not self.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         kwargs = self.chat_template_kwargs or {}
         if "chat_template" in kwargs and not trust_request_chat_template:
             raise bad_request("chat_template_kwargs may not set chat_template: this server does not run "
@@ -171,16 +159,6 @@ class ChatCompletionRequest(_SamplingFields):
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-
-    def body_field(self, param: str | None) -> str | None:
-        if param == "max_tokens" and self.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        return {"logprobs": "top_logprobs", "prompt": "messages"}.get(param, param)
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        """max_completion_tokens, else the deprecated max_tokens."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict]:
         """Messages as plain dicts for the tokenizer's chat template (text parts joined)."""
@@ -193,6 +171,65 @@ class ChatCompletionRequest(_SamplingFields):
             d["content"] = content if content is not None else ""
             out.append(d)
         return out
+
+
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {max_logprobs}]", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        self.check_template_kwargs(trust_request_chat_template)
+
+    def body_field(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"logprobs": "top_logprobs", "prompt": "messages"}.get(param, param)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """POST /tokenize (vLLM's shapes): a `prompt` (the ids /v1/completions would run) or `messages` (the ids
+    /v1/chat/completions would run), exactly one of them."""
+
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None  # a prompt's BOS / EOS as /v1/completions adds them (default true)
+    return_token_strs: bool = False
+
+    def check_supported(self, trust_request_chat_template: bool = False) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if self.messages is not None:
+            if not self.messages:
+                raise bad_request("messages must not be empty", "messages")
+            if self.add_special_tokens:
+                raise bad_request("add_special_tokens applies to a prompt: the chat template places the special "
+                                  "tokens of messages", "add_special_tokens")
+            self.check_template_kwargs(trust_request_chat_template)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def usage(finals: dict[str, RequestOutput]) -> dict:

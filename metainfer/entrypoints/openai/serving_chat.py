@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -11,7 +12,7 @@ from fastapi.responses import Response
 from metainfer.engine.request_validation import InvalidRequestError
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
 from metainfer.entrypoints.openai.errors import OpenAIError
-from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatTemplateFields, parse_request
 from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
 from metainfer.sampling_params import SamplingParams
 
@@ -25,6 +26,23 @@ def apply_chat_template(tokenizer, conversation, chat_template_kwargs, add_gener
     return list(ids)
 
 
+def chat_prompt(req: ChatTemplateFields) -> Callable:
+    """The request's prompt as EngineLoop's tokenizing thread renders it (called there, with its tokenizer)."""
+    conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
+    add_generation_prompt = req.add_generation_prompt
+
+    def prompt(tokenizer) -> dict:
+        try:
+            ids = apply_chat_template(tokenizer, conversation, template_kwargs, add_generation_prompt)
+        except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
+            field = "chat_template_kwargs" if template_kwargs else "messages"
+            raise InvalidRequestError(field, f"the chat template failed on this request's {field}: "
+                                             f"{type(exc).__name__}: {exc}"[:500]) from None
+        return {"prompt_token_ids": ids}
+
+    return prompt
+
+
 class OpenAIServingChat(OpenAIServing):
     trust_request_chat_template = False  # a request may set chat_template_kwargs.chat_template (build_app)
 
@@ -34,18 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         req.check_supported(self.max_logprobs, self.trust_request_chat_template)
         top_k = req.top_logprobs or 0
         params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
-        conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
-        add_generation_prompt = req.add_generation_prompt
-
-        def prompt(tokenizer):  # called on EngineLoop's tokenizing thread, with its tokenizer
-            try:
-                ids = apply_chat_template(tokenizer, conversation, template_kwargs, add_generation_prompt)
-            except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
-                field = "chat_template_kwargs" if template_kwargs else "messages"
-                raise InvalidRequestError(field, f"the chat template failed on this request's {field}: "
-                                                 f"{type(exc).__name__}: {exc}"[:500]) from None
-            return {"prompt_token_ids": ids}
-
+        prompt = chat_prompt(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             group = await self.engine_loop.submit([(base, prompt, params)])
