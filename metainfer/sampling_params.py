@@ -28,6 +28,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's / OpenAI's token constraints, applied to the logits before the penalties (logprobs stay the raw ones):
+    # {token id: bias in [-100, 100]} added, and the only ids that may be sampled
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -43,6 +47,10 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias) or None
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -56,6 +64,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """logit_bias or allowed_token_ids set: the torch sampler's path (worker/sampler.py)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -23,6 +23,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 1e4  # above it sampling is uniform anyway
 MIN_PROBABILITY = 1e-6  # the smallest top_p, and the smallest min_p other than 0 (off)
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value
 
 
 class InvalidRequestError(ValueError):
@@ -96,6 +97,21 @@ def check_sampling_params(p) -> None:
                                                          for t in p.stop_token_ids):
         raise InvalidRequestError("stop_token_ids", "stop_token_ids must be a list of non-negative integer token "
                                                     f"ids, got {p.stop_token_ids!r}"[:300])
+    if p.logit_bias is not None:
+        bias = p.logit_bias
+        if not isinstance(bias, dict) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in bias):
+            raise InvalidRequestError("logit_bias", "logit_bias must map non-negative integer token ids to biases, "
+                                                    f"got {bias!r}"[:300])
+        if not all(_is_number(b) and math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                   for b in bias.values()):
+            raise InvalidRequestError("logit_bias", "logit_bias values must be finite numbers in "
+                                                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"[:300])
+    if p.allowed_token_ids is not None:
+        allowed = p.allowed_token_ids
+        if not isinstance(allowed, list) or not allowed or not all(_is_int(t) and 0 <= t <= INT64_MAX
+                                                                   for t in allowed):
+            raise InvalidRequestError("allowed_token_ids", "allowed_token_ids must be a non-empty list of "
+                                                           f"non-negative integer token ids, got {allowed!r}"[:300])
     if not all(isinstance(s, str) and s for s in p.stop_strings):
         raise InvalidRequestError("stop", f"stop must be a string or a list of non-empty strings, got {p.stop!r}"[:300])
 
@@ -148,6 +164,11 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
     if bad:
         raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {limits.vocab_size}) (the "
                                                     f"vocabulary), got {bad[:5]}")
+    for name, ids in (("logit_bias", p.logit_bias or ()), ("allowed_token_ids", p.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= model_vocab_size]
+        if bad:  # they index the logits, whose width is the model's vocabulary
+            raise InvalidRequestError(name, f"{name} token ids must be in [0, {model_vocab_size}) (the model's "
+                                            f"vocabulary), got {bad[:5]}")
     if not prompt_token_ids:
         raise InvalidRequestError("prompt", "prompt_token_ids must not be empty")
     check_prompt_length(prompt_token_ids, limits.max_model_len)

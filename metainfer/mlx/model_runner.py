@@ -39,7 +39,7 @@ log = logging.getLogger("metainfer")
 
 def _greedy_without_extras(seq) -> bool:
     p = seq.params
-    return p.greedy and not p.has_penalties and p.logprobs is None
+    return p.greedy and not p.has_penalties and not p.has_token_constraints and p.logprobs is None
 
 
 class MLXModelRunner:

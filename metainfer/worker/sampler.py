@@ -83,8 +83,8 @@ def _pinned_rows(values: list, dtype: torch.dtype, device: torch.device) -> torc
 def _plain(seq: Sequence) -> bool:
     """Greedy or temperature-only: what the one-pass Gumbel-max kernel samples (kernels/sampling.py)."""
     p = seq.params
-    return (not p.has_penalties and seq.num_output_tokens >= p.min_tokens and p.top_k == 0 and p.top_p == 1.0
-            and p.min_p == 0.0 and p.seed is None and p.logprobs is None)
+    return (not p.has_penalties and not p.has_token_constraints and seq.num_output_tokens >= p.min_tokens
+            and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.seed is None and p.logprobs is None)
 
 
 class Sampler:
@@ -113,8 +113,10 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         raw = logits
         params = [s.params for s in seqs]
+        if any(p.has_token_constraints for p in params):
+            logits = self._apply_token_constraints(logits.clone(), seqs)
         if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), seqs)
+            logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs)
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = self._mask_stop_tokens(logits if logits is not raw else logits.clone(), seqs)
         tokens = logits.argmax(dim=-1)
@@ -128,6 +130,31 @@ class Sampler:
         return self._with_logprobs(raw, tokens, wanted)
 
     # -- logits processors -------------------------------------------------------------
+    def _apply_token_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logit_bias added, then every id outside allowed_token_ids at -inf (vLLM applies both before the
+        penalties; the request checks keep the ids inside the model's vocabulary)."""
+        rows, cols, bias, allowed_rows, allowed_cols = [], [], [], [], []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                rows += [row] * len(p.logit_bias)
+                cols += p.logit_bias.keys()
+                bias += p.logit_bias.values()
+            if p.allowed_token_ids is not None:
+                allowed_rows += [row] * len(p.allowed_token_ids)
+                allowed_cols += p.allowed_token_ids
+        if rows:
+            logits.index_put_((self._rows(rows, torch.long), self._rows(cols, torch.long)),
+                              self._rows(bias, torch.float32), accumulate=True)
+        if allowed_rows:
+            constrained = sorted(set(allowed_rows))
+            keep = torch.zeros(len(constrained), logits.shape[1], dtype=torch.bool, device=logits.device)
+            index = {row: i for i, row in enumerate(constrained)}
+            keep[self._rows([index[r] for r in allowed_rows], torch.long), self._rows(allowed_cols, torch.long)] = True
+            where = self._rows(constrained, torch.long)
+            logits[where] = logits[where].masked_fill(~keep, float("-inf"))
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]
         out_rows, out_ids, seen_rows, seen_ids = [], [], [], []

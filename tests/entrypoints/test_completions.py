@@ -129,3 +129,19 @@ def test_a_stream_whose_tokens_end_inside_a_character_keeps_its_text(server, cli
         model=MODEL, messages=chat, max_tokens=32, temperature=0, stream=True) if c.choices]
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == full.choices[0].message.content
     wait_idle(server)
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(server, client, ref):
+    """OpenAI's logit_bias (string token ids) and vLLM's allowed_token_ids: the text equals LLM.generate's with the
+    same SamplingParams (tests/engine/test_token_constraints.py checks those against HF)."""
+    bias = {"785": 100, "13": -100}
+    allowed = [9707, 1879, 11, 220]
+    for body, params in (({"logit_bias": bias}, dict(logit_bias={785: 100, 13: -100})),
+                         ({"extra_body": {"allowed_token_ids": allowed}}, dict(allowed_token_ids=allowed))):
+        r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0, **body)
+        exp = ref.generate("Hello world", SamplingParams(temperature=0, max_tokens=6, **params), use_tqdm=False)
+        assert r.choices[0].text == exp[0].outputs[0].text
+    forced = ref.get_tokenizer().decode([785] * 6)
+    assert r.choices[0].text != forced  # the second request ran its own constraint, not the first's
+    assert client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0,
+                                     logit_bias=bias).choices[0].text == forced

@@ -171,7 +171,9 @@ PLAUSIBLE = {"n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st
              "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
              "stop_token_ids": st.lists(st.integers(0, 600), max_size=3), "ignore_eos": st.booleans(),
              "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-             "repetition_penalty": st.floats(0.5, 2), "stream": st.booleans(), "logprobs": st.integers(0, 3)}
+             "repetition_penalty": st.floats(0.5, 2), "stream": st.booleans(), "logprobs": st.integers(0, 3),
+             "logit_bias": st.dictionaries(st.integers(0, 600).map(str), st.floats(-100, 100), max_size=3),
+             "allowed_token_ids": st.lists(st.integers(0, 600), min_size=1, max_size=4)}
 PLAUSIBLE_BODY = st.fixed_dictionaries({"prompt": st.one_of(st.text(min_size=1, max_size=12),
                                                             st.lists(st.integers(0, 500), min_size=1, max_size=6))},
                                        optional=PLAUSIBLE)

@@ -45,7 +45,11 @@ def test_checks_name_the_field():
     assert _param(CompletionRequest, {"prompt": "x", "best_of": 3}) == "best_of"
     assert _param(CompletionRequest, {"prompt": "x", "logprobs": 21}) == "logprobs"
     assert _param(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}) == "echo"
-    assert _param(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}}) == "logit_bias"
+    for bias in ({"one": 2.0}, {"-1": 2.0}, {"1": 101.0}):  # token ids as strings, values in [-100, 100]
+        assert _param(CompletionRequest, {"prompt": "x", "logit_bias": bias}) == "logit_bias"
+    assert _param(CompletionRequest, {"prompt": "x", "allowed_token_ids": []}) == "allowed_token_ids"
+    assert _parse(CompletionRequest, {"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}}).sampling_params(
+        16, None).logit_bias == {7: -100, 3: 2.5}
     assert _param(CompletionRequest, {"prompt": "x", "temperature": -1}) == "temperature"  # SamplingParams
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert _param(ChatCompletionRequest, {**chat, "tools": [{"type": "function"}]}) == "tools"

@@ -2,7 +2,7 @@
 
 Strict mode: a string where a number belongs is an error (400), not a silent coercion; JSON
 integers are still accepted for float fields. Unknown fields are ignored, as OpenAI's own
-server does. vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+server does. vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `allowed_token_ids`,
 `repetition_penalty`, ...) are accepted in the body. Options we parse but do not implement
 are refused with a 400 naming them (`check_supported`), never silently ignored.
 """
@@ -26,7 +26,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens"})
 # the optional sampling fields passed to SamplingParams only when the client set them
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "stop", "stop_token_ids")
+                      "repetition_penalty", "stop", "stop_token_ids", "allowed_token_ids")
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -67,6 +67,7 @@ class _SamplingFields(_Body):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -78,8 +79,6 @@ class _SamplingFields(_Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=self.ignore_eos,
                                   min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output)
@@ -87,6 +86,12 @@ class _SamplingFields(_Body):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
+        if self.logit_bias:  # OpenAI's keys are token ids written as strings
+            try:
+                kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"[:300],
+                                  "logit_bias") from None
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as exc:
