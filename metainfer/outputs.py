@@ -31,6 +31,8 @@ class RequestOutput:
     # prompt tokens whose KV came from the prefix cache at admission (vLLM's field; 0 without a hit)
     num_cached_tokens: int = 0
     error: str | None = None  # set when a step failed because of this request (its finish_reason is "error")
+    # SamplingParams.prompt_logprobs: per prompt token, {token: logprob} of it and the top others; None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # the logprob of every prompt token after the first (and the top prompt_logprobs others) from the prompt's own
+    # forward; such a request computes its whole prompt (no prefix-cache hit), as vLLM's does
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -56,7 +56,7 @@ class BlockManager:
         last token: that token is always recomputed (its logits start the output), and recomputing it into a
         shared block would write into another sequence's cache (a block-aligned prompt: as vLLM, its last
         block is computed afresh)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:  # those score every prompt token
             return []
         hits, prev = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -37,7 +37,7 @@ from metainfer.engine.request_validation import (
     check_request,
     kv_tokens_needed,
 )
-from metainfer.engine.scheduler import ScheduledBatch, Scheduler
+from metainfer.engine.scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, NoText, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
@@ -176,6 +176,9 @@ class LLMEngine:
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None and self.config.device == "mlx":
+            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs is not supported on device='mlx' (its "
+                                                         "runner computes the logits of the sampled rows only)")
         if self.tokenizer is None and params.stop_strings:
             raise InvalidRequestError("stop", "stop strings need a tokenizer: this engine was built with "
                                               "skip_tokenizer_init=True (stop_token_ids work)")
@@ -330,6 +333,8 @@ class LLMEngine:
         while len(self.in_flight) > keep:
             step = self.in_flight.popleft()
             result = step.sampled.result() if step.sampled is not None else None
+            if result is not None and result.prompt_logprobs is not None:
+                _store_prompt_logprobs(step.batch.prompt_logprobs, result.prompt_logprobs)
             now = time.monotonic()
             for i, seq in enumerate(step.sampling):
                 if seq.is_finished:  # stopped or aborted after this step was launched: discard
@@ -412,7 +417,8 @@ class LLMEngine:
                    "num_cached_tokens": request.seqs[0].num_cached_prompt_tokens}
         # the prompt ids are shared, not copied per step (a streamed 512-token prompt was copied every token)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             request.finished, metrics, metrics["num_cached_tokens"], error=request.error)
+                             request.finished, metrics, metrics["num_cached_tokens"], error=request.error,
+                             prompt_logprobs=_prompt_logprobs(request))
 
     # -- observability ------------------------------------------------------------------
     def num_running(self) -> int:
@@ -464,11 +470,28 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     return prompt, ids
 
 
+def _store_prompt_logprobs(scored, entries: list[tuple[float, dict[int, float]]]) -> None:
+    """A step's scored prompt tokens into their sequences (by position: a recomputed prompt rescores the same)."""
+    for (seq, position), target, (chosen, top) in zip(scored.owners, scored.targets, entries):
+        seq.prompt_logprobs[position] = {**top, target: chosen}
+
+
+def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+    """The request's prompt logprobs once every prompt token is scored (its samples share one prompt: the first
+    sample's; a copy, as the other output lists)."""
+    scored = request.seqs[0].prompt_logprobs
+    if scored is None or (len(scored) > 1 and scored[-1] is None):
+        return None
+    return list(scored)
+
+
 def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
     """Some rows of `batch` (their order kept, so decode rows stay first) as a batch of their own."""
     decode_rows = {id(s) for s in batch.seqs[: batch.num_decode_rows]}
     num_decode = sum(id(s) in decode_rows for s in seqs)
-    return replace(batch, seqs=seqs, is_prefill=num_decode < len(seqs), num_decode_rows=num_decode)
+    prefill = num_decode < len(seqs)
+    return replace(batch, seqs=seqs, is_prefill=prefill, num_decode_rows=num_decode,
+                   prompt_logprobs=prompt_logprob_rows(seqs) if prefill else None)
 
 
 def resolve_config(config: EngineConfig) -> ModelSpec:

@@ -87,6 +87,7 @@ def check_sampling_params(p) -> None:
         raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({p.max_tokens}), "
                                                 f"got {p.min_tokens!r}")
     _int(p, "logprobs", 0, none_ok=True)
+    _int(p, "prompt_logprobs", 0, none_ok=True)
     _float(p, "presence_penalty", -2.0, 2.0)
     _float(p, "frequency_penalty", -2.0, 2.0)
     _float(p, "repetition_penalty", *REPETITION_PENALTY_RANGE)
@@ -160,6 +161,9 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
     if p.logprobs is not None and p.logprobs > limits.max_logprobs:
         raise InvalidRequestError("logprobs", f"logprobs must be <= {limits.max_logprobs} (the engine's "
                                               f"max_logprobs), got {p.logprobs}")
+    if p.prompt_logprobs is not None and p.prompt_logprobs > limits.max_logprobs:
+        raise InvalidRequestError("prompt_logprobs", f"prompt_logprobs must be <= {limits.max_logprobs} (the "
+                                                     f"engine's max_logprobs), got {p.prompt_logprobs}")
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {limits.vocab_size}) (the "

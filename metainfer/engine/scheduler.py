@@ -29,6 +29,35 @@ from metainfer.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
+class PromptLogprobRows:
+    """The rows of a prefill step whose hidden states score the next prompt token (SamplingParams.prompt_logprobs):
+    the token at position p + 1 is scored by row p's logits. Workers of a TP group get `rows` only (they take part
+    in the LM head's gather; rank 0 alone reads the logprobs)."""
+
+    rows: list[int]  # flat token rows of the step (a prefill step lays each sequence's new tokens out in order)
+    targets: list[int]  # the scored prompt token of each row (rank 0)
+    owners: list[tuple[Sequence, int]]  # (sequence, the scored token's position) of each row (rank 0)
+    top_k: int  # the most top logprobs a scored sequence asks for
+
+
+def prompt_logprob_rows(seqs: list[Sequence]) -> PromptLogprobRows | None:
+    """The scored rows of a prefill step over `seqs` (None when no sequence asks): positions p in the step's
+    [first, first + n) with p + 1 < the prompt's length, i.e. the prompt's own tokens after the first."""
+    rows, targets, owners, top_k, offset = [], [], [], 0, 0
+    for seq in seqs:
+        start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+        if seq.prompt_logprobs is not None:
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            for p in range(start, end):
+                rows.append(offset + p - start)
+                targets.append(seq.token_ids[p + 1])
+                owners.append((seq, p + 1))
+            top_k = max(top_k, seq.params.prompt_logprobs)
+        offset += n
+    return PromptLogprobRows(rows, targets, owners, top_k) if rows else None
+
+
+@dataclass
 class ScheduledBatch:
     """One step's rows. `is_prefill`: the step runs the prefill-with-context path (any prefill row; a mixed
     step's decode rows are 1-token queries there); False: a pure decode step. The first `num_decode_rows` rows
@@ -37,6 +66,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
     num_decode_rows: int = 0
+    prompt_logprobs: PromptLogprobRows | None = None  # set by the scheduler (prompt_logprob_rows) on prefill steps
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +118,9 @@ class Scheduler:
         admit = not decodes or self.num_preemptions == preempted_before
         prefills = self._schedule_prefills(budget) if admit else []
         if prefills:
-            return ScheduledBatch(decodes + prefills, is_prefill=True, num_decode_rows=len(decodes))
+            seqs = decodes + prefills
+            return ScheduledBatch(seqs, is_prefill=True, num_decode_rows=len(decodes),
+                                  prompt_logprobs=prompt_logprob_rows(seqs))
         if not decodes:
             return None
         # rows longest context first (the running order, which preemption follows, is kept): the decode

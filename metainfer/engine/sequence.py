@@ -51,6 +51,9 @@ class Sequence:
         self.output_text = ""
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []
+        # params.prompt_logprobs: per prompt position, {its token: logprob, top others} (None at 0 and until scored)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
         self.incremental_detokenize = True

@@ -19,14 +19,14 @@ import torch
 
 from metainfer.attention import forward_context
 from metainfer.config import ConfigError, EngineConfig
-from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.scheduler import PromptLogprobRows, ScheduledBatch
 from metainfer.kernels import pdl_supported, select_ops
 from metainfer.loader import load_model_weights
 from metainfer.models.registry import build_attention_backend, model_class
 from metainfer.models.shape_contract import check_param_shapes
 from metainfer.worker.cuda_graphs import DecodeGraphs
 from metainfer.worker.piecewise_graphs import PiecewiseGraphs
-from metainfer.worker.sampler import SampledBatch, Sampler
+from metainfer.worker.sampler import PromptScores, SampledBatch, Sampler, row_uploader
 from metainfer.worker.step_inputs import StepLayout, StepStaging, pack_step
 from metainfer.worker.tp.protocol import LOCAL, RankLink
 from metainfer.worker.warmup import run_warmup, warmup_plan
@@ -82,6 +82,7 @@ class ModelRunner:
             self.sampler = Sampler(self.spec.vocab_size, tuple(eos_token_ids), self.device, fused=fused,
                                    seed=config.seed)
             self._sample = self._sample_rows
+        self._upload = row_uploader(self.device)  # host lists to the device without waiting for it
         lap("sampler")
         graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs = DecodeGraphs(self, capture=graphs)
@@ -109,10 +110,14 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
-        """Run one scheduled batch; rank 0 returns its sampled ids (still on the device), else None."""
+        """Run one scheduled batch; rank 0 returns its sampled ids and scored prompt tokens (still on the device),
+        else None."""
         try:
             self._link.publish(batch)
-            return self._sample(self.compute_logits(batch), batch)
+            hidden, rows = self._hidden(batch)
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows.long()])
+            prompt = self._score_prompt(hidden, batch.prompt_logprobs) if batch.prompt_logprobs is not None else None
+            return self._sample(logits, batch, prompt)
         except BaseException as exc:
             self._link.step_failed(exc)
             raise
@@ -120,11 +125,16 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """The forward of one batch: logits [sampling rows, V] (rank 0; a shard elsewhere)."""
+        hidden, rows = self._hidden(batch)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows.long()])
+
+    def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's hidden states and the sampling rows among them (None: a decode graph's output, which is
+        those rows already)."""
         if not batch.is_prefill and len(batch.seqs) <= self.graphs.max_batch:
-            return self.model.compute_logits(self.graphs.replay(batch))
+            return self.graphs.replay(batch), None
         if self.piecewise.covers(batch.num_tokens):
-            hidden, rows = self.piecewise.run(batch)
-            return self.model.compute_logits(hidden[rows.long()])
+            return self.piecewise.run(batch)
         host = self.staging.next_host_buffer()
         layout = pack_step(batch, len(batch.seqs), host, self.block_size)
         views = layout.views(self.staging.upload(layout.size))
@@ -136,18 +146,33 @@ class ModelRunner:
                                                 batch.num_decode_rows if batch.is_prefill else 0)
         with forward_context(meta):
             hidden = self.model(ids)
-        return self.model.compute_logits(hidden[views["rows"].long()])
+        return hidden, views["rows"]
 
-    def _sample_rows(self, logits: torch.Tensor, batch: ScheduledBatch) -> SampledBatch | None:
+    def _score_prompt(self, hidden: torch.Tensor, scored: PromptLogprobRows) -> PromptScores | None:
+        """The logprobs of the prompt tokens the step scores, through the LM head in pieces of max_num_seqs rows
+        (the sampler's own peak, which the memory profile holds); every rank runs the head (its gather is
+        collective), rank 0 alone reads the logprobs."""
+        rows = self._upload(scored.rows, torch.long)
+        targets = self._upload(scored.targets, torch.long) if self.sampler is not None else None
+        parts, piece, vocab = [], self.config.max_num_seqs, self.spec.vocab_size
+        for start in range(0, len(scored.rows), piece):
+            logits = self.model.compute_logits(hidden[rows[start:start + piece]])
+            if targets is not None:
+                parts.append(PromptScores.of(logits[:, :vocab], targets[start:start + piece], scored.top_k))
+        return PromptScores.cat(parts) if parts else None
+
+    def _sample_rows(self, logits: torch.Tensor, batch: ScheduledBatch,
+                     prompt: PromptScores | None = None) -> SampledBatch | None:
         sampling = batch.sampling_seqs
-        if not sampling:
-            return None
+        if not sampling:  # a chunk that samples nothing may still score prompt tokens
+            return None if prompt is None else SampledBatch(self.sampled_ids[:0], [], prompt=prompt)
         sampled = self.sampler(logits, sampling)
         self.sampled_ids[: len(sampling)].copy_(sampled.token_ids)
+        sampled.prompt = prompt
         return sampled
 
     @staticmethod
-    def _no_sample(logits: torch.Tensor, batch: ScheduledBatch) -> None:
+    def _no_sample(logits: torch.Tensor, batch: ScheduledBatch, prompt: PromptScores | None = None) -> None:
         return None
 
     @property

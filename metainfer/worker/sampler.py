@@ -24,38 +24,80 @@ class SamplerOutput:
     token_ids: list[int]
     # per sequence: (logprob of the chosen token, {token: logprob} of the top-k) or None
     logprobs: list[tuple[float, dict[int, float]] | None]
+    # per scored prompt row (ScheduledBatch.prompt_logprobs): (logprob of the prompt token, {token: logprob} top-k)
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+@dataclass
+class PromptScores:
+    """The logprobs of a prefill step's scored prompt tokens (SamplingParams.prompt_logprobs), on the device."""
+
+    chosen: torch.Tensor  # fp32 [R]: log_softmax of the raw logits at each row's next prompt token
+    top_values: torch.Tensor | None  # fp32 [R, k] (None for k = 0)
+    top_ids: torch.Tensor | None  # int64 [R, k]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:
+        """From the raw logits [R, V] (cut to the vocabulary) of the scored rows, as `_with_logprobs` scores a
+        sampled token."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        return cls(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1), top_values, top_ids)
+
+    @classmethod
+    def cat(cls, parts: list[PromptScores]) -> PromptScores:
+        if len(parts) == 1:
+            return parts[0]
+        tops = parts[0].top_values is not None
+        return cls(torch.cat([p.chosen for p in parts]),
+                   torch.cat([p.top_values for p in parts]) if tops else None,
+                   torch.cat([p.top_ids for p in parts]) if tops else None)
 
 
 @dataclass
 class SampledBatch:
-    """One step's choices, still on the device."""
+    """One step's choices, still on the device (a step that only scores prompt tokens samples no row)."""
 
     token_ids: torch.Tensor  # int64 [B]
     wanted_logprobs: list[int | None]  # per sequence: requested top-k count or None
     chosen_logprob: torch.Tensor | None = None  # fp32 [B]
     top_values: torch.Tensor | None = None  # fp32 [B, k]
     top_ids: torch.Tensor | None = None  # int64 [B, k]
+    prompt: PromptScores | None = None
 
     def to_host(self) -> HostSample:
         """Start the device-to-host copy (pinned, non-blocking) and mark its completion."""
         tensors = [t for t in (self.token_ids, self.chosen_logprob, self.top_values, self.top_ids) if t is not None]
         host = [t.to("cpu", non_blocking=True) for t in tensors]
+        prompt = None
+        if self.prompt is not None:
+            prompt = [t.to("cpu", non_blocking=True) if t is not None else None
+                      for t in (self.prompt.chosen, self.prompt.top_values, self.prompt.top_ids)]
         event = None
-        if self.token_ids.is_cuda:
+        if self.token_ids.is_cuda or (self.prompt is not None and self.prompt.chosen.is_cuda):
             event = torch.cuda.Event()
             event.record()
-        return HostSample(host, event, self.wanted_logprobs)
+        return HostSample(host, event, self.wanted_logprobs, prompt)
 
 
 class HostSample:
     """A step's sampled ids on their way to the host; `result()` waits for them."""
 
-    def __init__(self, host: list[torch.Tensor], event, wanted_logprobs: list[int | None]):
-        self._host, self._event, self._wanted = host, event, wanted_logprobs
+    def __init__(self, host: list[torch.Tensor], event, wanted_logprobs: list[int | None],
+                 prompt: list[torch.Tensor | None] | None = None):
+        self._host, self._event, self._wanted, self._prompt = host, event, wanted_logprobs, prompt
 
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
+        out = self._sampled()
+        if self._prompt is not None:
+            chosen, values, ids = (t.tolist() if t is not None else None for t in self._prompt)
+            out.prompt_logprobs = [(c, dict(zip(ids[r], values[r])) if ids is not None else {})
+                                   for r, c in enumerate(chosen)]
+        return out
+
+    def _sampled(self) -> SamplerOutput:
         token_list = self._host[0].tolist()
         if len(self._host) == 1:
             return SamplerOutput(token_list, [None] * len(token_list))
@@ -80,6 +122,13 @@ def _pinned_rows(values: list, dtype: torch.dtype, device: torch.device) -> torc
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
+def row_uploader(device: torch.device | str) -> Callable[[list, torch.dtype], torch.Tensor]:
+    """(values, dtype) -> a tensor on `device`. Per-row values reach CUDA through pinned memory and a non-blocking
+    copy: a plain torch.tensor(..., device="cuda") would wait for the GPU and undo async scheduling."""
+    device = torch.device(device)
+    return functools.partial(_pinned_rows, device=device) if device.type == "cuda" else _host_rows
+
+
 def _plain(seq: Sequence) -> bool:
     """Greedy or temperature-only: what the one-pass Gumbel-max kernel samples (kernels/sampling.py)."""
     p = seq.params
@@ -97,10 +146,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._fused, self._fused_seed = fused, seed * 1_000_003
         self._zero_temperatures = getattr(fused, "zero_temperatures", None)  # GumbelSampler's device zeros
-        device = torch.device(device)
-        # Per-row parameters reach CUDA through pinned memory and a non-blocking copy: a plain
-        # torch.tensor(..., device="cuda") would wait for the GPU and undo async scheduling.
-        self._rows = functools.partial(_pinned_rows, device=device) if device.type == "cuda" else _host_rows
+        self._rows = row_uploader(device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         if self._fused is not None and all(_plain(s) for s in seqs):

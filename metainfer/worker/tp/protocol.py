@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.scheduler import PromptLogprobRows, ScheduledBatch
 
 
 def send(conn, message) -> None:
@@ -74,6 +74,7 @@ class StepDelta:
     gone: list[int]  # seq ids the workers can forget
     rows: list[tuple[int, int, list[int], bool]]  # (seq id, first position, scheduled tokens, will_sample)
     num_decode_rows: int = 0  # a mixed step's leading decode rows (the workers split the attention alike)
+    prompt_rows: list[int] | None = None  # rows rank 0 scores prompt logprobs on (the LM head gather is collective)
 
 
 class StepEncoder:
@@ -99,7 +100,9 @@ class StepEncoder:
         gone = [sid for sid, (seq, _, _) in self._sent.items() if sid not in scheduled and seq.is_finished]
         for sid in gone:
             del self._sent[sid]
-        return StepDelta(batch.is_prefill, new, appended, gone, rows, batch.num_decode_rows)
+        scored = batch.prompt_logprobs
+        return StepDelta(batch.is_prefill, new, appended, gone, rows, batch.num_decode_rows,
+                         scored.rows if scored is not None else None)
 
 
 class _TokenWindow:
@@ -147,7 +150,8 @@ class StepMirror:
             seq.num_computed_tokens, seq.num_scheduled_tokens = start, len(tokens)
             seq.token_ids, seq.will_sample = _TokenWindow(start, tokens), will_sample
             batch.append(seq)
-        return ScheduledBatch(batch, delta.is_prefill, delta.num_decode_rows)
+        scored = PromptLogprobRows(delta.prompt_rows, [], [], 0) if delta.prompt_rows else None
+        return ScheduledBatch(batch, delta.is_prefill, delta.num_decode_rows, scored)
 
 
 class RankLink:
