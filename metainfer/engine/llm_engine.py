@@ -512,4 +512,20 @@ def _read_spec(config: EngineConfig) -> ModelSpec:
     if config.gguf_file is not None:
         return model_spec(gguf_config(config.gguf_file))
     with open(os.path.join(config.model_dir, "config.json")) as f:
-        return model_spec(json.load(f))
+        return model_spec(_with_generation_eos(json.load(f), config.model_dir))
+
+
+def _with_generation_eos(cfg: dict, model_dir: str) -> dict:
+    """config.json with generation_config.json's EOS ids added: chat models list their end-of-turn token there only
+    (Llama-3-Instruct: 128009), and transformers' generate and vLLM stop on them. Without this an engine with no
+    tokenizer (skip_tokenizer_init), whose tokenizer would have named it, ran such a reply to max_tokens."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.exists(path):
+        return cfg
+    with open(path) as f:
+        extra = json.load(f).get("eos_token_id")
+    ids = [i for i in (extra if isinstance(extra, list) else [extra]) if isinstance(i, int)]
+    own = cfg.get("eos_token_id")
+    own = own if isinstance(own, list) else ([] if own is None else [own])
+    merged = own + [i for i in ids if i not in own]
+    return cfg if merged == own else {**cfg, "eos_token_id": merged}

@@ -28,15 +28,17 @@ def no_tokenizer(tmp_path_factory):
     return str(folder), prompts, expected
 
 
-def _set_eos(folder: str, eos: int) -> None:
+def _set_eos(folder: str, eos: int, names: tuple[str, ...]) -> None:
+    """eos_token_id = eos in the named files, and no EOS id at all in the others."""
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(folder, name)
+        data = {}
         if os.path.exists(path):
             with open(path) as f:
                 data = json.load(f)
-            data["eos_token_id"] = eos
-            with open(path, "w") as f:
-                json.dump(data, f)
+        data["eos_token_id"] = eos if name in names else None
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def test_token_ids_in_token_ids_out_match_hf(no_tokenizer):
@@ -57,12 +59,14 @@ def test_token_ids_in_token_ids_out_match_hf(no_tokenizer):
         llm.close()
 
 
-def test_stop_token_comes_from_the_config(no_tokenizer, tmp_path):
-    """With no tokenizer, the EOS id is the config's: set it to HF's third greedy token and the request ends there."""
+@pytest.mark.parametrize("where", [("config.json",), ("generation_config.json",)])
+def test_stop_token_comes_from_the_config(no_tokenizer, tmp_path, where):
+    """With no tokenizer, the EOS id is the config's or the generation config's (where chat models list their
+    end-of-turn token): set it to HF's third greedy token in one of them and the request ends there."""
     folder, prompts, expected = no_tokenizer
     copy_model_files(folder, str(tmp_path))
     eos = expected[0][2]
-    _set_eos(str(tmp_path), eos)
+    _set_eos(str(tmp_path), eos, where)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=128, skip_tokenizer_init=True)
     try:
         out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS),
@@ -110,3 +114,20 @@ def test_bench_latency_on_a_config_only_folder(no_tokenizer, tmp_path, capsys):
     assert cli.main([*args, "--skip-tokenizer-init", "--output-json", record]) == 0
     with open(record) as f:
         assert json.load(f)["tpot_ms"] > 0
+
+
+def test_the_server_refuses_it_before_building_an_engine(no_tokenizer):
+    """The server encodes prompts and decodes text: build_app refuses skip_tokenizer_init (kwargs: before any engine
+    process starts; an LLM: before its engine core starts)."""
+    pytest.importorskip("fastapi")
+    from metainfer.entrypoints.openai.api_server import build_app
+
+    folder, _, _ = no_tokenizer
+    with pytest.raises(ValueError, match="skip_tokenizer_init=True: the server needs a tokenizer"):
+        build_app({"model": folder, "device": "cpu", "skip_tokenizer_init": True})
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    try:
+        with pytest.raises(ValueError, match="the server needs a tokenizer"):
+            build_app(llm)
+    finally:
+        llm.close()

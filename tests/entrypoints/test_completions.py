@@ -145,3 +145,30 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(server, client, ref)
     assert r.choices[0].text != forced  # the second request ran its own constraint, not the first's
     assert client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0,
                                      logit_bias=bias).choices[0].text == forced
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client, model_dir):
+    """echo + logprobs (how lm-eval scores a continuation): the prompt's tokens come first, the first with null, the
+    rest with HF's teacher-forced logprobs and their top-k; streamed chunks carry the same lists."""
+    import torch
+    import transformers
+
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp, usage = r.choices[0].logprobs, r.usage
+    n_prompt = usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert r.choices[0].text.startswith(prompt) and lp.text_offset[0] == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = transformers.AutoTokenizer.from_pretrained(model_dir).encode(prompt)
+    assert len(ids) == n_prompt
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for i in range(1, n_prompt):
+        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(
+            ref[i - 1].max().item(), abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs

@@ -44,7 +44,6 @@ def test_checks_name_the_field():
     assert _param(CompletionRequest, {"prompt": "x", "suffix": "y"}) == "suffix"
     assert _param(CompletionRequest, {"prompt": "x", "best_of": 3}) == "best_of"
     assert _param(CompletionRequest, {"prompt": "x", "logprobs": 21}) == "logprobs"
-    assert _param(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}) == "echo"
     for bias in ({"one": 2.0}, {"-1": 2.0}, {"1": 101.0}):  # token ids as strings, values in [-100, 100]
         assert _param(CompletionRequest, {"prompt": "x", "logit_bias": bias}) == "logit_bias"
     assert _param(CompletionRequest, {"prompt": "x", "allowed_token_ids": []}) == "allowed_token_ids"

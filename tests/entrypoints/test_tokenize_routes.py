@@ -55,6 +55,26 @@ def test_tokenize_messages_equals_the_chat_endpoints_prompt(server, client, hf_t
     assert no_prompt["count"] < r.json()["count"]
 
 
+def test_continue_final_message_leaves_the_last_message_open(server, client, hf_tokenizer):
+    """vLLM's continue_final_message: the ids end inside the assistant's message (transformers' own rendering), on
+    /tokenize and on /v1/chat/completions alike."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    kwargs = {"enable_thinking": False}
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+            "chat_template_kwargs": kwargs, "return_token_strs": None}
+    r = _post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    expected = hf_tokenizer.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=False,
+                                                tokenize=True, **kwargs)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    assert r.json()["tokens"] == list(expected) and r.json()["token_strs"] is None
+    assert hf_tokenizer.decode(expected).endswith("The answer is")
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": kwargs})
+    assert chat.usage.prompt_tokens == len(expected)
+
+
 def test_detokenize_round_trips(server, hf_tokenizer):
     ids = hf_tokenizer.encode("emoji 🙂 and <think> tags", add_special_tokens=False)
     r = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
@@ -72,6 +92,11 @@ def test_detokenize_round_trips(server, hf_tokenizer):
      "chat_template_kwargs"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, "chat_template"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": [10 ** 7]}, "tokens"),
     ("/detokenize", {"tokens": "12"}, "tokens"),

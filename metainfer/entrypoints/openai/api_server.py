@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from metainfer import __version__
+from metainfer.config import ConfigError
 from metainfer.engine.tokenizer import load_tokenizer
 from metainfer.entrypoints.openai.engine_core import (
     EngineProcess,
@@ -72,7 +73,8 @@ class OpenAIServer:
         self.engine_loop.stop()
 
     async def check_auth(self, request: Request) -> None:
-        """With an API key set, /v1/* needs 'Authorization: Bearer KEY' (compared in constant time)."""
+        """With an API key set, /v1/*, /tokenize, /detokenize and the docs need 'Authorization: Bearer KEY' (compared
+        in constant time)."""
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -129,6 +131,12 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
     lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
     if max_queued_requests is not None and max_queued_requests < 1:  # 0 would refuse every request
         raise ValueError(f"max_queued_requests must be >= 1 (None: no cap), got {max_queued_requests}")
+    engine = getattr(llm_or_kwargs, "llm_engine", None)
+    skip = (llm_or_kwargs.get("skip_tokenizer_init") if isinstance(llm_or_kwargs, dict)
+            else engine is not None and engine.config.skip_tokenizer_init)
+    if skip:  # before an engine is built for it
+        raise ConfigError("skip_tokenizer_init=True: the server needs a tokenizer (it encodes prompts, renders chat "
+                          "templates and decodes the text it answers with); use it with the offline LLM or the benches")
     if isinstance(llm_or_kwargs, dict):
         handle = start_engine_process(llm_or_kwargs)
     elif isinstance(llm_or_kwargs, EngineProcess):  # a core the caller started and saw ready (tools/server_jitter)

@@ -14,7 +14,8 @@ them is the final text of each choice of a request with stop strings, which the 
                                           were aborted; a request whose "add" is still in the pipe is not one
       ("stats", Stats)                    when the engine goes idle or after aborts
 
-Delta = (request_id, finished, num_cached_tokens, error | None, [SeqDelta per choice]);
+Delta = (request_id, finished, num_cached_tokens, error | None, [SeqDelta per choice], prompt logprobs | None),
+the prompt logprobs (SamplingParams.prompt_logprobs) in the request's first Delta;
 SeqDelta = (new token ids, their logprob dicts | None, cumulative logprob | None, finish_reason, stop_reason,
 text | None); the text is the engine's final text of a choice of a request with stop strings, sent once, in the
 delta where the choice finishes (its siblings may still run); the server detokenizes everything else itself, with
@@ -158,6 +159,7 @@ class EngineCore:
         of a request with stop strings that finished in this step (its last tokens are the new ones: the engine
         sets finish_reason as it reads them back) carries the engine's text, cut at the stop string, once."""
         seqs, new = [], False
+        first = not any(counts)
         want_logprobs = request.params.logprobs is not None
         for seq in request.seqs:
             start, known, base = counts[seq.index], seq.num_known_output_tokens, seq.num_prompt_tokens
@@ -172,19 +174,21 @@ class EngineCore:
                          seq.cumulative_logprob if want_logprobs else None, seq.finish_reason, seq.stop_reason, text))
         if not new:
             return None
-        return (request.request_id, False, request.seqs[0].num_cached_prompt_tokens, None, seqs)
+        scored = request.seqs[0].prompt_logprobs if first else None  # complete once a token is sampled
+        return (request.request_id, False, request.seqs[0].num_cached_prompt_tokens, None, seqs,
+                list(scored) if scored is not None else None)
 
     @staticmethod
     def _final(out, counts: list[int], cut_at_stop_strings: bool):
         """The Delta of a finished request (its RequestOutput): what is left, and the engine's text of a choice
         cut at a stop string."""
-        seqs = []
+        seqs, first = [], not any(counts)
         for c in out.outputs:
             start = counts[c.index]
             seqs.append((c.token_ids[start:], c.logprobs[start:] if c.logprobs is not None else None,
                          c.cumulative_logprob, c.finish_reason, c.stop_reason,
                          c.text if cut_at_stop_strings else None))
-        return (out.request_id, True, out.num_cached_tokens, out.error, seqs)
+        return (out.request_id, True, out.num_cached_tokens, out.error, seqs, out.prompt_logprobs if first else None)
 
     def stats(self, batch_size: int, step_interval: float = 0.0) -> tuple:
         """STATS_FIELDS; `step_interval`: seconds since the step message before this one while requests ran (0:

@@ -92,7 +92,7 @@ class RequestState:
     to."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "choices", "finished", "num_cached_tokens", "sink",
-                 "arrival", "last_time", "num_tokens")
+                 "arrival", "last_time", "num_tokens", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  sink: asyncio.Queue | None, arrival: float):
@@ -102,10 +102,14 @@ class RequestState:
         self.num_cached_tokens = 0
         self.sink = sink
         self.arrival, self.last_time, self.num_tokens = arrival, 0.0, 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
-    def apply(self, finished: bool, num_cached_tokens: int, seqs) -> int:
-        """Append one step's delta (engine_core's SeqDelta per choice); return the most tokens a choice holds."""
+    def apply(self, finished: bool, num_cached_tokens: int, seqs, prompt_logprobs=None) -> int:
+        """Append one step's delta (engine_core's SeqDelta per choice, and the prompt logprobs in the first); return
+        the most tokens a choice holds."""
         self.finished, self.num_cached_tokens = finished, num_cached_tokens
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
         most = 0
         for choice, (ids, logprobs, cumulative, finish_reason, stop_reason, text) in zip(self.choices, seqs):
             choice.token_ids += ids
@@ -134,7 +138,7 @@ class RequestState:
                                          c.finish_reason, c.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              {"arrival_time": self.arrival, "num_cached_tokens": self.num_cached_tokens},
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)
 
 
 class EngineLoop:
@@ -365,11 +369,11 @@ class EngineLoop:
     def _on_step(self, deltas, stats) -> None:
         now = time.monotonic()
         requests, observe = self._requests, self.metrics.observe
-        for request_id, finished, num_cached, error, seqs in deltas:
+        for request_id, finished, num_cached, error, seqs, prompt_logprobs in deltas:
             state = requests.pop(request_id, None) if finished else requests.get(request_id)
             if state is None:
                 continue  # aborted here after the engine stepped it
-            num_tokens = state.apply(finished, num_cached, seqs)
+            num_tokens = state.apply(finished, num_cached, seqs, prompt_logprobs)
             observe(state, num_tokens, finished, seqs[0][3], error is not None, now)
             if error is not None:  # a request a failed step was bisected to ends with its own error
                 state.sink.put_nowait(EngineError(f"the request failed in the engine: {error}"))

@@ -128,8 +128,6 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
 
 
 class TextPart(_Body):
@@ -151,11 +149,22 @@ class ChatTemplateFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is left open for the reply to extend
+    chat_template: str | None = None  # vLLM's: the request's own template (serve --trust-request-chat-template)
+    tools: list[dict[str, Any]] | None = None
 
     def check_template_kwargs(self, trust_request_chat_template: bool) -> None:
         """`trust_request_chat_template` (serve --trust-request-chat-template): a request may bring its own
         chat template; off by default, as in vLLM: a template is a program the engine thread runs (a nested
         loop froze every stream for 28 s)."""
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true (the reply would "
+                              "both extend the last message and start a new one)", "continue_final_message")
+        if self.chat_template is not None and not trust_request_chat_template:
+            raise bad_request("chat_template: this server does not run templates from requests (serve "
+                              "--trust-request-chat-template allows it)", "chat_template")
         kwargs = self.chat_template_kwargs or {}
         if "chat_template" in kwargs and not trust_request_chat_template:
             raise bad_request("chat_template_kwargs may not set chat_template: this server does not run "
@@ -164,6 +173,15 @@ class ChatTemplateFields(_Body):
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is called with besides the conversation and add_generation_prompt."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
 
     def conversation(self) -> list[dict]:
         """Messages as plain dicts for the tokenizer's chat template (text parts joined)."""
@@ -184,11 +202,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
 
     def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
@@ -216,7 +231,7 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     add_special_tokens: bool | None = None  # a prompt's BOS / EOS as /v1/completions adds them (default true)
-    return_token_strs: bool = False
+    return_token_strs: bool | None = False  # null: false (vLLM's type)
 
     def check_supported(self, trust_request_chat_template: bool = False) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -28,14 +28,15 @@ def apply_chat_template(tokenizer, conversation, chat_template_kwargs, add_gener
 
 def chat_prompt(req: ChatTemplateFields) -> Callable:
     """The request's prompt as EngineLoop's tokenizing thread renders it (called there, with its tokenizer)."""
-    conversation, template_kwargs = req.conversation(), dict(req.chat_template_kwargs or {})
+    conversation, template_kwargs = req.conversation(), req.template_kwargs()
     add_generation_prompt = req.add_generation_prompt
 
     def prompt(tokenizer) -> dict:
         try:
             ids = apply_chat_template(tokenizer, conversation, template_kwargs, add_generation_prompt)
         except Exception as exc:  # any rendering error is the request's: a 400 naming what it brought
-            field = "chat_template_kwargs" if template_kwargs else "messages"
+            field = "chat_template_kwargs" if req.chat_template_kwargs else (
+                "chat_template" if req.chat_template is not None else "messages")
             raise InvalidRequestError(field, f"the chat template failed on this request's {field}: "
                                              f"{type(exc).__name__}: {exc}"[:500]) from None
         return {"prompt_token_ids": ids}

@@ -19,6 +19,9 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs)
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry their logprobs too (vLLM)
+            params.prompt_logprobs = req.logprobs
+            params.validate()
         base = f"cmpl-{uuid.uuid4().hex}"
         items = [(f"{base}-{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, params)
                  for i, p in enumerate(req.prompts())]
@@ -34,8 +37,11 @@ class OpenAIServingCompletion(OpenAIServing):
             out = finals[rid]
             prefix = self.prompt_text(out) if req.echo else ""
             for c in out.outputs:
-                logprobs = (self.logprobs(c.token_ids, c.logprobs or [], len(prefix))
-                            if req.logprobs is not None else None)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self.logprobs(c.token_ids, c.logprobs or [], len(prefix))
+                    if req.echo:
+                        logprobs = self._with_prompt(out, logprobs)
                 choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + c.text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
@@ -47,18 +53,34 @@ class OpenAIServingCompletion(OpenAIServing):
         want_logprobs = req.logprobs is not None
         async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, finals):
             logprobs = None
+            first = index not in offsets
             if want_logprobs:
-                logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0))
+                if req.echo and first:  # the chunk that echoes the prompt carries its tokens' logprobs first
+                    out = finals[group.ids[index // req.n]]
+                    logprobs = self._with_prompt(out, self.logprobs(ids, dicts or [], len(self.prompt_text(out))))
+                else:
+                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + len(text)
             yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
-    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], text_offset: int) -> dict:
-        """Completions-style logprobs for some output tokens."""
+    def _with_prompt(self, out, output_logprobs: dict) -> dict:
+        """`output_logprobs` after the echoed prompt's own (its first token has none: null, as vLLM and OpenAI)."""
+        prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0)
+        return {key: prompt[key] + output_logprobs[key] for key in prompt}
+
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int) -> dict:
+        """Completions-style logprobs for some tokens (a None dict: a prompt's first token, which has none)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for tid, d in zip(token_ids, dicts):
             text = self.token_text(tid)
             tokens.append(text)
+            if d is None:
+                token_logprobs.append(None)
+                top.append(None)
+                offsets.append(text_offset)
+                text_offset += len(text)
+                continue
             token_logprobs.append(d.get(tid))
             top.append({self.token_text(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])})
             offsets.append(text_offset)

@@ -34,7 +34,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
             def ids_of(tokenizer) -> list[int]:
                 return list(tokenizer.encode(prompt, add_special_tokens=special))
-        return_strs = req.return_token_strs
+        return_strs = bool(req.return_token_strs)
 
         def tokenize(tokenizer) -> tuple[list[int], list[str] | None]:
             ids = ids_of(tokenizer)
