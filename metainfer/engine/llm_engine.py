@@ -176,9 +176,6 @@ class LLMEngine:
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None and self.config.device == "mlx":
-            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs is not supported on device='mlx' (its "
-                                                         "runner computes the logits of the sampled rows only)")
         if self.tokenizer is None and params.stop_strings:
             raise InvalidRequestError("stop", "stop strings need a tokenizer: this engine was built with "
                                               "skip_tokenizer_init=True (stop_token_ids work)")

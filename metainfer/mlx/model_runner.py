@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from metainfer.config import ConfigError, EngineConfig
-from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.scheduler import PromptLogprobRows, ScheduledBatch
 from metainfer.mlx.paged_kv import DecodeAttention, PagedKVPool, PrefillAttention
 from metainfer.mlx.weights import load_model
-from metainfer.worker.sampler import SampledBatch, Sampler
+from metainfer.worker.sampler import PromptScores, SampledBatch, Sampler
 
 log = logging.getLogger("metainfer")
 
@@ -64,17 +64,36 @@ class MLXModelRunner:
     def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
         sampling = batch.sampling_seqs
         greedy = bool(sampling) and all(_greedy_without_extras(s) for s in sampling)
+        prompt = None
         if batch.is_prefill:
-            logits = self.compute_logits(batch)
+            logits, hidden = self._prefill(batch)
             ids = self._argmax(logits, self._ban(sampling)) if greedy else None
+            if batch.prompt_logprobs is not None:
+                prompt = self._score_prompt(hidden, batch.prompt_logprobs)
         else:
             logits, ids = self._decode(batch, self._ban(sampling) if greedy else None)
-        if not sampling:
-            return None
+        if not sampling:  # a chunk that samples nothing may still score prompt tokens
+            return None if prompt is None else SampledBatch(torch.empty(0, dtype=torch.long), [], prompt=prompt)
         if greedy:
-            return SampledBatch(torch.from_numpy(np.array(ids).astype(np.int64)), [None] * len(sampling))
+            return SampledBatch(torch.from_numpy(np.array(ids).astype(np.int64)), [None] * len(sampling),
+                                prompt=prompt)
         with torch.inference_mode():
-            return self.sampler(torch.from_numpy(np.array(logits, copy=False)), sampling)
+            sampled = self.sampler(torch.from_numpy(np.array(logits, copy=False)), sampling)
+        sampled.prompt = prompt
+        return sampled
+
+    def _score_prompt(self, hidden: mx.array, scored: PromptLogprobRows) -> PromptScores:
+        """The step's scored prompt tokens (SamplingParams.prompt_logprobs): the LM head over their rows of the
+        evaluated hidden states in pieces of max_num_seqs rows, scored on the host as the torch path scores them."""
+        rows, parts, piece = mx.array(scored.rows), [], self.config.max_num_seqs
+        targets = torch.tensor(scored.targets, dtype=torch.long)
+        for start in range(0, len(scored.rows), piece):
+            logits = self.model.logits(hidden[rows[start:start + piece]])[:, : self.spec.vocab_size]
+            mx.eval(logits)
+            with torch.inference_mode():
+                parts.append(PromptScores.of(torch.from_numpy(np.array(logits, copy=False)),
+                                             targets[start:start + piece], scored.top_k))
+        return PromptScores.cat(parts)
 
     def _ban(self, seqs) -> mx.array:
         """The additive [rows, V] mask of the greedy argmax: rows short of min_tokens get their stop ids (and
@@ -105,13 +124,16 @@ class MLXModelRunner:
 
     def compute_logits(self, batch: ScheduledBatch) -> mx.array:
         """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""
-        if not batch.is_prefill:
-            return self._decode(batch, None)[0]
+        return self._prefill(batch)[0] if batch.is_prefill else self._decode(batch, None)[0]
+
+    def _prefill(self, batch: ScheduledBatch) -> tuple[mx.array, mx.array]:
+        """A prefill or mixed step, one `mx.eval`: the sampling rows' logits and the step's hidden states (kept
+        evaluated for the prompt tokens it scores)."""
         ids, positions, step, rows = self._prefill_inputs(batch)
         hidden = self.model.forward(mx.array(ids), mx.array(positions), step, self.kv)
         logits = self.model.logits(hidden[mx.array(rows)] if len(rows) != len(ids) else hidden)
-        mx.eval(logits, self.kv.k, self.kv.v)
-        return logits
+        mx.eval(logits, hidden, self.kv.k, self.kv.v)
+        return logits, hidden
 
     def _decode(self, batch: ScheduledBatch, ban: mx.array | None) -> tuple[mx.array, mx.array | None]:
         """One decode step, one `mx.eval`: (logits, the greedy ids with `ban` added); with `ban` None the

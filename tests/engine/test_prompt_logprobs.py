@@ -1,6 +1,6 @@
 """SamplingParams.prompt_logprobs (vLLM's): every prompt token after the first gets its logprob and the top-k from the
 prompt's own forward, equal to HF transformers' teacher-forced log_softmax, under chunked prefill (chunks that sample
-nothing), mixed steps, preemption, n > 1, prefix caching (such a request takes no hit) and TP=2 (gloo)."""
+nothing), mixed steps, preemption, n > 1, prefix caching (such a request takes no hit), TP=2 (gloo) and MLX."""
 
 from __future__ import annotations
 
@@ -43,12 +43,18 @@ def assert_matches_hf(prompt, scored, hf, k):
             assert scored[i][t] == pytest.approx(row[t].item(), abs=1e-4)
 
 
+BACKENDS = ["cpu", pytest.param("mlx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mlx") is None, reason="MLX is not installed (pip install 'mlx[cpu]')"))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("k", [0, 3])
-def test_chunked_mixed_batches_match_hf(reference, k):
+def test_chunked_mixed_batches_match_hf(reference, k, device):
     """A step budget of 24 tokens chunks the 40- and 70-token prompts (chunks that sample nothing) and mixes
-    their chunks with the short ones' decode rows; a request without prompt_logprobs beside them gets None."""
+    their chunks with the short ones' decode rows; a request without prompt_logprobs beside them gets None. Both
+    backends (MLX scores the rows of its evaluated hidden states on the host)."""
     folder, prompts, scores = reference
-    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, max_num_batched_tokens=24)
+    llm = LLM(folder, device=device, dtype="float32", max_model_len=128, max_num_batched_tokens=24)
     try:
         params = [_params(k) for _ in prompts[:-1]] + [SamplingParams(temperature=0.0, max_tokens=3)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -115,17 +121,6 @@ def test_bad_values_name_the_field(reference):
             with pytest.raises(ValueError, match="prompt_logprobs"):
                 llm.generate({"prompt_token_ids": prompts[2]}, _params(k), use_tqdm=False)
         assert llm.generate({"prompt_token_ids": prompts[2]}, _params(5), use_tqdm=False)[0].prompt_logprobs
-    finally:
-        llm.close()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="MLX is not installed")
-def test_mlx_refuses_in_one_line(reference):
-    folder, prompts, _ = reference
-    llm = LLM(folder, device="mlx", dtype="float32", max_model_len=128)
-    try:
-        with pytest.raises(ValueError, match="prompt_logprobs is not supported on device='mlx'"):
-            llm.generate({"prompt_token_ids": prompts[2]}, _params(1), use_tqdm=False)
     finally:
         llm.close()
 

@@ -80,6 +80,9 @@ def test_detokenize_round_trips(server, hf_tokenizer):
     r = _post(server, "/detokenize", {"model": MODEL, "tokens": ids})
     assert r.status_code == 200 and r.json() == {"prompt": hf_tokenizer.decode(ids)}
     assert r.json()["prompt"] == "emoji 🙂 and <think> tags"
+    # the model's padded ids past the tokenizer's (151,669 .. 151,935 for Qwen3) decode to nothing, as in transformers
+    padded = _post(server, "/detokenize", {"tokens": [*ids, len(hf_tokenizer) + 3]})
+    assert padded.status_code == 200 and padded.json()["prompt"] == hf_tokenizer.decode(ids)
 
 
 @pytest.mark.parametrize("route, body, param", [

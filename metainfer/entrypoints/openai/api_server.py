@@ -63,7 +63,7 @@ class OpenAIServer:
         self.completion = OpenAIServingCompletion(self.engine_loop, self.served_model_names, self.max_logprobs)
         self.chat = OpenAIServingChat(self.engine_loop, self.served_model_names, self.max_logprobs)
         self.tokenization = OpenAIServingTokenization(self.engine_loop, self.served_model_names, self.max_logprobs,
-                                                      self.max_model_len)
+                                                      self.max_model_len, info["vocab_size"])
         self.created = int(time.time())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

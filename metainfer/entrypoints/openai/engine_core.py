@@ -62,7 +62,8 @@ class EngineCore:
         """What the server needs to know about the engine: its tokenizer's place and the request limits."""
         c = self.engine.config
         return {"model": c.model, "model_dir": c.model_dir, "gguf_file": c.gguf_file, "tokenizer": c.tokenizer,
-                "max_model_len": c.max_model_len, "max_logprobs": c.max_logprobs, "pid": os.getpid()}
+                "max_model_len": c.max_model_len, "max_logprobs": c.max_logprobs, "pid": os.getpid(),
+                "vocab_size": self.engine.spec.vocab_size}
 
     def run(self) -> None:
         engine, requests = self.engine, self.requests

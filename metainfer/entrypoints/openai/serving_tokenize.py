@@ -15,9 +15,10 @@ from metainfer.entrypoints.openai.serving_chat import chat_prompt
 class OpenAIServingTokenization(OpenAIServing):
     trust_request_chat_template = False  # as OpenAIServingChat's (build_app sets both)
 
-    def __init__(self, engine_loop, served_model_names: list[str], max_logprobs: int, max_model_len: int):
+    def __init__(self, engine_loop, served_model_names: list[str], max_logprobs: int, max_model_len: int,
+                 model_vocab_size: int):
         super().__init__(engine_loop, served_model_names, max_logprobs)
-        self.max_model_len = max_model_len
+        self.max_model_len, self.model_vocab_size = max_model_len, model_vocab_size
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """-> {"count", "max_model_len", "tokens", "token_strs" (null unless return_token_strs)}."""
@@ -45,13 +46,14 @@ class OpenAIServingTokenization(OpenAIServing):
                              "token_strs": strs})
 
     async def detokenize(self, request: Request) -> JSONResponse:
-        """{"tokens": [ids]} -> {"prompt": text}; an id the tokenizer does not know is a 400 naming `tokens`."""
+        """{"tokens": [ids]} -> {"prompt": text}; an id neither the model nor the tokenizer can name is a 400 naming
+        `tokens` (the model's padded vocabulary ids past the tokenizer's, which it may output, decode to nothing)."""
         req = parse_request(await request.body(), DetokenizeRequest)
         self.check_model(req.model)
-        tokens = req.tokens
+        tokens, model_vocab = req.tokens, self.model_vocab_size
 
         def detokenize(tokenizer) -> str:
-            size = len(tokenizer)
+            size = max(len(tokenizer), model_vocab)
             bad = next((t for t in tokens if not 0 <= t < size), None)
             if bad is not None:
                 raise InvalidRequestError("tokens", f"tokens must be in [0, {size}), got {bad}")
