@@ -172,3 +172,35 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, model_dir):
                                             logprobs=2, stream=True))
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
+
+
+def test_lm_eval_loglikelihood_request(server, model_dir):
+    """The request lm-evaluation-harness's local-completions sends for loglikelihood tasks (token-id prompts of
+    context + continuation, several in one body, echo, logprobs 1, max_tokens 1, temperature 0): the continuation's
+    token_logprobs (the slice [ctxlen:-1]) sum to HF's teacher-forced log-likelihood, and is_greedy reads the top."""
+    import httpx
+    import torch
+    import transformers
+
+    from tests.helpers.server import KEY
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pairs = [("The capital of France is", " Paris"), ("1, 2, 3,", " 4, 5")]
+    prompts = [tok.encode(ctx) + tok.encode(cont) for ctx, cont in pairs]
+    ctxlens = [len(tok.encode(ctx)) for ctx, _ in pairs]
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for ids, ctxlen, choice in zip(prompts, ctxlens, choices):
+        lp = choice["logprobs"]
+        got = sum(lp["token_logprobs"][ctxlen:-1])
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        want = sum(logits[i - 1, ids[i]].item() for i in range(ctxlen, len(ids)))
+        assert got == pytest.approx(want, abs=1e-3)
+        greedy = all(max(top, key=top.get) == t for top, t in zip(lp["top_logprobs"][ctxlen:-1],
+                                                                   lp["tokens"][ctxlen:-1]))
+        assert greedy == all(logits[i - 1].argmax().item() == ids[i] for i in range(ctxlen, len(ids)))
