@@ -138,3 +138,28 @@ def test_captured_pieces_equal_the_eager_prefill_on_cuda(tmp_path, arch):
         del llm
         torch.cuda.empty_cache()
     assert outs[2048] == outs[0]
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_through_the_captured_pieces_on_cuda(tmp_path):
+    """The scored prompt rows read the piecewise bucket's hidden states: equal to the eager prefill's and to HF's
+    teacher-forced log_softmax (fp32), chunked prompts among them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, prompts, _ = hf_reference(str(tmp_path), "qwen3", [9, 40, 70], NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    scored = {}
+    for cap in (0, 2048):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=48,
+                  max_piecewise_graph_tokens=cap)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        scored[cap] = [o.prompt_logprobs for o in outs]
+        assert_drained(llm)
+        del llm
+        torch.cuda.empty_cache()
+    for prompt, eager, pieces in zip(prompts, scored[0], scored[2048]):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        for i in range(1, len(prompt)):
+            assert eager[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-3)
+            assert pieces[i] == pytest.approx(eager[i], abs=1e-4)

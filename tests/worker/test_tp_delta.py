@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.engine.scheduler import ScheduledBatch, prompt_logprob_rows
 from metainfer.engine.sequence import Sequence, SequenceStatus
 from metainfer.sampling_params import SamplingParams
 from metainfer.worker.step_inputs import pack_step
@@ -27,6 +27,8 @@ def _check(encoder: StepEncoder, mirror: StepMirror, batch: ScheduledBatch):
     mirrored = mirror.apply(delta)
     assert np.array_equal(_pack(mirrored), _pack(batch))
     assert (mirrored.is_prefill, mirrored.num_decode_rows) == (batch.is_prefill, batch.num_decode_rows)
+    rows = batch.prompt_logprobs.rows if batch.prompt_logprobs is not None else None
+    assert (mirrored.prompt_logprobs.rows if mirrored.prompt_logprobs is not None else None) == rows
     return delta
 
 
@@ -95,3 +97,18 @@ def test_delta_does_not_resend_tables():
     delta = _check(enc, mirror, ScheduledBatch(seqs, False))
     assert delta.new == [] and delta.appended == [] and delta.gone == []
     assert all(len(tokens) == 1 for _, _, tokens, _ in delta.rows)
+
+
+def test_scored_prompt_rows_reach_the_workers():
+    """A prefill step that scores prompt tokens (SamplingParams.prompt_logprobs) sends its rows: every rank runs
+    the LM head over them (its gather is collective)."""
+    enc, mirror = StepEncoder(), StepMirror()
+    plain = _seq(5)
+    scored = Sequence("s", 0, list(range(200, 209)), SamplingParams(prompt_logprobs=1))
+    plain.block_table, scored.block_table = [0, 1], [2, 3, 4]
+    plain.num_scheduled_tokens, scored.num_scheduled_tokens = 5, 6  # the scored prompt's first chunk
+    seqs = [plain, scored]
+    batch = ScheduledBatch(seqs, is_prefill=True, prompt_logprobs=prompt_logprob_rows(seqs))
+    assert batch.prompt_logprobs.rows == [5, 6, 7, 8, 9, 10]  # after plain's 5 tokens: positions 0..5 of 9
+    assert batch.prompt_logprobs.targets == scored.token_ids[1:7]
+    _check(enc, mirror, batch)
