@@ -16,6 +16,7 @@ step with a running penalised sequence first reads back what is in flight.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -176,6 +177,11 @@ class LLMEngine:
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= stops:  # min_tokens masks them all: nothing could be sampled
+                raise InvalidRequestError("allowed_token_ids", "allowed_token_ids holds only stop tokens, which "
+                                                               "min_tokens masks until it is reached")
         if self.tokenizer is None and params.stop_strings:
             raise InvalidRequestError("stop", "stop strings need a tokenizer: this engine was built with "
                                               "skip_tokenizer_init=True (stop_token_ids work)")
@@ -470,7 +476,8 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
 def _store_prompt_logprobs(scored, entries: list[tuple[float, dict[int, float]]]) -> None:
     """A step's scored prompt tokens into their sequences (by position: a recomputed prompt rescores the same)."""
     for (seq, position), target, (chosen, top) in zip(scored.owners, scored.targets, entries):
-        seq.prompt_logprobs[position] = {**top, target: chosen}
+        k = seq.params.prompt_logprobs  # the step's top list is as long as its largest k; it is sorted
+        seq.prompt_logprobs[position] = {**dict(itertools.islice(top.items(), k)), target: chosen}
 
 
 def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:

@@ -51,14 +51,16 @@ class Sequence:
         self.output_text = ""
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []
-        # params.prompt_logprobs: per prompt position, {its token: logprob, top others} (None at 0 and until scored)
+        # params.prompt_logprobs: per prompt position, {its token: logprob, top others} (None at 0 and until scored);
+        # the first sample scores the prompt the request shares, the others may then take its prefix-cache hit
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
         self.incremental_detokenize = True
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.logit_adjustment: torch.Tensor | None = None  # logit_bias / allowed_token_ids as one row (the sampler's)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 

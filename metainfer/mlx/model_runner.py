@@ -32,7 +32,7 @@ from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.scheduler import PromptLogprobRows, ScheduledBatch
 from metainfer.mlx.paged_kv import DecodeAttention, PagedKVPool, PrefillAttention
 from metainfer.mlx.weights import load_model
-from metainfer.worker.sampler import PromptScores, SampledBatch, Sampler
+from metainfer.worker.sampler import PROMPT_SCORE_ROWS, PromptScores, SampledBatch, Sampler
 
 log = logging.getLogger("metainfer")
 
@@ -84,8 +84,8 @@ class MLXModelRunner:
 
     def _score_prompt(self, hidden: mx.array, scored: PromptLogprobRows) -> PromptScores:
         """The step's scored prompt tokens (SamplingParams.prompt_logprobs): the LM head over their rows of the
-        evaluated hidden states in pieces of max_num_seqs rows, scored on the host as the torch path scores them."""
-        rows, parts, piece = mx.array(scored.rows), [], self.config.max_num_seqs
+        evaluated hidden states in pieces of PROMPT_SCORE_ROWS rows, scored on the host as the torch path does."""
+        rows, parts, piece = mx.array(scored.rows), [], PROMPT_SCORE_ROWS
         targets = torch.tensor(scored.targets, dtype=torch.long)
         for start in range(0, len(scored.rows), piece):
             logits = self.model.logits(hidden[rows[start:start + piece]])[:, : self.spec.vocab_size]

@@ -26,7 +26,7 @@ from metainfer.models.registry import build_attention_backend, model_class
 from metainfer.models.shape_contract import check_param_shapes
 from metainfer.worker.cuda_graphs import DecodeGraphs
 from metainfer.worker.piecewise_graphs import PiecewiseGraphs
-from metainfer.worker.sampler import PromptScores, SampledBatch, Sampler, row_uploader
+from metainfer.worker.sampler import PROMPT_SCORE_ROWS, PromptScores, SampledBatch, Sampler, row_uploader
 from metainfer.worker.step_inputs import StepLayout, StepStaging, pack_step
 from metainfer.worker.tp.protocol import LOCAL, RankLink
 from metainfer.worker.warmup import run_warmup, warmup_plan
@@ -149,12 +149,11 @@ class ModelRunner:
         return hidden, views["rows"]
 
     def _score_prompt(self, hidden: torch.Tensor, scored: PromptLogprobRows) -> PromptScores | None:
-        """The logprobs of the prompt tokens the step scores, through the LM head in pieces of max_num_seqs rows
-        (the sampler's own peak, which the memory profile holds); every rank runs the head (its gather is
-        collective), rank 0 alone reads the logprobs."""
+        """The logprobs of the prompt tokens the step scores, through the LM head in pieces of PROMPT_SCORE_ROWS
+        rows; every rank runs the head (its gather is collective), rank 0 alone reads the logprobs."""
         rows = self._upload(scored.rows, torch.long)
         targets = self._upload(scored.targets, torch.long) if self.sampler is not None else None
-        parts, piece, vocab = [], self.config.max_num_seqs, self.spec.vocab_size
+        parts, piece, vocab = [], PROMPT_SCORE_ROWS, self.spec.vocab_size
         for start in range(0, len(scored.rows), piece):
             logits = self.model.compute_logits(hidden[rows[start:start + piece]])
             if targets is not None:

@@ -75,10 +75,32 @@ def test_prefix_cache_hit_is_not_taken_and_n_samples_share_the_scores(reference)
         assert plain.num_cached_tokens == 0
         again = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
         assert again.num_cached_tokens > 0  # the cache holds the prompt
+        hits = _prefix_hits(llm)
         scored = llm.generate(prompt, _params(2, n=2), use_tqdm=False)[0]
         assert scored.num_cached_tokens == 0  # ... but a scored prompt computes every token
+        assert _prefix_hits(llm) > hits  # the second sample, which scores nothing, took the first's blocks
         assert_matches_hf(prompts[4], scored.prompt_logprobs, scores[4], 2)
         assert [c.token_ids[:2] for c in scored.outputs] == [again.outputs[0].token_ids] * 2
+    finally:
+        llm.close()
+
+
+def _prefix_hits(llm) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == "metainfer:prefix_cache_hits_total")
+
+
+def test_each_request_gets_its_own_k_in_a_shared_step(reference):
+    """Requests with prompt_logprobs 0, 1 and 5 scored in one step: each position holds the prompt token and that
+    request's own top k (the step computes the largest k for all)."""
+    folder, prompts, scores = reference
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128)
+    try:
+        ks = [0, 5, 1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:5]], [_params(k) for k in ks],
+                            use_tqdm=False)
+        for prompt, out, hf, k in zip(prompts[2:5], outs, scores[2:5], ks):
+            assert_matches_hf(prompt, out.prompt_logprobs, hf, k)
+            assert all(len(d) in (k, k + 1) and len(d) >= 1 for d in out.prompt_logprobs[1:])
     finally:
         llm.close()
 

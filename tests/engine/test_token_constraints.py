@@ -90,6 +90,8 @@ def test_bad_values_name_the_field(llm, reference):
              (dict(logit_bias={vocab: 1.0}), "logit_bias"), (dict(logit_bias={1: float("nan")}), "logit_bias"),
              (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[vocab]), "allowed_token_ids"),
              (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids")]
+    # every allowed id a stop id while min_tokens masks them: nothing could be sampled
+    cases.append((dict(allowed_token_ids=[77], stop_token_ids=[77], min_tokens=2), "allowed_token_ids"))
     for kw, field in cases:
         with pytest.raises(ValueError, match=field):
             llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2, **kw), use_tqdm=False)

@@ -204,3 +204,28 @@ def test_lm_eval_loglikelihood_request(server, model_dir):
         greedy = all(max(top, key=top.get) == t for top, t in zip(lp["top_logprobs"][ctxlen:-1],
                                                                    lp["tokens"][ctxlen:-1]))
         assert greedy == all(logits[i - 1].argmax().item() == ids[i] for i in range(ctxlen, len(ids)))
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(server, client):
+    """echo + max_tokens 0 (older scorers): the prompt's text and its tokens' logprobs, nothing generated shown;
+    streamed alike. vLLM's prompt_logprobs body field is refused, not dropped."""
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                       logprobs=1)
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1)
+    n_prompt = scored.usage.prompt_tokens
+    assert alone.choices[0].text == prompt
+    lp = alone.choices[0].logprobs
+    assert lp.token_logprobs == scored.choices[0].logprobs.token_logprobs[:n_prompt] and len(lp.tokens) == n_prompt
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [x for c in chunks if c.choices for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)  # no echo: 0 is no request
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"

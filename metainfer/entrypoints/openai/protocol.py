@@ -72,6 +72,7 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's body field: refused (echo + logprobs gives the prompt's logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -79,6 +80,9 @@ class _SamplingFields(_Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+        if self.prompt_logprobs is not None:  # parsed so that it is not silently dropped
+            raise bad_request("prompt_logprobs is not supported as a body field: completions with echo and logprobs "
+                              "return the prompt tokens' logprobs", "prompt_logprobs")
         kw: dict[str, Any] = dict(n=self.n, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=self.ignore_eos,
                                   min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output)
@@ -111,6 +115,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (how scorers ask for a prompt's logprobs alone): one token is generated and not
+        answered, as vLLM does."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per engine prompt: a text or a list of token ids."""

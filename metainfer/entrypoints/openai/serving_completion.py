@@ -18,7 +18,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req = parse_request(await request.body(), CompletionRequest)
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs)
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(1 if req.echo_only else req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry their logprobs too (vLLM)
             params.prompt_logprobs = req.logprobs
             params.validate()
@@ -37,12 +37,13 @@ class OpenAIServingCompletion(OpenAIServing):
             out = finals[rid]
             prefix = self.prompt_text(out) if req.echo else ""
             for c in out.outputs:
+                ids, text = ([], "") if req.echo_only else (c.token_ids, c.text)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self.logprobs(c.token_ids, c.logprobs or [], len(prefix))
+                    logprobs = self.logprobs(ids, c.logprobs or [], len(prefix))
                     if req.echo:
                         logprobs = self._with_prompt(out, logprobs)
-                choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + c.text,
+                choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
         return choices
@@ -52,6 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
         async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, finals):
+            if req.echo_only:  # the prompt alone (its text is this first piece's head)
+                out = finals[group.ids[index // req.n]]
+                text, ids = self.prompt_text(out), []
             logprobs = None
             first = index not in offsets
             if want_logprobs:
