@@ -93,6 +93,25 @@ def test_penalties_equal_the_formula():
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
+def test_token_constraints_equal_the_formula():
+    """logit_bias added to its ids (a repeated application of the cached row changes nothing), every id outside
+    allowed_token_ids at -inf, rows without either untouched (vLLM's / OpenAI's definitions)."""
+    vocab = 12
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(logit_bias={1: 2.5, 7: -100.0}), SamplingParams(), SamplingParams(
+        logit_bias={4: 1.5, 9: -3.0}, allowed_token_ids=[0, 4, 5])]
+    seqs = [_seq_with_output([1, 2], [3], p) for p in params]
+    sampler = Sampler(vocab_size=vocab, eos_token_ids=())
+    for _ in range(2):  # the second step reads the rows cached on the sequences
+        got = sampler._apply_token_constraints(logits.clone(), seqs)
+        want = logits.clone().double()
+        want[0, 1] += 2.5
+        want[0, 7] -= 100.0
+        want[2, 4] += 1.5
+        want[2, [i for i in range(vocab) if i not in (0, 4, 5)]] = float("-inf")
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_min_tokens_masks_exactly_the_stop_ids_and_eos():
     vocab = 10
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
