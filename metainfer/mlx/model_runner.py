@@ -59,6 +59,7 @@ class MLXModelRunner:
         self._decode_forward = self._decode_graph if config.enforce_eager else mx.compile(self._decode_graph)
         self._bans: dict = {}  # greedy masks: (rows, banned pairs) -> [rows, V]; rows -> zeros
         self.graph_batch_sizes: list[int] = []  # no CUDA graphs (the bench reports this field)
+        self._prompt_scores: PromptScores | None = None  # the last prefill's scored prompt tokens (compute_logits)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> SampledBatch | None:
@@ -66,10 +67,9 @@ class MLXModelRunner:
         greedy = bool(sampling) and all(_greedy_without_extras(s) for s in sampling)
         prompt = None
         if batch.is_prefill:
-            logits, hidden = self._prefill(batch)
+            logits = self.compute_logits(batch)
             ids = self._argmax(logits, self._ban(sampling)) if greedy else None
-            if batch.prompt_logprobs is not None:
-                prompt = self._score_prompt(hidden, batch.prompt_logprobs)
+            prompt = self._prompt_scores
         else:
             logits, ids = self._decode(batch, self._ban(sampling) if greedy else None)
         if not sampling:  # a chunk that samples nothing may still score prompt tokens
@@ -123,8 +123,14 @@ class MLXModelRunner:
         return ids
 
     def compute_logits(self, batch: ScheduledBatch) -> mx.array:
-        """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them)."""
-        return self._prefill(batch)[0] if batch.is_prefill else self._decode(batch, None)[0]
+        """The forward of one batch: fp32 logits [sampling rows, V], evaluated (the pools with them). A prefill step
+        that scores prompt tokens leaves their scores in `_prompt_scores` (execute reads them)."""
+        if not batch.is_prefill:
+            return self._decode(batch, None)[0]
+        logits, hidden = self._prefill(batch)
+        scored = batch.prompt_logprobs
+        self._prompt_scores = self._score_prompt(hidden, scored) if scored is not None else None
+        return logits
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[mx.array, mx.array]:
         """A prefill or mixed step, one `mx.eval`: the sampling rows' logits and the step's hidden states (kept

@@ -83,6 +83,7 @@ class ModelRunner:
                                    seed=config.seed)
             self._sample = self._sample_rows
         self._upload = row_uploader(self.device)  # host lists to the device without waiting for it
+        self._prompt_scores: PromptScores | None = None  # the last forward's scored prompt tokens (compute_logits)
         lap("sampler")
         graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs = DecodeGraphs(self, capture=graphs)
@@ -114,18 +115,20 @@ class ModelRunner:
         else None."""
         try:
             self._link.publish(batch)
-            hidden, rows = self._hidden(batch)
-            logits = self.model.compute_logits(hidden if rows is None else hidden[rows.long()])
-            prompt = self._score_prompt(hidden, batch.prompt_logprobs) if batch.prompt_logprobs is not None else None
-            return self._sample(logits, batch, prompt)
+            logits = self.compute_logits(batch)
+            return self._sample(logits, batch, self._prompt_scores)
         except BaseException as exc:
             self._link.step_failed(exc)
             raise
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The forward of one batch: logits [sampling rows, V] (rank 0; a shard elsewhere)."""
+        """The forward of one batch: logits [sampling rows, V] (rank 0; a shard elsewhere). A step that scores prompt
+        tokens leaves their scores in `_prompt_scores` for `execute` (the one forward entry point: the GPU suite's
+        profiles time it by wrapping it)."""
         hidden, rows = self._hidden(batch)
+        scored = batch.prompt_logprobs
+        self._prompt_scores = self._score_prompt(hidden, scored) if scored is not None else None
         return self.model.compute_logits(hidden if rows is None else hidden[rows.long()])
 
     def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
