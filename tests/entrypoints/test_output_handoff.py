@@ -125,7 +125,7 @@ def test_sends_while_a_flush_is_pending_schedule_no_second_wake_up():
         group = RequestGroup(loop, ["a"])
         _state(loop, group, "a")
         for ids, finished in (([0], False), ([1], False), ([2], True)):
-            Handle.sender.send(("step", [("a", finished, 0, None, _delta(ids, finished))], STATS))
+            Handle.sender.send(("step", [("a", finished, 0, None, _delta(ids, finished), None)], STATS))
         loop._on_readable()
         assert group.queue.qsize() == 3 and not Handle.outputs.poll() and not loop._requests
         outs = [o async for o in group.outputs()]
