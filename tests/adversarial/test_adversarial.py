@@ -21,12 +21,10 @@ import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.engine_checks import assert_drained, generate_ids
+from tests.helpers.engine_checks import BACKENDS, assert_drained, generate_ids
 from tests.helpers.tiny_models import assert_matches_hf, build_tiny_model, hf_greedy, make_prompts
 
 BLOCK = 16
-BACKENDS = ["cpu", pytest.param("mlx", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("mlx") is None, reason="MLX is not installed (pip install 'mlx[cpu]')"))]
 
 
 @pytest.fixture(scope="module")

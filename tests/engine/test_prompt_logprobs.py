@@ -4,13 +4,11 @@ nothing), mixed steps, preemption, n > 1, prefix caching (such a request takes n
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.engine_checks import assert_drained
+from tests.helpers.engine_checks import BACKENDS, assert_drained
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
 LENGTHS = [1, 2, 9, 40, 70]
@@ -43,8 +41,6 @@ def assert_matches_hf(prompt, scored, hf, k):
             assert scored[i][t] == pytest.approx(row[t].item(), abs=1e-4)
 
 
-BACKENDS = ["cpu", pytest.param("mlx", marks=pytest.mark.skipif(
-    importlib.util.find_spec("mlx") is None, reason="MLX is not installed (pip install 'mlx[cpu]')"))]
 
 
 @pytest.mark.parametrize("device", BACKENDS)

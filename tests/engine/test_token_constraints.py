@@ -6,15 +6,12 @@ are refused naming the field."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.engine_checks import generate_ids
+from tests.helpers.engine_checks import BACKENDS, generate_ids
 from tests.helpers.tiny_models import hf_greedy, hf_reference
 
 NEW_TOKENS = 12
-BACKENDS = ["cpu", pytest.param("mlx", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("mlx") is None, reason="MLX is not installed (pip install 'mlx[cpu]')"))]
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +28,6 @@ def llm(request, reference):
     engine.close()
 
 
-@torch.no_grad()
-def _hf_constrained(model, prompts, **generate_kw) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                           min_new_tokens=NEW_TOKENS, do_sample=False, **generate_kw)
-        outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
 def _greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
 
@@ -53,7 +37,7 @@ def test_logit_bias_matches_hf_sequence_bias(llm, reference):
     _, model, prompts, expected = reference
     chosen = sorted({t for out in expected for t in out})
     bias = {t: -4.0 for t in chosen} | {5: 3.0, 77: 2.5, 301: 1.5}
-    want = _hf_constrained(model, prompts, sequence_bias={(t,): b for t, b in bias.items()})
+    want = hf_greedy(model, prompts, NEW_TOKENS, sequence_bias={(t,): b for t, b in bias.items()})
     assert want != expected  # the biases moved HF's own choice
     assert generate_ids(llm, prompts, _greedy(logit_bias=bias)) == want
 
@@ -61,7 +45,7 @@ def test_logit_bias_matches_hf_sequence_bias(llm, reference):
 def test_allowed_token_ids_match_hf_prefix_constraint(llm, reference):
     _, model, prompts, expected = reference
     allowed = list(range(100, 160))
-    want = _hf_constrained(model, prompts, prefix_allowed_tokens_fn=lambda batch_id, ids: allowed)
+    want = hf_greedy(model, prompts, NEW_TOKENS, prefix_allowed_tokens_fn=lambda batch_id, ids: allowed)
     assert want != expected and all(t in allowed for out in want for t in out)
     assert generate_ids(llm, prompts, _greedy(allowed_token_ids=allowed)) == want
     # both in one batch beside an unconstrained request: each row gets only its own constraint
@@ -96,9 +80,3 @@ def test_bad_values_name_the_field(llm, reference):
         with pytest.raises(ValueError, match=field):
             llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2, **kw), use_tqdm=False)
     assert generate_ids(llm, prompts[:1], _greedy()) == expected[:1]  # still serving
-
-
-def test_hf_greedy_helper_agrees_with_the_constrained_one_unconstrained(reference):
-    """The reference helper above is HF's greedy generate: with no constraint it gives hf_greedy's output."""
-    _, model, prompts, expected = reference
-    assert _hf_constrained(model, prompts) == expected == hf_greedy(model, prompts, NEW_TOKENS)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
+
 from metainfer.engine.sequence import PENDING
+
+# the two backends a test runs on (MLX where it is installed: pip install 'mlx[cpu]')
+BACKENDS = ["cpu", pytest.param("mlx", marks=pytest.mark.skipif(
+    importlib.util.find_spec("mlx") is None, reason="MLX is not installed (pip install 'mlx[cpu]')"))]
 
 
 def token_ids(outs) -> list[list[int]]:

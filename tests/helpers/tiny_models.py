@@ -114,15 +114,16 @@ def hf_reference(folder: str, arch: str, lengths: list[int], new_tokens: int, vo
 
 
 @torch.no_grad()
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF `generate`, greedy, one prompt at a time (no padding), EOS disabled."""
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, **generate_kw) -> list[list[int]]:
+    """HF `generate`, greedy, one prompt at a time (no padding), EOS disabled; `generate_kw`: its logits
+    processors' arguments (sequence_bias, prefix_allowed_tokens_fn, ...)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
         y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                           min_new_tokens=max_new_tokens, do_sample=False)
+                           min_new_tokens=max_new_tokens, do_sample=False, **generate_kw)
         outs.append(y[0, len(ids):].tolist())
     return outs
 
