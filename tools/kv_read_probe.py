@@ -30,8 +30,10 @@ def _kv_read_probe_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, bt_stride,
     num_kv_heads = tl.num_programs(0)
     ctx = tl.load(lens_ptr + seq)
     d = tl.arange(0, HEAD_DIM)
-    acc_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    acc_v = tl.zeros([HEAD_DIM, BLOCK_N], tl.float32)
+    # per-dimension sums, reduced every tile: a [BLOCK_N, HEAD_DIM] fp32 accumulator (run 95) held 64-128
+    # registers a thread per operand and spilled at 128-token tiles, so the probe, not the cache, set its rate
+    acc_k = tl.zeros([HEAD_DIM], tl.float32)
+    acc_v = tl.zeros([HEAD_DIM], tl.float32)
     for n0 in range(0, ctx, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < ctx
@@ -46,9 +48,9 @@ def _kv_read_probe_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, bt_stride,
         else:
             k = k.to(tl.int8, bitcast=True).to(tl.float32)
             v = v.to(tl.int8, bitcast=True).to(tl.float32)
-        acc_k += tl.where(t_mask[:, None], k, 0.0)
-        acc_v += tl.where(t_mask[None, :], v, 0.0)
-    total = tl.sum(tl.sum(acc_k, axis=1), axis=0) + tl.sum(tl.sum(acc_v, axis=1), axis=0)
+        acc_k += tl.sum(tl.where(t_mask[:, None], k, 0.0), axis=0)
+        acc_v += tl.sum(tl.where(t_mask[None, :], v, 0.0), axis=1)
+    total = tl.sum(acc_k, axis=0) + tl.sum(acc_v, axis=0)
     tl.store(out_ptr + seq * num_kv_heads + kv_head, total)
 
 
