@@ -70,6 +70,23 @@ def kv_read_probe(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: to
     return out
 
 
+def block_major_k_view(memory: torch.Tensor) -> torch.Tensor:
+    """A [N, S, Hk, D] K cache over contiguous memory of that shape, laid out block-major: the memory read as
+    [N, Hk, S, D], permuted to [N, S, Hk, D] (strides (Hk*S*D, D, S*D, 1)); a block stays contiguous, so the
+    block table and the prefix cache address it as before. The GPU suite's `fp8_k_layout` A/B re-views the
+    engine's (empty) K caches this way."""
+    n, s, hk, d = memory.shape
+    return memory.view(n, hk, s, d).permute(0, 2, 1, 3)
+
+
+def block_major_k_copy(k_cache: torch.Tensor) -> torch.Tensor:
+    """The values of a [N, S, Hk, D] K cache over memory laid out [N, Hk, S, D] (strides (Hk*S*D, D, S*D, 1)): a kv
+    head's tokens of one block are S*D contiguous elements (2 KB in fp8 at S 16, D 128) instead of S rows of D
+    elements Hk*D apart (128-byte rows 1 KB apart). The decode kernels and this probe take any K strides with a unit
+    last one, so `attn_read_probe` times both layouts without an engine change."""
+    return block_major_k_view(torch.empty(k_cache.shape, dtype=k_cache.dtype, device=k_cache.device)).copy_(k_cache)
+
+
 def kv_read_probe_ref(k_cache, v_cache, block_tables, context_lens, widen: bool) -> torch.Tensor:
     """The same sums in torch (float64), token by token through the block table."""
     batch, hk = context_lens.shape[0], k_cache.shape[2]

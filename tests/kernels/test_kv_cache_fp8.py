@@ -324,3 +324,25 @@ def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
         same = tri[name].view(torch.uint8) == ref[name].view(torch.uint8)
         assert same.float().mean().item() >= 0.999, name  # rare 1-ulp flips of the normed k before the cast
     assert torch.equal(tri["v_cache"].view(torch.uint8), ref["v_cache"].view(torch.uint8)), "v is cast as projected"
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
+@pytest.mark.parametrize("launch", [(1, 128), (3, 32)], ids=["one-pass-128", "split3"])
+def test_decode_over_a_block_major_k_cache_matches_ref(fp8, launch):
+    """The decode kernel addresses K through its strides only: over K memory laid out [N, Hk, S, D] (the GPU suite's
+    `attn_read_probe` times that layout, tools/kv_read_probe.block_major_k_copy) it gives the reference's output."""
+    from tools.kv_read_probe import block_major_k_copy
+
+    max_num_splits, block_n = launch
+    contexts, dtype = DECODE_CONTEXTS + [300], torch.float16
+    batch = make_paged_batch(contexts, 16, 2, 64, dtype)
+    if fp8:
+        batch = _to_fp8(batch)
+    q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
+    expected = paged_decode_attention_ref(*args)
+    k_block = block_major_k_copy(batch.k_cache)
+    assert k_block.stride(1) == 64 and torch.equal(k_block.float(), batch.k_cache.float())
+    out = paged_decode_attention_triton(q, k_block, *args[2:], max_num_splits=max_num_splits, block_n=block_n,
+                                        min_split_tokens=16)
+    _close(out, expected, dtype)

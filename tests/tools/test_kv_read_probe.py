@@ -7,18 +7,22 @@ import torch
 
 from metainfer.kernels.kv_cache import FP8_KV_DTYPE, to_cache_dtype, token_major_copy
 from tests.helpers.kernel_devices import DEVICE
-from tools.kv_read_probe import kv_read_probe, kv_read_probe_ref
+from tools.kv_read_probe import block_major_k_copy, kv_read_probe, kv_read_probe_ref
 
 
+@pytest.mark.parametrize("k_layout", ["head_major", "block_major"])
 @pytest.mark.parametrize("widen", [True, False])
 @pytest.mark.parametrize("block_size, block_n", [(16, 32), (16, 64), (4, 16)])
-def test_probe_sums_each_context_through_the_block_table(widen, block_size, block_n):
+def test_probe_sums_each_context_through_the_block_table(widen, block_size, block_n, k_layout):
     torch.manual_seed(0)
     hk, d, lens = 2, 32, [1, 15, 16, 37, 70]
     per_seq = -(-max(lens) // block_size)
     num_blocks = len(lens) * per_seq + 3
     kv = to_cache_dtype(torch.randn(2, num_blocks, block_size, hk, d) * 3, FP8_KV_DTYPE)
     k_cache, v_cache = kv[0].to(DEVICE), token_major_copy(kv[1]).to(DEVICE)
+    if k_layout == "block_major":
+        k_cache = block_major_k_copy(k_cache)
+        assert k_cache.stride()[1:] == (d, block_size * d, 1)
     assert v_cache.stride(-1) != 1  # token-major, as the engine's fp8 V
     tables = torch.randperm(num_blocks)[: len(lens) * per_seq].view(len(lens), per_seq).to(torch.int32)
     lens_t = torch.tensor(lens, dtype=torch.int32)
