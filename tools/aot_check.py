@@ -31,6 +31,7 @@ from metainfer.kernels import (
     activation,
     attention_decode,
     attention_prefill,
+    block_major_k_cache,
     gemv,
     kv_cache,
     qkv_prep,
@@ -57,10 +58,12 @@ ALL_OPS = ("rms_norm", "silu_and_mul", "rotary", "store_kv", "decode", "prefill"
 
 
 def _kv_cache(blocks: int, block: int, hk: int, head_dim: int, dtype: torch.dtype):
-    """(k_cache, v_cache) of zeros as the engine lays them out: an fp8 cache keeps V token-major
-    (kernels/kv_cache.py), a 16-bit one head-major."""
+    """(k_cache, v_cache) of zeros as the engine lays them out: an fp8 cache keeps K block-major and V token-major
+    (kernels/kv_cache.py), a 16-bit one both head-major."""
     kv = torch.zeros(2, blocks, block, hk, head_dim, dtype=dtype)
-    return (kv[0], token_major_v_cache(kv[1].clone())) if dtype == FP8_KV_DTYPE else (kv[0], kv[1])
+    if dtype == FP8_KV_DTYPE:
+        return block_major_k_cache(kv[0].clone()), token_major_v_cache(kv[1].clone())
+    return kv[0], kv[1]
 
 
 def _attention_cases(op, dtype, hq, hk, head_dim, n, tag, cache, tables, lens, fp32):

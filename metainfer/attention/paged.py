@@ -1,8 +1,8 @@
 """Paged GQA attention for the dense family (Qwen3, Qwen2, Llama).
 
 Cache per layer: K `[num_blocks, block_size, Hk, D]` and V of the same shape, views of one pool
-`[2, L, N, S, Hk, D]` in the KV dtype. An fp8 cache keeps V token-major (kernels/kv_cache.py:
-token_major_v_cache; faster decode attention, docs/PERFORMANCE.md). Each step runs two kernels
+`[2, L, N, S, Hk, D]` in the KV dtype. An fp8 cache keeps K block-major and V token-major (kernels/kv_cache.py:
+block_major_k_cache, token_major_v_cache; faster decode attention, docs/PERFORMANCE.md). Each step runs two kernels
 per layer: `qk_norm_rope_store` (per-head q/k RMSNorm where the model has it, neox rotary, K/V into
 the cache; q comes back normed and rotated, in place) and the paged prefill or split-KV decode
 attention. The q/k norm and the rotary are applied here, not in the model, because the store fuses
@@ -16,7 +16,11 @@ import functools
 import torch
 
 from metainfer.attention.backend import AttentionBackend
-from metainfer.kernels import FP8_KV_DTYPE, decode_workspace_numel_for, token_major_v_cache
+from metainfer.kernels import FP8_KV_DTYPE, block_major_k_cache, decode_workspace_numel_for, token_major_v_cache
+
+
+def _as_is(memory: torch.Tensor) -> torch.Tensor:
+    return memory
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -32,7 +36,9 @@ class PagedAttentionBackend(AttentionBackend):
         self._max_num_seqs = max_num_seqs
         self.decode_workspace: torch.Tensor | None = None
         self.bind_ops(ops)
-        self._v_view = token_major_v_cache if kv_dtype == FP8_KV_DTYPE else (lambda memory: memory)
+        fp8 = kv_dtype == FP8_KV_DTYPE
+        self._k_view = block_major_k_cache if fp8 else _as_is
+        self._v_view = token_major_v_cache if fp8 else _as_is
         self.pool: torch.Tensor | None = None
 
     def bind_ops(self, ops) -> None:
@@ -56,7 +62,7 @@ class PagedAttentionBackend(AttentionBackend):
         shape = (2, len(layers), num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.pool[0, i], self._v_view(self.pool[1, i])
+            layer.k_cache, layer.v_cache = self._k_view(self.pool[0, i]), self._v_view(self.pool[1, i])
 
     def release(self, layers: list) -> None:
         for layer in layers:

@@ -29,7 +29,7 @@ from .attention_ref import paged_decode_attention_ref, paged_prefill_attention_r
 from .fused_linear import silu_mul_linear_engine, silu_mul_linear_unfused
 from .fused_moe import fused_moe_slots_triton, fused_moe_triton, parse_moe_table
 from .gemv import linear_ref, tuned_linear
-from .kv_cache import FP8_KV_DTYPE, store_kv_ref, store_kv_triton, token_major_v_cache
+from .kv_cache import FP8_KV_DTYPE, block_major_k_cache, store_kv_ref, store_kv_triton, token_major_v_cache
 from .mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
 from .mla_attention import mla_decode_attention_triton, mla_decode_workspace_numel, mla_prefill_attention_triton
 from .mla_expanded import mla_expanded_attention_triton
@@ -207,6 +207,7 @@ __all__ = [
     "REF_OPS",
     "TRITON_OPS",
     "alloc_decode_workspace",
+    "block_major_k_cache",
     "build_cos_sin_cache",
     "decode_num_splits",
     "decode_workspace_numel",

@@ -30,12 +30,14 @@ from metainfer.kernels.attention_decode import decode_block_n
 from metainfer.kernels.kv_cache import (
     FP8_KV_DTYPE,
     FP8_MAX,
+    block_major_copy,
+    block_major_k_cache,
     cast_to_cache,
     check_cache_dtype,
     check_v_cache_layout,
+    fp8_cache_copy,
     is_token_major,
     to_cache_dtype,
-    token_major_copy,
     token_major_v_cache,
 )
 from tests.helpers.attention_cases import (
@@ -56,9 +58,10 @@ triton = pytest.importorskip("triton")
 
 
 def _to_fp8(batch):
-    """The paged batch with fp8 caches; dense K/V replaced by the fp8 values they now hold."""
-    batch.k_cache = to_cache_dtype(batch.k_cache, FP8_KV_DTYPE)
-    batch.v_cache = token_major_copy(to_cache_dtype(batch.v_cache, FP8_KV_DTYPE))
+    """The paged batch with fp8 caches in the engine's layouts (K block-major, V token-major); dense K/V replaced by
+    the fp8 values they now hold."""
+    batch.k_cache, batch.v_cache = fp8_cache_copy(to_cache_dtype(batch.k_cache, FP8_KV_DTYPE),
+                                                  to_cache_dtype(batch.v_cache, FP8_KV_DTYPE))
     batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
     batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
     return batch
@@ -117,8 +120,7 @@ def test_store_kv_fp8_bits_equal_reference(dtype, block_size):
     k, v, k_cache, v_cache, slots = _store_kv_inputs(dtype, block_size, DEVICE)
     k = k * 300  # some values beyond 448: they must saturate in both
     v = v * 300
-    k_cache = to_cache_dtype(k_cache, FP8_KV_DTYPE)
-    v_cache = token_major_copy(to_cache_dtype(v_cache, FP8_KV_DTYPE))
+    k_cache, v_cache = fp8_cache_copy(to_cache_dtype(k_cache, FP8_KV_DTYPE), to_cache_dtype(v_cache, FP8_KV_DTYPE))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv_ref(k, v, k_ref, v_ref, slots)
     store_kv_triton(k, v, k_cache, v_cache, slots)
@@ -313,8 +315,8 @@ def test_prefill_triton_fp8_matches_ref_and_naive(group, hk, head_dim, block_siz
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
     a = _case([5, 17, 40], 4, 2, 64, 64, True, 16, dtype)
-    a["k_cache"] = to_cache_dtype(a["k_cache"], FP8_KV_DTYPE)
-    a["v_cache"] = token_major_copy(to_cache_dtype(a["v_cache"], FP8_KV_DTYPE))
+    a["k_cache"], a["v_cache"] = fp8_cache_copy(to_cache_dtype(a["k_cache"], FP8_KV_DTYPE),
+                                                to_cache_dtype(a["v_cache"], FP8_KV_DTYPE))
     names = ("qkv", "positions", "cos_sin", "q_norm_w", "k_norm_w", "eps", "k_cache", "v_cache", "slot_mapping",
              "num_q_heads", "num_kv_heads", "head_dim")
     ref, tri = _clone(a), _clone(a)
@@ -328,11 +330,9 @@ def test_qk_norm_rope_store_fp8_bits_equal_reference(dtype):
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "model-dtype"])
 @pytest.mark.parametrize("launch", [(1, 128), (3, 32)], ids=["one-pass-128", "split3"])
-def test_decode_over_a_block_major_k_cache_matches_ref(fp8, launch):
-    """The decode kernel addresses K through its strides only: over K memory laid out [N, Hk, S, D] (the GPU suite's
-    `attn_read_probe` times that layout, tools/kv_read_probe.block_major_k_copy) it gives the reference's output."""
-    from tools.kv_read_probe import block_major_k_copy
-
+def test_decode_takes_either_k_layout(fp8, launch):
+    """The decode kernel addresses K through its strides only: over a head-major K and a block-major one (the
+    engine's fp8 layout, kernels/kv_cache.block_major_k_cache) it gives the reference's output."""
     max_num_splits, block_n = launch
     contexts, dtype = DECODE_CONTEXTS + [300], torch.float16
     batch = make_paged_batch(contexts, 16, 2, 64, dtype)
@@ -341,8 +341,16 @@ def test_decode_over_a_block_major_k_cache_matches_ref(fp8, launch):
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     expected = paged_decode_attention_ref(*args)
-    k_block = block_major_k_copy(batch.k_cache)
-    assert k_block.stride(1) == 64 and torch.equal(k_block.float(), batch.k_cache.float())
-    out = paged_decode_attention_triton(q, k_block, *args[2:], max_num_splits=max_num_splits, block_n=block_n,
-                                        min_split_tokens=16)
-    _close(out, expected, dtype)
+    for k_cache in (batch.k_cache.contiguous(), block_major_copy(batch.k_cache)):
+        assert torch.equal(k_cache.float(), batch.k_cache.float())
+        out = paged_decode_attention_triton(q, k_cache, *args[2:], max_num_splits=max_num_splits, block_n=block_n,
+                                            min_split_tokens=16)
+        _close(out, expected, dtype)
+
+
+def test_k_cache_block_major_layout():
+    memory = torch.zeros(3, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    k = block_major_k_cache(memory)
+    assert k.shape == memory.shape and k.stride() == (2 * 16 * 64, 64, 16 * 64, 1)
+    k[1, 5, 1, 7] = 2.0  # token 5 of block 1, kv head 1, dim 7: memory [block, head, token, dim]
+    assert memory.view(3, 2, 16, 64)[1, 1, 5, 7].item() == 2.0

@@ -54,7 +54,7 @@ def _attention(compare, out, dev, dt):
     """Decode and prefill over bf16 caches (block sizes 16 and 32) and an fp8 cache (V token-major,
     the engine's fp8 layout); the K/V store into bf16 caches."""
     from metainfer.kernels import FP8_KV_DTYPE, REF_OPS, TRITON_OPS
-    from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
+    from metainfer.kernels.kv_cache import fp8_cache_copy, to_cache_dtype
 
     nb, lens, qlens = 4096, [1, 17, 500, 4096, 1023, 2049, 64, 3000], [1, 17, 500, 1024, 1023, 33, 64, 700]
     for bs, cache_dtype in ((16, dt), (32, dt), (16, FP8_KV_DTYPE)):
@@ -62,7 +62,7 @@ def _attention(compare, out, dev, dt):
         kc = to_cache_dtype(torch.randn(nb, bs, HK, D, device=dev, dtype=dt), cache_dtype)
         vc = to_cache_dtype(torch.randn(nb, bs, HK, D, device=dev, dtype=dt), cache_dtype)
         if cache_dtype == FP8_KV_DTYPE:
-            vc = token_major_copy(vc)
+            kc, vc = fp8_cache_copy(kc, vc)
         width = max(lens) // bs + 1
         tables = torch.randperm(nb, device=dev)[: len(lens) * width].view(len(lens), width).int()
         ctx = torch.tensor(lens, device=dev, dtype=torch.int32)

@@ -25,8 +25,6 @@ SECTIONS = {
     "skinny_sweep": studies.skinny_sweep,
     "attn_sweep": studies.attn_sweep,
     "attn_kv_dtype": studies.attn_kv_dtype,
-    "attn_read_probe": studies.attn_read_probe,
-    "fp8_k_layout": studies.fp8_k_layout,
     "sampler": studies.sampler,
     "ab": ab.ab,
     "moe_families": families.moe_families,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from tools.gpu_suite.common import error_of, show
-from tools.gpu_suite.common import variant as engine_variant
 
 HQ, HK, D, BLOCK = 32, 8, 128, 16  # Qwen3-8B heads, the engine's block size
 TABLE_WIDTH = 4096 // BLOCK  # the latency engine's block-table width (max_model_len 4,096)
@@ -120,7 +119,7 @@ def attn_kv_dtype(args, results) -> dict:
     on distinct caches, and the KV read rate. Then 256 x 600 with GQA groups of 1 and 2 (8 and 16 q heads over
     the same 8 kv heads: the same bytes, a quarter and half the real rows of the padded 16-row tiles)."""
     from metainfer.kernels import FP8_KV_DTYPE, paged_decode_attention_ref, paged_decode_attention_triton
-    from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
+    from metainfer.kernels.kv_cache import fp8_cache_copy, to_cache_dtype
 
     dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
     # the GQA group probe (session 19's hypothesis, PERFORMANCE "Pending on the GPU" item 3): the same KV bytes
@@ -138,7 +137,7 @@ def attn_kv_dtype(args, results) -> dict:
             caches = []
             for _ in range(8):
                 kv = to_cache_dtype(torch.randn(2, batch * per_seq, BLOCK, HK, D, device=dev, dtype=bf16), cache_dtype)
-                caches.append((kv[0], token_major_copy(kv[1]) if cache_name == "fp8" else kv[1]))
+                caches.append(fp8_cache_copy(kv[0], kv[1]) if cache_name == "fp8" else (kv[0], kv[1]))
             kv_bytes = sum(ctxs) * HK * D * 2 * caches[0][0].element_size()
             ref = paged_decode_attention_ref(q.float(), caches[0][0], caches[0][1], tables[:, :per_seq], lens,
                                              D ** -0.5)
@@ -159,96 +158,6 @@ def attn_kv_dtype(args, results) -> dict:
         torch.cuda.empty_cache()
     return res
 
-
-def _read_probe_calls(q, tables, lens, probes: bool) -> dict:
-    """{name: call(cache pair)}: the engine's decode attention, and with `probes` the read probe's four variants.
-    Each pair is (K, V, the same K block-major: tools.kv_read_probe.block_major_k_copy); the `_kblock` calls read the
-    latter (the attention, and the loads-only probe at 64 tokens)."""
-    from metainfer.kernels import paged_decode_attention_triton
-    from tools.kv_read_probe import kv_read_probe
-
-    calls = {"attention": lambda c: paged_decode_attention_triton(q, c[0], c[1], tables, lens, D ** -0.5)}
-    for block_n in (64, 128) if probes else ():
-        for widen in (False, True):
-            calls[f"probe_{'widen' if widen else 'raw'}_n{block_n}"] = (
-                lambda c, w=widen, n=block_n: kv_read_probe(c[0], c[1], tables, lens, widen=w, block_n=n))
-    for name in ("attention", "probe_raw_n64") if probes else ("attention",):
-        calls[f"{name}_kblock"] = lambda c, call=calls[name]: call((c[2], c[1]))
-    return calls
-
-
-
-def attn_read_probe(args, results) -> dict:
-    """What bounds the fp8 decode attention (2.2-2.7 TB/s against bf16's copy rate): at 256 x 600 and 512 x 1,500
-    (the 1,000 x 1,000 protocol's rows) over 8 distinct fp8 caches, the engine's kernel against tools/kv_read_probe
-    walking the same cache the same way with no math (raw: loads only; widen: loads + the fp16 widening), 64- and
-    128-token tiles; the bf16 kernel beside for the copy rate it reaches. us a launch and GB/s of K/V read. `_kblock`
-    rows: the same over a block-major K (is the 128-byte row gather the fp8 kernel's bound?)."""
-    from metainfer.kernels import FP8_KV_DTYPE
-    from metainfer.kernels.kv_cache import to_cache_dtype, token_major_copy
-    from tools.kv_read_probe import block_major_k_copy
-
-    dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
-    for batch, ctx in ((256, 600), (512, 1500)):
-        per_seq = -(-ctx // BLOCK)
-        tables, lens = _tables(batch, per_seq, dev), torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-        q = torch.randn(batch, HQ, D, device=dev, dtype=bf16)
-        row = res.setdefault(f"b{batch}_ctx{ctx}", {})
-        for cache_name, cache_dtype in (("fp8", FP8_KV_DTYPE), ("bf16", bf16)):
-            caches = []
-            for _ in range(8):
-                kv = to_cache_dtype(torch.randn(2, batch * per_seq, BLOCK, HK, D, device=dev, dtype=bf16), cache_dtype)
-                caches.append((kv[0], token_major_copy(kv[1]) if cache_name == "fp8" else kv[1],
-                               block_major_k_copy(kv[0])))
-            kv_bytes = batch * ctx * HK * D * 2 * caches[0][0].element_size()
-            for name, call in _read_probe_calls(q, tables, lens, probes=cache_name == "fp8").items():
-                key = f"{cache_name}_{name}"
-                try:
-                    us = _time_layers(call, caches)
-                except Exception as exc:  # one failing variant must not lose the others
-                    row[key] = error_of(exc)
-                    continue
-                row[key] = {"us": round(us, 2), "GBs": round(kv_bytes / us / 1e3, 1)}
-                print(f"attn_read_probe b{batch} ctx{ctx} {key}: {us:.1f} us, {kv_bytes / us / 1e3:.0f} GB/s",
-                      flush=True)
-            del caches
-            torch.cuda.empty_cache()
-    return res
-
-
-def fp8_k_layout(args, results) -> dict:
-    """The fp8 cache's K layout in the engine, end to end (attn_read_probe's `_kblock` rows as a throughput
-    figure): nano-vllm's protocol over the engine's fp8 cache (K head-major: 128-byte rows of one kv head, Hk*D
-    apart) and over the same pool with each layer's K re-viewed block-major (tools.kv_read_probe.block_major_k_view:
-    a block's tokens of one kv head contiguous) before the warm-up and the graph capture, alternated A, B, A. The
-    kernels address K through its strides, so the engine's code is unchanged; output tok/s and decode seconds."""
-    from unittest import mock
-
-    from metainfer.attention.paged import PagedAttentionBackend
-    from metainfer.bench.throughput import run_throughput
-    from tools.kv_read_probe import block_major_k_view
-
-    allocate = PagedAttentionBackend.allocate
-
-    def allocate_block_major(self, layers, num_blocks, block_size):
-        allocate(self, layers, num_blocks, block_size)
-        for i, layer in enumerate(layers):
-            layer.k_cache = block_major_k_view(self.pool[0, i])
-
-    def brief(llm) -> dict:
-        full = run_throughput(llm, progress=False)
-        return {"output_tok_s": full["output_tok_s"], "elapsed_s": full["elapsed_s"],
-                "decode_seconds": full["timeline"]["decode_seconds"]}
-
-    res = {}
-    for name in ("head_major", "block_major", "head_major_again"):
-        if name == "block_major":
-            with mock.patch.object(PagedAttentionBackend, "allocate", allocate_block_major):
-                res[name] = engine_variant(args, brief, kv_cache_dtype="fp8")
-        else:
-            res[name] = engine_variant(args, brief, kv_cache_dtype="fp8")
-        show(f"fp8_k_layout {name}", res[name])
-    return res
 
 def sampler(args, results) -> dict:
     """The torch sampler against the one-pass Gumbel-max kernel on [B, 151936] bf16 logits (greedy and
