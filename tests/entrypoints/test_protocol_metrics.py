@@ -44,8 +44,11 @@ def test_checks_name_the_field():
     assert _param(CompletionRequest, {"prompt": "x", "suffix": "y"}) == "suffix"
     assert _param(CompletionRequest, {"prompt": "x", "best_of": 3}) == "best_of"
     assert _param(CompletionRequest, {"prompt": "x", "logprobs": 21}) == "logprobs"
-    for bias in ({"one": 2.0}, {"-1": 2.0}, {"1": 101.0}):  # token ids as strings, values in [-100, 100]
+    for bias in ({"one": 2.0}, {"-1": 2.0}, {"1": float("nan")}):  # token ids as strings, values numbers
         assert _param(CompletionRequest, {"prompt": "x", "logit_bias": bias}) == "logit_bias"
+    # values beyond OpenAI's [-100, 100] are clamped, as vLLM's server does (the Python API refuses them)
+    assert _parse(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 101.0, "2": -1e9, "3": float("inf")}}
+                  ).sampling_params(16, None).logit_bias == {1: 100.0, 2: -100.0, 3: 100.0}
     assert _param(CompletionRequest, {"prompt": "x", "allowed_token_ids": []}) == "allowed_token_ids"
     assert _parse(CompletionRequest, {"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}}).sampling_params(
         16, None).logit_bias == {7: -100, 3: 2.5}

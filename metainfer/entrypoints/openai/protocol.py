@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from metainfer.engine.request_validation import MAX_LOGIT_BIAS
 from metainfer.entrypoints.openai.errors import bad_request, from_engine_error, from_validation_error
 from metainfer.outputs import RequestOutput
 from metainfer.sampling_params import SamplingParams
@@ -27,6 +28,13 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 # the optional sampling fields passed to SamplingParams only when the client set them
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "stop", "stop_token_ids", "allowed_token_ids")
+
+
+def _clamp_bias(value):
+    """A logit_bias value in OpenAI's [-100, 100] (vLLM's server clamps; a non-number passes to be refused)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+    return value
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -90,9 +98,9 @@ class _SamplingFields(_Body):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
-        if self.logit_bias:  # OpenAI's keys are token ids written as strings
-            try:
-                kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.logit_bias:  # OpenAI's keys are token ids written as strings; values clamped to [-100, 100] as
+            try:  # OpenAI's spec and vLLM's server do (NaN is left for SamplingParams to refuse)
+                kw["logit_bias"] = {int(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise bad_request(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"[:300],
                                   "logit_bias") from None
