@@ -5,13 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A token's logprob, a float that also carries vLLM's `Logprob` fields: `.logprob` (the value), `.rank` (1 for
+    the vocabulary's most likely token; the sampled or scored token's is the count of tokens at least as likely,
+    vLLM's rule) and `.decoded_token` (its text: filled by `LLM.generate` when the engine has a tokenizer, else
+    None). Code written for vLLM (`lp[token].logprob`) and code using logprobs as numbers both read it."""
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per output token: its own and the top-k
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
@@ -32,7 +54,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when a step failed because of this request (its finish_reason is "error")
     # SamplingParams.prompt_logprobs: per prompt token, {token: logprob} of it and the top others; None for the first
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from metainfer.engine.sequence import Sequence
+from metainfer.outputs import Logprob
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # per sequence: (logprob of the chosen token, {token: logprob} of the top-k) or None
-    logprobs: list[tuple[float, dict[int, float]] | None]
+    # per sequence: (logprob of the chosen token, {token: logprob} of the top-k) or None; each a Logprob with its rank
+    logprobs: list[tuple[Logprob, dict[int, Logprob]] | None]
     # per scored prompt row (ScheduledBatch.prompt_logprobs): (logprob of the prompt token, {token: logprob} top-k)
-    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    prompt_logprobs: list[tuple[Logprob, dict[int, Logprob]]] | None = None
 
 
 # Scored prompt rows go through the LM head this many at a time: each piece's fp32 logits and log_softmax (~39 MB
@@ -39,6 +40,7 @@ class PromptScores:
     """The logprobs of a prefill step's scored prompt tokens (SamplingParams.prompt_logprobs), on the device."""
 
     chosen: torch.Tensor  # fp32 [R]: log_softmax of the raw logits at each row's next prompt token
+    chosen_rank: torch.Tensor  # int64 [R]: tokens at least as likely as it (vLLM's rank: 1 = the most likely)
     top_values: torch.Tensor | None  # fp32 [R, k] (None for k = 0)
     top_ids: torch.Tensor | None  # int64 [R, k]
 
@@ -48,14 +50,15 @@ class PromptScores:
         sampled token."""
         logprobs = logits.float().log_softmax(dim=-1)
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        return cls(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1), top_values, top_ids)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        return cls(chosen, _rank_of(logprobs, chosen), top_values, top_ids)
 
     @classmethod
     def cat(cls, parts: list[PromptScores]) -> PromptScores:
         if len(parts) == 1:
             return parts[0]
         tops = parts[0].top_values is not None
-        return cls(torch.cat([p.chosen for p in parts]),
+        return cls(torch.cat([p.chosen for p in parts]), torch.cat([p.chosen_rank for p in parts]),
                    torch.cat([p.top_values for p in parts]) if tops else None,
                    torch.cat([p.top_ids for p in parts]) if tops else None)
 
@@ -67,18 +70,21 @@ class SampledBatch:
     token_ids: torch.Tensor  # int64 [B]
     wanted_logprobs: list[int | None]  # per sequence: requested top-k count or None
     chosen_logprob: torch.Tensor | None = None  # fp32 [B]
+    chosen_rank: torch.Tensor | None = None  # int64 [B] (PromptScores.chosen_rank's rule)
     top_values: torch.Tensor | None = None  # fp32 [B, k]
     top_ids: torch.Tensor | None = None  # int64 [B, k]
     prompt: PromptScores | None = None
 
     def to_host(self) -> HostSample:
         """Start the device-to-host copy (pinned, non-blocking) and mark its completion."""
-        tensors = [t for t in (self.token_ids, self.chosen_logprob, self.top_values, self.top_ids) if t is not None]
+        tensors = [t for t in (self.token_ids, self.chosen_logprob, self.chosen_rank, self.top_values, self.top_ids)
+                   if t is not None]
         host = [t.to("cpu", non_blocking=True) for t in tensors]
         prompt = None
         if self.prompt is not None:
+            scores = self.prompt
             prompt = [t.to("cpu", non_blocking=True) if t is not None else None
-                      for t in (self.prompt.chosen, self.prompt.top_values, self.prompt.top_ids)]
+                      for t in (scores.chosen, scores.chosen_rank, scores.top_values, scores.top_ids)]
         event = None
         if self.token_ids.is_cuda or (self.prompt is not None and self.prompt.chosen.is_cuda):
             event = torch.cuda.Event()
@@ -98,8 +104,8 @@ class HostSample:
             self._event.synchronize()
         out = self._sampled()
         if self._prompt is not None:
-            chosen, values, ids = (t.tolist() if t is not None else None for t in self._prompt)
-            out.prompt_logprobs = [(c, dict(zip(ids[r], values[r])) if ids is not None else {})
+            chosen, ranks, values, ids = (t.tolist() if t is not None else None for t in self._prompt)
+            out.prompt_logprobs = [(Logprob(c, ranks[r]), _ranked(ids[r], values[r]) if ids is not None else {})
                                    for r, c in enumerate(chosen)]
         return out
 
@@ -107,17 +113,27 @@ class HostSample:
         token_list = self._host[0].tolist()
         if len(self._host) == 1:
             return SamplerOutput(token_list, [None] * len(token_list))
-        chosen = self._host[1].tolist()
-        top_vals = self._host[2].tolist() if len(self._host) > 2 else None
-        top_ids = self._host[3].tolist() if len(self._host) > 2 else None
+        chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
+        top_vals = self._host[3].tolist() if len(self._host) > 3 else None
+        top_ids = self._host[4].tolist() if len(self._host) > 3 else None
         out = []
         for row, n in enumerate(self._wanted):
             if n is None:
                 out.append(None)
                 continue
-            top = {top_ids[row][j]: top_vals[row][j] for j in range(n)} if n else {}
-            out.append((chosen[row], top))
+            top = _ranked(top_ids[row][:n], top_vals[row][:n]) if n else {}
+            out.append((Logprob(chosen[row], ranks[row]), top))
         return SamplerOutput(token_list, out)
+
+
+def _ranked(ids: list[int], values: list[float]) -> dict[int, Logprob]:
+    """A sorted top-k list as {token: Logprob}, ranks 1..k."""
+    return {i: Logprob(v, rank) for rank, (i, v) in enumerate(zip(ids, values), 1)}
+
+
+def _rank_of(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's count of tokens at least as likely as its chosen one (vLLM's rank; 1 for the argmax)."""
+    return (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
 
 
 def _host_rows(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -283,4 +299,4 @@ class Sampler:
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max(n or 0 for n in wanted)
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        return SampledBatch(tokens, wanted, chosen, top_vals, top_ids)
+        return SampledBatch(tokens, wanted, chosen, _rank_of(logprobs, chosen), top_vals, top_ids)

@@ -1,0 +1,92 @@
+"""Logprobs carry vLLM's `Logprob` fields: `.logprob`, `.rank` (the count of vocabulary tokens at least as likely:
+1 for the argmax) and `.decoded_token` (the token's text, set by LLM.generate when the engine has a tokenizer), while
+staying floats. References: HF transformers' teacher-forced log_softmax (ranks counted in torch from it) and the
+tokenizer's own decode; the sampled and the prompt tokens' logprobs, both backends."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from metainfer import LLM, SamplingParams
+from metainfer.outputs import Logprob
+from tests.helpers.engine_checks import BACKENDS
+from tests.helpers.tiny_models import build_tiny_model, make_prompts
+
+VOCAB = 509
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("logprob-fields"))
+    model = build_tiny_model(folder, "qwen3", vocab_size=VOCAB)
+    return folder, model, make_prompts([5, 23], vocab=VOCAB, seed=11)
+
+
+def _hf_rows(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, texts) -> None:
+    """One position's {token: Logprob}: the scored token's value and rank from HF's row, the top k ranked 1..k."""
+    assert all(isinstance(v, Logprob) for v in entry.values())
+    chosen = entry[token]
+    assert chosen.logprob == pytest.approx(row[token].item(), abs=1e-4) and chosen == chosen.logprob
+    # vLLM's rank: tokens at least as likely as it (itself included); fp32 noise only moves near-ties
+    assert int((row > row[token] + 1e-4).sum()) + 1 <= chosen.rank <= int((row >= row[token] - 1e-4).sum())
+    top = row.topk(k).indices.tolist()
+    for rank, t in enumerate(top, 1):
+        assert entry[t].rank == rank and entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+    for t, value in entry.items():
+        assert value.decoded_token == (texts(t) if texts else None)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_sampled_and_prompt_logprobs_carry_rank_and_text(reference, device):
+    folder, model, prompts = reference
+    tok = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(folder, device=device, dtype="float32", max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            generated = out.outputs[0].token_ids
+            rows = _hf_rows(model, prompt + generated)
+            for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+                _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, lambda t: tok.decode([t]))
+            assert out.prompt_logprobs[0] is None
+            for i in range(1, len(prompt)):
+                _assert_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], 2, lambda t: tok.decode([t]))
+        # sampling at temperature 0.8 from a tiny random model picks tokens below the top: ranks above 1 are checked
+        assert any(e[t].rank > 1 for o in outs for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs))
+    finally:
+        llm.close()
+
+
+def test_no_tokenizer_leaves_decoded_token_none(reference):
+    folder, model, prompts = reference
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, skip_tokenizer_init=True)
+    try:
+        out = llm.generate({"prompt_token_ids": prompts[0]},
+                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
+                           use_tqdm=False)[0]
+        rows = _hf_rows(model, prompts[0] + out.outputs[0].token_ids)
+        for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            _assert_entry(entry, token, rows[len(prompts[0]) - 1 + i], 2, None)
+            assert entry[token].rank == 1  # greedy: the argmax
+    finally:
+        llm.close()
+
+
+def test_logprob_is_a_float_that_pickles_and_serialises():
+    lp = Logprob(-1.25, rank=4, decoded_token=" the")
+    assert lp == -1.25 and lp.logprob == -1.25 and isinstance(lp.logprob, float) and lp + 1.0 == -0.25
+    back = pickle.loads(pickle.dumps({7: lp}))[7]
+    assert isinstance(back, Logprob) and (back.logprob, back.rank, back.decoded_token) == (-1.25, 4, " the")
+    assert json.loads(json.dumps({"v": lp})) == {"v": -1.25}
+    assert "rank=4" in repr(lp) and Logprob(0.0).rank is None and Logprob(0.0).decoded_token is None
