@@ -131,15 +131,17 @@ def main(argv=None) -> None:
     rows = []
     print(f"offline: {offline['output_tok_s']:.0f} tok/s, {offline['steps']} steps")
     grid = [(float(a), float(w), int(c), rule) for a in args.arrival_ms.split(",")
-            for w in args.idle_window_ms.split(",") for c in args.mixed_cap.split(",") for rule in args.cap_rule.split(",")]
+            for w in args.idle_window_ms.split(",") for c in args.mixed_cap.split(",")
+            for rule in args.cap_rule.split(",")]
     for arrival, window, cap, rule in grid:
-            r = simulate(arrival_ms=arrival, idle_window_ms=window, mixed_cap=cap or None, cap_rule=rule)
-            r.update(arrival_ms=arrival, idle_window_ms=window, mixed_cap=cap, cap_rule=rule,
-                     of_offline=round(r["output_tok_s"] / offline["output_tok_s"], 4))
-            rows.append(r)
-            print(f"arrival {arrival} ms, idle window {window} ms, cap {cap} {rule}: {r['of_offline']:.1%} of offline, "
-                  f"{r['steps']} steps, ITL {r['itl_median_ms']} / {r['itl_p99_ms']} ms "
-                  f"({r['itl_p99_ms'] / r['itl_median_ms']:.2f}x), TTFT mean {r['ttft_mean_ms']} max {r['ttft_max_ms']}")
+        r = simulate(arrival_ms=arrival, idle_window_ms=window, mixed_cap=cap or None, cap_rule=rule)
+        r.update(arrival_ms=arrival, idle_window_ms=window, mixed_cap=cap, cap_rule=rule,
+                 of_offline=round(r["output_tok_s"] / offline["output_tok_s"], 4))
+        rows.append(r)
+        itl_ratio = r["itl_p99_ms"] / r["itl_median_ms"]
+        print(f"arrival {arrival} ms, idle window {window} ms, cap {cap} {rule}: {r['of_offline']:.1%} of offline, "
+              f"{r['steps']} steps, ITL {r['itl_median_ms']} / {r['itl_p99_ms']} ms ({itl_ratio:.2f}x), "
+              f"TTFT mean {r['ttft_mean_ms']} max {r['ttft_max_ms']}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"offline": offline, "rules": rows}, f, indent=1)

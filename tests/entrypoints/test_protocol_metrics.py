@@ -49,6 +49,8 @@ def test_checks_name_the_field():
     # values beyond OpenAI's [-100, 100] are clamped, as vLLM's server does (the Python API refuses them)
     assert _parse(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 101.0, "2": -1e9, "3": float("inf")}}
                   ).sampling_params(16, None).logit_bias == {1: 100.0, 2: -100.0, 3: 100.0}
+    assert _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"4": 250.0}}
+                  ).sampling_params(16, None).logit_bias == {4: 100.0}
     assert _param(CompletionRequest, {"prompt": "x", "allowed_token_ids": []}) == "allowed_token_ids"
     assert _parse(CompletionRequest, {"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}}).sampling_params(
         16, None).logit_bias == {7: -100, 3: 2.5}

@@ -62,6 +62,8 @@ def _to_fp8(batch):
     the fp8 values they now hold."""
     batch.k_cache, batch.v_cache = fp8_cache_copy(to_cache_dtype(batch.k_cache, FP8_KV_DTYPE),
                                                   to_cache_dtype(batch.v_cache, FP8_KV_DTYPE))
+    n, s, hk, d = batch.k_cache.shape
+    assert batch.k_cache.stride() == (hk * s * d, d, s * d, 1) and is_token_major(batch.v_cache)
     batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
     batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
     return batch
@@ -341,7 +343,9 @@ def test_decode_takes_either_k_layout(fp8, launch):
     q = _randn(len(contexts), 8, 64, dtype=dtype, seed=7, device=DEVICE)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.125)
     expected = paged_decode_attention_ref(*args)
-    for k_cache in (batch.k_cache.contiguous(), block_major_copy(batch.k_cache)):
+    head_major, block_major = batch.k_cache.contiguous(), block_major_copy(batch.k_cache)
+    assert block_major.stride() == (2 * 16 * 64, 64, 16 * 64, 1)
+    for k_cache in (head_major, block_major):
         assert torch.equal(k_cache.float(), batch.k_cache.float())
         out = paged_decode_attention_triton(q, k_cache, *args[2:], max_num_splits=max_num_splits, block_n=block_n,
                                             min_split_tokens=16)
@@ -349,8 +353,20 @@ def test_decode_takes_either_k_layout(fp8, launch):
 
 
 def test_k_cache_block_major_layout():
-    memory = torch.zeros(3, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    """K[b, t, h, x] of the block-major view is element b*Hk*S*D + h*S*D + t*D + x of its memory (written out here)."""
+    n, s, hk, d = 3, 16, 2, 64
+    memory = to_cache_dtype(torch.randn(n, s, hk, d) * 4, FP8_KV_DTYPE)
+    flat = memory.clone().flatten()
     k = block_major_k_cache(memory)
-    assert k.shape == memory.shape and k.stride() == (2 * 16 * 64, 64, 16 * 64, 1)
-    k[1, 5, 1, 7] = 2.0  # token 5 of block 1, kv head 1, dim 7: memory [block, head, token, dim]
-    assert memory.view(3, 2, 16, 64)[1, 1, 5, 7].item() == 2.0
+    assert k.shape == memory.shape and k.stride() == (hk * s * d, d, s * d, 1)
+    index = torch.arange(n * s * hk * d).view(n, s, hk, d)
+    b, t, h, x = (index // (s * hk * d)), (index // (hk * d)) % s, (index // d) % hk, index % d
+    assert torch.equal(k.float(), flat[b * hk * s * d + h * s * d + t * d + x].float())
+
+
+def test_fp8_cache_copy_keeps_the_values_in_the_engine_layouts():
+    k_src = to_cache_dtype(torch.randn(4, 16, 2, 32) * 4, FP8_KV_DTYPE)
+    v_src = to_cache_dtype(torch.randn(4, 16, 2, 32) * 4, FP8_KV_DTYPE)
+    k, v = fp8_cache_copy(k_src, v_src)
+    assert k.stride() == (2 * 16 * 32, 32, 16 * 32, 1) and v.stride() == (2 * 32 * 16, 1, 32 * 16, 16)
+    assert torch.equal(k.float(), k_src.float()) and torch.equal(v.float(), v_src.float())

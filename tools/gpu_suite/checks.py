@@ -51,8 +51,8 @@ def _elementwise(compare, dev, dt):
 
 
 def _attention(compare, out, dev, dt):
-    """Decode and prefill over bf16 caches (block sizes 16 and 32) and an fp8 cache (V token-major,
-    the engine's fp8 layout); the K/V store into bf16 caches."""
+    """Decode and prefill over bf16 caches (block sizes 16 and 32) and an fp8 cache (K block-major, V token-major:
+    the engine's fp8 layouts); the K/V store into bf16 caches."""
     from metainfer.kernels import FP8_KV_DTYPE, REF_OPS, TRITON_OPS
     from metainfer.kernels.kv_cache import fp8_cache_copy, to_cache_dtype
 

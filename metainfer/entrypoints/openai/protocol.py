@@ -36,6 +36,7 @@ def _clamp_bias(value):
         return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
     return value
 
+
 Body = TypeVar("Body", bound=BaseModel)
 
 
