@@ -134,3 +134,19 @@ def test_top_k_top_p_keep_exactly_the_nucleus_and_its_logits():
         want = torch.full((5,), float("-inf"))
         want[kept] = logits[row, kept]
         assert torch.equal(got[row], want), (row, got[row])
+
+
+def test_logprob_ranks_count_the_tokens_at_least_as_likely():
+    """vLLM's rank: the sampled token's rank is the number of vocabulary tokens whose raw logprob is at least its own
+    (1 for the argmax; counted here from a sort), the top-k are ranked 1..k; the values are log_softmax's."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50) * 2
+    seqs = [Sequence(f"r{i}", 0, [0], SamplingParams(temperature=1.0, logprobs=k)) for i, k in enumerate((0, 1, 3, 5))]
+    out = Sampler(vocab_size=50, eos_token_ids=())(logits.clone(), seqs).to_host().result()
+    reference = logits.log_softmax(-1)
+    for row, (token, (chosen, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+        order = reference[row].argsort(descending=True).tolist()
+        assert chosen.rank == order.index(token) + 1  # no ties in random fp32 logits
+        assert chosen.logprob == pytest.approx(reference[row, token].item(), abs=1e-5)
+        k = seqs[row].params.logprobs
+        assert list(top) == order[:k] and [v.rank for v in top.values()] == list(range(1, k + 1))
