@@ -63,7 +63,7 @@ def _to_fp8(batch):
     batch.k_cache, batch.v_cache = fp8_cache_copy(to_cache_dtype(batch.k_cache, FP8_KV_DTYPE),
                                                   to_cache_dtype(batch.v_cache, FP8_KV_DTYPE))
     n, s, hk, d = batch.k_cache.shape
-    assert batch.k_cache.stride() == (hk * s * d, d, s * d, 1) and is_token_major(batch.v_cache)
+    assert batch.k_cache.stride() == (hk * s * d, d, s * d, 1) and (s == 1 or is_token_major(batch.v_cache))
     batch.dense_k = [to_cache_dtype(k, FP8_KV_DTYPE).double() for k in batch.dense_k]
     batch.dense_v = [to_cache_dtype(v, FP8_KV_DTYPE).double() for v in batch.dense_v]
     return batch
