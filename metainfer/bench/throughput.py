@@ -33,13 +33,13 @@ DECODE_BINS = (2, 16, 64, 128, 192, 256)
 FIRST_STEPS = 24
 
 
-def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) -> dict:
+def summarize_timeline(trace: list[tuple], end: float) -> dict:
     """Where the run's time went, from the engine's step trace (LLMEngine.step_trace). A step's time
     is the interval from its launch to the next launch (the last: to `end`); with async scheduling
     that interval waits for the previous step's read-back, so in steady state it is one step's
     device time, shifted by one step."""
     out = {"prefill": {"steps": 0, "tokens": 0, "seconds": 0.0}, "decode": {}}
-    for i, (t, is_prefill, num_seqs, num_tokens) in enumerate(trace):
+    for i, (t, is_prefill, num_seqs, num_tokens, *_) in enumerate(trace):
         seconds = (trace[i + 1][0] if i + 1 < len(trace) else end) - t
         if is_prefill:
             entry = out["prefill"]
@@ -55,7 +55,7 @@ def summarize_timeline(trace: list[tuple[float, bool, int, int]], end: float) ->
     out["decode_seconds"] = sum(e["seconds"] for e in out["decode"].values())
     # the first steps one by one (prefill, then the first decode steps): where a warm-up cost shows
     out["first_steps_ms"] = [[("prefill" if p else "decode"), n, tok, round(((trace[i + 1][0] if i + 1 < len(trace)
-                              else end) - t) * 1e3, 2)] for i, (t, p, n, tok) in enumerate(trace[:FIRST_STEPS])]
+                              else end) - t) * 1e3, 2)] for i, (t, p, n, tok, *_) in enumerate(trace[:FIRST_STEPS])]
     return out
 
 

@@ -137,6 +137,10 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     # external launcher: how long a rank waits for the others (joining; each collective) before it fails
     distributed_timeout_s: float = 600.0
+    # a profiling aid: every step's launch (perf_counter seconds, prefill?, sequences, tokens) is kept and written
+    # to this JSON file when the engine closes (`metainfer serve --step-trace`: the server's step timeline beside
+    # the offline engine's); ~40 bytes a step in memory until then. None: nothing is kept
+    step_trace_path: str | None = None
     # filled by finalize()
     spec: ModelSpec | None = None
     model_dir: str | None = None
@@ -197,6 +201,9 @@ class EngineConfig:
             raise ConfigError(f"max_piecewise_graph_tokens must be >= 0, got {self.max_piecewise_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.step_trace_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(
+                self.step_trace_path))):
+            raise ConfigError(f"step_trace_path: the folder of {self.step_trace_path!r} does not exist")
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ConfigError(f"skip_tokenizer_init=True builds no tokenizer, but tokenizer={self.tokenizer!r} "
                               "names one: pass one of them")

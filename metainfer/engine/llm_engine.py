@@ -138,9 +138,9 @@ class LLMEngine:
         # Test hook: called with each sequence before its new token is processed on the host (logprobs,
         # detokenizing, stop checks); raising there finishes only that sequence's request (_read_back).
         self.output_fault_hook: Callable[[Sequence], None] | None = None
-        # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens): the
-        # throughput bench's timeline. None (the default) records nothing.
-        self.step_trace: list[tuple[float, bool, int, int]] | None = None
+        # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens, decode rows): the
+        # throughput bench's timeline, and config.step_trace_path's (written at close). None records nothing.
+        self.step_trace: list[tuple[float, bool, int, int, int]] | None = [] if config.step_trace_path else None
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
@@ -250,7 +250,8 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
         if self.step_trace is not None:
-            self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens))
+            self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens,
+                                    batch.num_decode_rows))
         batch, sampled = self._execute_isolating(batch)
         sampling = batch.sampling_seqs
         # before after_step, which zeroes num_scheduled_tokens (a mixed step's decode rows are not prompt)
@@ -436,10 +437,22 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def close(self) -> None:
+        if self.config.step_trace_path and self.step_trace is not None:
+            write_step_trace(self.config.step_trace_path, self.step_trace)
+            self.step_trace = None
         if self.tp_driver is not None:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+
+
+STEP_TRACE_FIELDS = ("perf_counter_s", "is_prefill", "num_seqs", "num_tokens", "num_decode_rows")
+
+
+def write_step_trace(path: str, trace: list[tuple[float, bool, int, int, int]]) -> None:
+    """EngineConfig.step_trace_path's file: {"fields": STEP_TRACE_FIELDS, "steps": [[...], ...]}, one row a launch."""
+    with open(path, "w") as f:
+        json.dump({"fields": list(STEP_TRACE_FIELDS), "steps": [list(step) for step in trace]}, f)
 
 
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:

@@ -12,7 +12,8 @@ from typing import NoReturn
 
 # the CLI options of the SamplingParams and EngineConfig fields whose names differ
 _OPTION_OF_FIELD = {"seed": "--sample-seed"}
-_OPTION_OF_ENGINE_FIELD = {"tensor_parallel_size": "--tp", "enable_prefix_caching": "--no-prefix-caching"}
+_OPTION_OF_ENGINE_FIELD = {"tensor_parallel_size": "--tp", "enable_prefix_caching": "--no-prefix-caching",
+                          "step_trace_path": "--step-trace"}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -225,6 +226,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                         "one process a rank (rank 0 runs the command, the others follow it)")
     p.add_argument("--distributed-timeout-s", type=float, default=600.0,
                    help="external_launcher: how long a rank waits for the others to join or answer (default 600)")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="write every engine step's launch time, rows and tokens to this JSON file when the engine "
+                        "closes (a profiling aid; default: none)")
 
 
 def engine_kwargs(args) -> dict:
@@ -247,7 +251,8 @@ def engine_kwargs(args) -> dict:
                 tokenizer=getattr(args, "tokenizer", None),
                 skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
                 distributed_executor_backend=getattr(args, "distributed_executor_backend", "mp"),
-                distributed_timeout_s=getattr(args, "distributed_timeout_s", 600.0))
+                distributed_timeout_s=getattr(args, "distributed_timeout_s", 600.0),
+                step_trace_path=getattr(args, "step_trace", None))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

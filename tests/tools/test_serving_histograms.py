@@ -25,3 +25,30 @@ def test_quantiles_of_rendered_step_intervals():
 def test_an_empty_histogram_has_no_quantiles():
     q = histogram_quantiles(ServerMetrics().render("x"), "metainfer:engine_step_interval_seconds")
     assert q == {"count": 0, "mean_ms": None, "p50_ms": None, "p90_ms": None, "p99_ms": None}
+
+
+def test_step_costs_bins_a_trace_by_kind():
+    """A hand-made trace: (t, is_prefill, seqs, tokens, decode rows). Expected bins worked out by hand."""
+    from tools.gpu_suite.serving import compare_steps, step_costs
+
+    trace = [
+        (9.0, False, 1, 1, 1),        # before the window: left out
+        (10.000, True, 4, 2048, 0),   # prefill of 2,048 prompt tokens: 100 ms
+        (10.100, False, 64, 64, 64),  # decode, 64 rows: 6 ms
+        (10.106, False, 64, 64, 64),  # 8 ms
+        (10.114, True, 65, 320, 64),  # mixed: 256 prompt tokens beside 64 rows: 11 ms
+        (10.125, False, 57, 57, 57),  # decode, 57 rows (bin <=64): 0.9 s, over idle_s: idle
+        (11.025, False, 3, 3, 3),     # decode, 3 rows (bin <=8): to the end, 5 ms
+    ]
+    out = step_costs(trace, start=10.0, end=11.030)
+    assert out["steps"] == 5 and out["idle_s"] == 0.9
+    bins = out["bins"]
+    assert set(bins) == {"prefill <=2048", "decode <=64", "mixed <=256", "decode <=8"}
+    assert bins["decode <=64"]["steps"] == 2 and abs(bins["decode <=64"]["ms"] - 7.0) < 1e-6
+    assert abs(bins["prefill <=2048"]["ms"] - 100.0) < 1e-6 and abs(bins["mixed <=256"]["ms"] - 11.0) < 1e-6
+    assert abs(bins["decode <=8"]["ms"] - 5.0) < 1e-6
+    assert abs(out["busy_s"] - 0.130) < 1e-9
+    offline = {"steps": 2, "busy_s": 0.2, "bins": {"decode <=64": {"steps": 2, "ms": 6.5, "seconds": 0.013}}}
+    cmp = compare_steps(out, offline)
+    assert abs(cmp["serve_extra_s_at_offline_prices"] - 0.001) < 1e-9  # 2 steps x (7.0 - 6.5) ms
+    assert cmp["bins [serve steps, serve ms, offline ms]"]["mixed <=256"] == [1, 11.0, None]

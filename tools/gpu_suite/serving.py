@@ -98,10 +98,17 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         llm.generate(prompts[:concurrency], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                      use_tqdm=False)  # warm-up
+        engine = llm.llm_engine
+        engine.step_trace = []
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        return {"output_tok_s": num_prompts * output_len / elapsed, "elapsed_s": elapsed}
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            trace = engine.step_trace
+        finally:
+            engine.step_trace = None
+        return {"output_tok_s": num_prompts * output_len / elapsed, "elapsed_s": elapsed,
+                "steps": step_costs(trace, start, start + elapsed)}
 
     res["offline"] = on_engine(args, offline, max_num_seqs=concurrency)
     show("offline", res["offline"])
@@ -116,6 +123,9 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
             k: serve.get(k) for k in ("output_throughput", "serve_over_offline", "median_itl_ms", "p99_itl_ms",
                                       "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "server_histograms")}
         show(f"serve {extra or 'default'}", res["variants"][extra or "default"])
+        if "steps" in serve:
+            res["variants"][extra or "default"]["steps"] = serve["steps"]
+            show(f"serve {extra or 'default'} steps", compare_steps(serve["steps"], res["offline"]["steps"]))
     res["serve_over_offline"] = res["serve"]["serve_over_offline"]
     return res
 
@@ -127,15 +137,20 @@ def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: 
     cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", model_dir(args), "--load-format", "dummy",
            "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
            "--no-access-log", "--log-level", "warning", *extra]
+    trace_path = os.path.join(out_dir(), f"server_steps{tag}.json")
+    cmd += ["--step-trace", trace_path]
+    window = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(port, proc, timeout=180)
             record = os.path.join(out_dir(), f"bench_serve{tag}.json")
+            window.append(time.perf_counter())  # CLOCK_MONOTONIC on Linux: the engine process's clock too
             subprocess.run([sys.executable, "-m", "metainfer.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
                             "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len",
                             str(output_len), "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
                             "--output-json", record], cwd=ROOT, check=True, timeout=300)
+            window.append(time.perf_counter())
             with open(record) as f:
                 result = json.load(f)
             import httpx
@@ -147,13 +162,65 @@ def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: 
                      "server_itl": "inter_token_latency_seconds"}
             result["server_histograms"] = {key: histogram_quantiles(text, f"metainfer:{name}")
                                            for key, name in names.items()}
-            return result
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+    if os.path.exists(trace_path):  # written by the engine process as it closed
+        with open(trace_path) as f:
+            steps = json.load(f)["steps"]
+        result["steps"] = step_costs([tuple(s) for s in steps], *window)
+    return result
+
+
+def _step_kind(is_prefill: bool, num_tokens: int, decode_rows: int) -> str:
+    """A step's bin: decode rows in eighths of 64, or prompt tokens (mixed: beside decode rows) in powers of 2."""
+    if not is_prefill:
+        return f"decode <={-(-decode_rows // 8) * 8}"
+    prompt = num_tokens - decode_rows
+    upper = 1 << max(prompt - 1, 0).bit_length()
+    return f"{'mixed' if decode_rows else 'prefill'} <={max(upper, 64)}"
+
+
+def step_costs(trace: list[tuple], start: float, end: float, idle_s: float = 0.5) -> dict:
+    """Where a run's time went, step by step, from an engine step trace (EngineConfig.step_trace_path, or
+    LLMEngine.step_trace): each launch in [start, end] costs the interval to the next launch (the last: to
+    `end`), which with async scheduling is one step's device time in steady state. Intervals over `idle_s` are
+    idle engine time, counted apart. Binned by _step_kind: steps, mean ms, seconds."""
+    steps = [s for s in trace if start <= s[0] <= end]
+    bins: dict[str, dict] = {}
+    idle = 0.0
+    for i, (t, is_prefill, _, num_tokens, decode_rows) in enumerate(steps):
+        interval = (steps[i + 1][0] if i + 1 < len(steps) else end) - t
+        if interval > idle_s:
+            idle += interval
+            continue
+        entry = bins.setdefault(_step_kind(is_prefill, num_tokens, decode_rows), {"steps": 0, "seconds": 0.0})
+        entry["steps"] += 1
+        entry["seconds"] += interval
+    for entry in bins.values():
+        entry["ms"] = round(entry["seconds"] * 1e3 / entry["steps"], 3)
+        entry["seconds"] = round(entry["seconds"], 4)
+    busy = sum(e["seconds"] for e in bins.values())
+    return {"steps": sum(e["steps"] for e in bins.values()), "busy_s": round(busy, 4), "idle_s": round(idle, 4),
+            "before_first_step_s": round(steps[0][0] - start, 4) if steps else None,
+            "bins": dict(sorted(bins.items()))}
+
+
+def compare_steps(serve: dict, offline: dict) -> dict:
+    """Serve's step bins beside offline's: for each bin both ran, the ms a step and serve's extra seconds at
+    offline's price; and serve's busy time priced at offline's ms where offline has the bin."""
+    rows, extra = {}, 0.0
+    for kind, entry in serve["bins"].items():
+        ref = offline["bins"].get(kind)
+        rows[kind] = [entry["steps"], entry["ms"], None if ref is None else ref["ms"]]
+        if ref is not None:
+            extra += entry["steps"] * (entry["ms"] - ref["ms"]) / 1e3
+    return {"serve_steps": serve["steps"], "offline_steps": offline["steps"], "serve_busy_s": serve["busy_s"],
+            "offline_busy_s": offline["busy_s"], "serve_extra_s_at_offline_prices": round(extra, 4),
+            "bins [serve steps, serve ms, offline ms]": rows}
 
 
 def histogram_quantiles(text: str, name: str, quantiles=(0.5, 0.9, 0.99)) -> dict:
