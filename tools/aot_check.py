@@ -98,7 +98,8 @@ def _cases(op: str):
             cases.append((f"fused_add_rms_norm {dtype} H={hidden}",
                           lambda pdl, x=x, w=w: rms_norm.fused_add_rms_norm_triton(x, x.clone(), w, 1e-6, pdl=pdl)))
         # the norm after a MoE block at tp = 1: DeepSeek-V2-Lite's 8 slots (6 routed + 2 shared of 66) summed in it
-        slots = ExpertSlots(torch.zeros(3 * 8, 2048, dtype=fp32), torch.zeros(3, 8, dtype=torch.int32), 66)
+        # (the slots in the model's dtype)
+        slots = ExpertSlots(torch.zeros(3 * 8, 2048, dtype=bf16), torch.zeros(3, 8, dtype=torch.int32), 66)
         cases.append(("fused_add_rms_norm_slots bf16 H=2048 K=8",
                       lambda pdl, s=slots: rms_norm.fused_add_rms_norm_slots_triton(
                           s, torch.zeros(3, 2048, dtype=bf16), torch.ones(2048, dtype=bf16), 1e-6, pdl=pdl)))

@@ -68,7 +68,7 @@ def grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     down = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offs)
     routed = topk_weights.flatten()[order].float()
     y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    y.index_add_(0, tokens, down.float() * routed[:, None])
+    y.index_add_(0, tokens, (down.float() * routed[:, None]).to(x.dtype).float())  # each term rounded (moe_ref)
     return y.to(x.dtype)
 
 

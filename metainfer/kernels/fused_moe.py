@@ -20,10 +20,13 @@ Contracts (the math and rounding of kernels/moe_ref.py, docs/CONTRACTS.md "MoE")
 - `fused_moe_triton(x[T,H], w13[E,2N,H], w2[E,H,N], topk_weights f32[T,K], topk_ids i32[T,K], *,
   table=None, pdl=False, config=None) -> y[T,H]` in x's dtype: fused_moe_ref's math. The gate/up
   GEMM output is rounded to x's dtype, SiLU(gate)*up computed in fp32 and rounded; the down GEMM
-  output rounded, times the routing weight in fp32; the K terms summed in fp32, rounded once.
-- `fused_moe_slots_triton(...same...) -> ExpertSlots` (kernels/moe_ref.py): kernels 1-4 below, the fp32
-  [T*K, H] slot terms before the sum; `moe_sum_triton(slots, dtype)` is kernel 5. The engine's MoE block at
-  tp = 1 hands the slots to the next RMSNorm, which sums them in its own launch (kernels/rms_norm.py).
+  output rounded, times the routing weight in fp32, the product rounded to x's dtype; the K terms summed
+  in fp32, rounded once.
+- `fused_moe_slots_triton(...same...) -> ExpertSlots` (kernels/moe_ref.py): kernels 1-4 below, the [T*K, H]
+  slot terms before the sum, in x's dtype (HF transformers' MoE rounds each weighted expert output to the
+  model dtype too: moe_ref's docstring); `moe_sum_triton(slots, dtype)` is kernel 5. The engine's MoE block
+  at tp = 1 hands the slots to the next RMSNorm, which sums them in fp32 in its own launch
+  (kernels/rms_norm.py).
 Routing (route_topk_triton, router_topk_triton) lives in kernels/moe_routing.py.
 Kernels (each launched with pdl_enter first, so `pdl=True` chains them under programmatic
 dependent launch):
@@ -33,12 +36,13 @@ dependent launch):
 3. `_moe_gate_up_kernel`: grouped GEMM over the sorted blocks, x rows gathered by token; one program
    holds matching gate and up tiles ([BLOCK_M, BLOCK_N] each) so SiLU(gate)*up is applied in
    registers; writes inter[T*K, N] (x's dtype) in pair order.
-4. `_moe_down_kernel`: inter @ w2[e]^T, epilogue times the routing weight, fp32 out[T*K, H] (fp32
-   keeps the reference's rounding points; at prefill sizes it is T*K*H*4 bytes written and read once:
-   an x-dtype buffer with the weight applied in the sum would halve that, not measured yet).
-5. `_moe_sum_kernel`: y[t] = sum over the K slots with a valid id (fp32), one rounding.
+4. `_moe_down_kernel`: inter @ w2[e]^T rounded to x's dtype, epilogue times the routing weight (fp32),
+   stored as out[T*K, H] in x's dtype (at prefill sizes T*K*H elements written and read once: in bf16 half
+   the bytes of the fp32 slots this replaced, which the norm that sums them read K of a token).
+5. `_moe_sum_kernel`: y[t] = sum over the K slots with a valid id, each loaded as fp32 (fp32 sum), one
+   rounding.
 The down half stays a grouped GEMM plus the sum kernel at decode sizes too: a per-token down GEMV that
-summed the K experts in registers (no fp32 [T*K, H] round trip, one launch fewer) lost its H200 A/B
+summed the K experts in registers (no [T*K, H] round trip, one launch fewer) lost its H200 A/B
 (run 62: DeepSeek-V2-Lite bs1 2.38 -> 2.63 ms, Qwen3-30B-A3B 2.84 -> 3.25 ms) and was deleted.
 Grids are sized from P_max (host-known); programs whose block starts at or past
 num_tokens_post_padded return at once. GROUP_M swizzles the (m, n) program order so blocks of one
@@ -328,8 +332,8 @@ def _moe_down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, ex
                      num_pairs, num_m_blocks, num_experts, H, N, stride_it, stride_we, stride_wh, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[p, h] = weights[p] * (inter[p] . w2[e, h]) (the dot rounded to inter's dtype first), fp32,
-    for the pairs p of one sorted block (expert e) and BLOCK_N hidden columns h."""
+    """out[p, h] = weights[p] * (inter[p] . w2[e, h]) (the dot rounded to inter's dtype first, the fp32 product
+    rounded to out's dtype) for the pairs p of one sorted block (expert e) and BLOCK_N hidden columns h."""
     pdl_enter(USE_PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), num_m_blocks, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -355,13 +359,14 @@ def _moe_down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, ex
     routed = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)
     y = acc.to(inter_ptr.dtype.element_ty).to(tl.float32) * routed[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_ot + offs_h[None, :]
-    tl.store(out_ptrs, y, mask=row_mask[:, None] & h_mask[None, :])
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & h_mask[None, :])
 
 
 @triton.jit
 def _moe_sum_kernel(out_ptr, ids_ptr, y_ptr, H, num_experts, stride_ot, stride_yt,
                     TOP_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[t, h] = sum over the slots k with a valid id of out[t*K + k, h] (fp32), rounded once."""
+    """y[t, h] = sum over the slots k with a valid id of out[t*K + k, h] (any float dtype, summed in fp32),
+    rounded once."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -370,7 +375,7 @@ def _moe_sum_kernel(out_ptr, ids_ptr, y_ptr, H, num_experts, stride_ot, stride_y
     for k in tl.static_range(TOP_K):
         expert = tl.load(ids_ptr + t * TOP_K + k)
         valid = (expert >= 0) & (expert < num_experts)
-        acc += tl.load(out_ptr + (t * TOP_K + k) * stride_ot + offs, mask=mask & valid, other=0.0)
+        acc += tl.load(out_ptr + (t * TOP_K + k) * stride_ot + offs, mask=mask & valid, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -401,7 +406,8 @@ def moe_sum_triton(slots: ExpertSlots, dtype: torch.dtype, *, pdl: bool = False)
 def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, *, table: Mapping | None = None, pdl: bool = False,
                            config: MoeConfig | None = None) -> ExpertSlots:
-    """fused_moe_slots_ref's ExpertSlots: the grouped GEMMs without the sum (arguments: fused_moe_triton's)."""
+    """fused_moe_slots_ref's ExpertSlots: the grouped GEMMs without the sum (arguments: fused_moe_triton's);
+    the slots in x's dtype."""
     require_triton()
     num_experts, n2, hidden = w13.shape if w13.dim() == 3 else (0, 0, 0)
     n = n2 // 2
@@ -417,7 +423,7 @@ def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_tokens, top_k = topk_ids.shape
     ids = topk_ids.to(torch.int32).contiguous()
     if num_tokens == 0 or top_k == 0:
-        return ExpertSlots(torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device), ids,
+        return ExpertSlots(torch.zeros(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device), ids,
                            num_experts)
     cfg = config or moe_config(table, num_experts, n, hidden, num_tokens)
     routed = topk_weights.to(torch.float32).contiguous()
@@ -434,7 +440,7 @@ def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _moe_gate_up_kernel[(num_m_blocks * cdiv(n, cfg.block_n),)](
         x, w13, inter, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, n, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, **launch)
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(num_m_blocks * cdiv(hidden, cfg.block_n),)](
         inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, hidden,
         n, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **launch)

@@ -14,11 +14,17 @@ Contracts (docs/CONTRACTS.md, "MoE"):
   y[t] = sum_k weights[t,k] * w2[e] @ (silu(g) * u), (g, u) = split(w13[e] @ x[t]), e = ids[t,k]. Rows
   0..N-1 of w13[e] are the gate projection, N..2N-1 the up projection (transformers' fused layout).
   Rounding: each GEMM's output is rounded to x's dtype (as a grouped GEMM writes it), the activation
-  product too; the K weighted terms are summed in fp32 and rounded once. Ids outside [0, E) contribute
-  nothing (a rank that holds a slice of the experts: none here, experts are sharded by N).
-- `fused_moe_slots(x, w13, w2, weights, ids) -> ExpertSlots(out f32[T*K,H], ids, num_experts)`: the same
-  before the K-slot sum: row t*K+k holds slot k's weighted term (rows of invalid ids are never read).
-  `moe_sum(slots, dtype) -> y[T,H]` is the sum; `fused_add_rms_norm_slots(slots, residual, weight, eps)` is
+  product too; each weighted term (the rounded down-GEMM output times its fp32 routing weight, an fp32
+  product) is rounded to x's dtype; the K terms are summed in fp32 and rounded once. Ids outside [0, E)
+  contribute nothing (a rank that holds a slice of the experts: none here, experts are sharded by N).
+- `fused_moe_slots(x, w13, w2, weights, ids) -> ExpertSlots(out[T*K,H] in x's dtype, ids, num_experts)`: the
+  same before the K-slot sum: row t*K+k holds slot k's weighted term, round(round(down GEMM) * weight) in x's
+  dtype (rows of invalid ids are never read). Why x's dtype: HF transformers' MoE (5.x) rounds each expert's
+  weighted output to the model dtype too (it index_adds in the model dtype), so these terms summed in fp32
+  stay at least as close to an fp32 model as HF itself, at half the bytes of fp32 slots in a bf16 model (the
+  norm that sums them reads T*K*H of them); in an fp32 model nothing changes.
+  `moe_sum(slots, dtype) -> y[T,H]` is the sum (in fp32 whatever the slots' dtype, rounded once to `dtype`);
+  `fused_add_rms_norm_slots(slots, residual, weight, eps)` is
   `fused_add_rms_norm(moe_sum(slots, residual.dtype), residual, ...)` in one launch on the GPU (the MoE
   block at tp = 1 hands its slots to the next norm: layers/moe.py).
 The Triton kernels: kernels/fused_moe.py (the norm over slots: kernels/rms_norm.py).
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 class ExpertSlots(NamedTuple):
     """A fused MoE's output before the sum over each token's K slots (see the module docstring)."""
 
-    out: torch.Tensor  # fp32 [T*K, H]: slot k of token t at row t*K + k, its routing weight applied
+    out: torch.Tensor  # [T*K, H] in x's dtype: slot k of token t at row t*K + k, its routing weight applied
     ids: torch.Tensor  # int32 [T, K]: the slot's expert; ids outside [0, num_experts) contribute nothing
     num_experts: int
 
@@ -78,7 +84,7 @@ def fused_moe_slots_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
                         topk_ids: torch.Tensor) -> ExpertSlots:
     num_experts, n2, _ = w13.shape
     top_k = topk_ids.shape[1]
-    out = torch.zeros(x.shape[0] * top_k, w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0] * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
     ids = topk_ids.long()
     for expert in torch.unique(ids).tolist():
         if not 0 <= expert < num_experts:
@@ -87,15 +93,16 @@ def fused_moe_slots_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         gate_up = F.linear(x[token_idx], w13[expert])
         hidden = (F.silu(gate_up[:, : n2 // 2].float()) * gate_up[:, n2 // 2:].float()).to(x.dtype)
         y = F.linear(hidden, w2[expert])
-        out[token_idx * top_k + slot] = y.float() * topk_weights[token_idx, slot, None].float()
+        # the down GEMM's output (rounded to x's dtype) times the weight in fp32, rounded once more
+        out[token_idx * top_k + slot] = (y.float() * topk_weights[token_idx, slot, None].float()).to(x.dtype)
     return ExpertSlots(out, topk_ids.to(torch.int32), num_experts)
 
 
 def moe_sum_ref(slots: ExpertSlots, dtype: torch.dtype) -> torch.Tensor:
-    """y[t] = the fp32 sum of token t's slots with a valid id, rounded once to `dtype`."""
+    """y[t] = the fp32 sum of token t's slots with a valid id (slots of any float dtype), rounded once to `dtype`."""
     num_tokens, top_k = slots.ids.shape
     valid = (slots.ids >= 0) & (slots.ids < slots.num_experts)
-    terms = slots.out.view(num_tokens, top_k, slots.out.shape[1])
+    terms = slots.out.float().view(num_tokens, top_k, slots.out.shape[1])
     terms = torch.where(valid[..., None], terms, 0.0)  # the kernels leave invalid slots' rows unwritten (maybe NaN)
     return terms.sum(dim=1).to(dtype)
 

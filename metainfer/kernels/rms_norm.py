@@ -5,9 +5,9 @@ dtype; any leading shape `[..., H]` (Qwen3's q_norm/k_norm run on `[T, heads, D]
 the qkv projection, so the kernels take strided rows instead of forcing a copy).
 The fused variant first stores residual <- x + residual (rounded to residual's dtype, as an
 unfused model would) and normalises that rounded sum. `fused_add_rms_norm_slots(slots, residual, weight,
-eps)` takes a fused MoE's unsummed output (kernels/moe_ref.py: ExpertSlots) as x: x = moe_sum(slots,
-residual.dtype), the fp32 sum over a token's valid slots rounded once, read in the same launch (the MoE's
-sum kernel and its [T, H] round trip folded away: one launch a MoE layer fewer).
+eps)` takes a fused MoE's unsummed output (kernels/moe_ref.py: ExpertSlots, in the model's dtype) as x:
+x = moe_sum(slots, residual.dtype), the fp32 sum over a token's valid slots rounded once, read in the same
+launch (the MoE's sum kernel and its [T, H] round trip folded away: one launch a MoE layer fewer).
 
 Rounding points follow HF transformers' `Qwen3RMSNorm` (`weight * hidden.to(input_dtype)`):
 the mean of squares, rsqrt and n are fp32 math on the fp32-converted input, n is rounded to the
@@ -64,8 +64,9 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Rows are addressed as (outer, inner) of a [outer, inner, H] view so that strided views
-    # (e.g. per-head slices of a fused qkv tensor) need no copy. SLOTS: x is a fused MoE's fp32 slots
-    # [n_rows * TOP_K, H] (row stride x_stride0), summed over each row's slots with a valid id (0 if TOP_K is 0).
+    # (e.g. per-head slices of a fused qkv tensor) need no copy. SLOTS: x is a fused MoE's slots [n_rows * TOP_K, H]
+    # (row stride x_stride0) in the model's dtype (any float dtype), summed in fp32 over each row's slots with a
+    # valid id (0 if TOP_K is 0).
     pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -81,7 +82,7 @@ def _rms_norm_kernel(
             expert = tl.load(ids_ptr + rows * TOP_K + k, mask=row_mask, other=-1)
             valid = (expert >= 0) & (expert < num_experts)
             x += tl.load(x_ptr + (rows * TOP_K + k)[:, None] * x_stride0 + cols[None, :],
-                         mask=mask & valid[:, None], other=0.0)
+                         mask=mask & valid[:, None], other=0.0).to(tl.float32)
         x = x.to(res_ptr.dtype.element_ty).to(tl.float32)  # the MoE output's one rounding (its sum kernel's)
     else:
         x_off = (outer * x_stride0 + inner * x_stride1)[:, None] + cols[None, :]
@@ -118,12 +119,13 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 
 def _launch_rms_norm(x, residual, weight, eps, pdl, slots: ExpertSlots | None = None):
     require_triton()
-    if slots is not None:  # x: the slots' [T*K, H] fp32 rows, read by token; the shapes are the residual's
+    if slots is not None:  # x: the slots' [T*K, H] rows (any float dtype), read by token; the shapes: the residual's
         num_tokens, top_k = slots.ids.shape
         if (slots.out.dim() != 2 or slots.out.shape[0] != num_tokens * top_k or slots.out.stride(-1) != 1
+                or not slots.out.dtype.is_floating_point
                 or residual.dim() != 2 or residual.shape != (num_tokens, slots.out.shape[1])):
-            raise ValueError(f"slots out {tuple(slots.out.shape)} / ids {tuple(slots.ids.shape)} do not fit the "
-                             f"residual {tuple(residual.shape)}")
+            raise ValueError(f"slots out {tuple(slots.out.shape)} {slots.out.dtype} / ids {tuple(slots.ids.shape)} "
+                             f"do not fit the residual {tuple(residual.shape)}")
         x = residual
     hidden = x.shape[-1]
     if weight.shape != (hidden,):

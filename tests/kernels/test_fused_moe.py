@@ -33,7 +33,7 @@ from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
 from metainfer.kernels.moe_routing import route_topk_triton
 from metainfer.kernels.tuned_configs import CONFIG_DIR, SECTIONS
 from tests.helpers.aot import aot_main, run_aot_main
-from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
+from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU, REF_DTYPES
 
 triton = pytest.importorskip("triton")
 
@@ -443,7 +443,7 @@ def test_slots_then_norm_equal_the_summed_path(dtype, num_tokens):
     args[4][0, 1] = experts  # out of range: its slot row is left unwritten by the kernels
     slots = fused_moe_slots_triton(*args, config=SMALL)
     ref_slots = fused_moe_slots_ref(*args)
-    assert slots.out.shape == (num_tokens * top_k, hidden) and slots.out.dtype == torch.float32
+    assert slots.out.shape == (num_tokens * top_k, hidden) and slots.out.dtype == ref_slots.out.dtype == dtype
     valid = ((ref_slots.ids >= 0) & (ref_slots.ids < experts)).flatten()
     err = (slots.out[valid].double() - ref_slots.out[valid].double()).abs().max().item()
     assert err / ref_slots.out[valid].double().abs().max().item() < TOL[dtype]
@@ -461,6 +461,103 @@ def test_slots_then_norm_equal_the_summed_path(dtype, num_tokens):
     for got, want in ((folded, ref), (res_folded, res_ref)):
         err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
         assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def _brute_slots(x, w13, w2, weights, ids, dtype):
+    """The slot terms [T*K, H] in `dtype` by a plain loop over (token, slot), independent of kernels/moe_ref.py:
+    gate = x[t] . w13[e, :N], up = x[t] . w13[e, N:] (float64, rounded to dtype), h = silu(gate) * up (float64,
+    rounded), d = w2[e] @ h (float64, rounded), term = d * weight as an fp32 product, rounded to dtype. Rows of
+    ids outside [0, E) stay 0."""
+    num_experts, n = w13.shape[0], w13.shape[1] // 2
+    num_tokens, top_k = ids.shape
+    out = torch.zeros(num_tokens * top_k, x.shape[1], dtype=dtype)
+    for t in range(num_tokens):
+        xt = x[t].cpu().double()
+        for k in range(top_k):
+            e = int(ids[t, k])
+            if not 0 <= e < num_experts:
+                continue
+            w = w13[e].cpu().double()
+            gate, up = (w[:n] @ xt).to(dtype).double(), (w[n:] @ xt).to(dtype).double()
+            hidden = (torch.nn.functional.silu(gate) * up).to(dtype).double()
+            down = (w2[e].cpu().double() @ hidden).to(dtype)
+            out[t * top_k + k] = (down.float() * weights[t, k].cpu().float()).to(dtype)
+    return out
+
+
+def _check_slots_against_brute(got: torch.Tensor, want: torch.Tensor, dtype):
+    """In a 16-bit dtype the terms are bit for bit the loop's, but for 2% (the GEMMs' accumulation order against
+    float64 can move a rounding, off by about an ulp of the largest term); rounding the down GEMM's fp32 product
+    only once instead of twice would leave ~25% of them one ulp off. In fp32 (no rounding to see) a relative
+    tolerance."""
+    assert got.dtype == want.dtype == dtype
+    got = got.cpu()
+    if dtype == torch.float32:
+        err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
+        assert err < TOL[dtype], f"relative error {err:.2e}"
+        return
+    same = got == want
+    assert same.float().mean().item() >= 0.98, f"{(~same).sum().item()} of {same.numel()} terms differ"
+    assert (got.float() - want.float()).abs().max().item() <= torch.finfo(dtype).eps * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", REF_DTYPES)
+def test_slots_ref_rounds_each_term_to_x_dtype(dtype):
+    """fused_moe_slots_ref's terms (the CPU engine's) against the independent loop, in bf16 too."""
+    from metainfer.kernels.moe_ref import fused_moe_slots_ref
+
+    args = [a.cpu() for a in _moe_inputs(9, 8, 40, 48, 3, dtype, seed=21)]
+    args[4][2, 1] = -1  # an id outside [0, E): its row is 0 in both
+    slots = fused_moe_slots_ref(*args)
+    _check_slots_against_brute(slots.out, _brute_slots(*args, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_slots_kernel_rounds_each_term_to_x_dtype(dtype):
+    """The Triton slots (interpreted on the CPU in fp32 and fp16, the interpreter mishandling bf16 dots and
+    casts; compiled in bf16 too on the GPU tier) against the independent loop; the K-slot sum of the rounded
+    terms (fp32, one rounding) stays within a small tolerance of the unrounded float64 MoE (the fp32 model), and
+    closer to it than HF transformers' accumulation (each term rounded, summed in the model dtype) of the same
+    terms, the contract's justification."""
+    from metainfer.kernels.fused_moe import fused_moe_slots_triton, moe_sum_triton
+
+    num_tokens, top_k, hidden = 16, 6, 64
+    args = _moe_inputs(num_tokens, 8, 40, hidden, top_k, dtype, seed=22)
+    slots = fused_moe_slots_triton(*args, config=SMALL)
+    want = _brute_slots(*args, dtype)
+    _check_slots_against_brute(slots.out, want, dtype)
+    exact = _brute_moe(*args)
+    summed = moe_sum_triton(slots, dtype).cpu().double()
+    hf = torch.zeros(num_tokens, hidden, dtype=dtype)
+    for k in range(top_k):  # HF: index_add_ of each rounded term into a model-dtype buffer
+        hf += want.view(num_tokens, top_k, hidden)[:, k]
+    scale = exact.abs().max().item()
+    assert (summed - exact).abs().max().item() / scale < TOL[dtype]
+    if dtype != torch.float32:
+        rms = lambda d: d.pow(2).mean().sqrt().item()  # noqa: E731
+        assert rms(summed - exact) <= rms(hf.double() - exact)
+
+
+@pytest.mark.parametrize("slot_dtype", REF_DTYPES)
+def test_norm_and_sum_over_slots_of_any_float_dtype(slot_dtype):
+    """The norm's and the sum kernel's slot loads take any float dtype (fp32 residual here: the interpreter loads
+    bf16 exactly, its casts to bf16 truncate), against the references."""
+    from metainfer.kernels.fused_moe import moe_sum_triton
+    from metainfer.kernels.moe_ref import ExpertSlots, moe_sum_ref
+    from metainfer.kernels.rms_norm import fused_add_rms_norm_slots_ref, fused_add_rms_norm_slots_triton
+
+    g = torch.Generator().manual_seed(23)
+    ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
+    slots = ExpertSlots(torch.randn(12, 40, generator=g).to(DEVICE, slot_dtype), ids.to(DEVICE), 4)
+    residual = torch.randn(4, 40, generator=g).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(40, generator=g)).to(DEVICE)
+    torch.testing.assert_close(moe_sum_triton(slots, torch.float32), moe_sum_ref(slots, torch.float32),
+                               rtol=1e-6, atol=1e-6)
+    res_t, res_r = residual.clone(), residual.clone()
+    got, _ = fused_add_rms_norm_slots_triton(slots, res_t, weight, 1e-6)
+    want, _ = fused_add_rms_norm_slots_ref(slots, res_r, weight, 1e-6)
+    torch.testing.assert_close(res_t, res_r, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled kernels at a real width (GPU tier)")

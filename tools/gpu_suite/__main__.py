@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-models", default="deepseek-v2-lite,qwen3-30b-a3b",
                    help="moe_families: comma list of benchmarks/configs names")
     p.add_argument("--moe-parts", default="engine,hf,agreement",
-                   help="moe_families: comma list of engine, hf, agreement, bs1_ab (in-engine bs1 A/B)")
+                   help="moe_families: comma list of engine, hf, agreement, bs1_ab (in-engine bs1 A/B), "
+                        "prefill_ab (MLA prefill rule A/B)")
     p.add_argument("--moe-bench-tokens", default="",
                    help="bench_moe: comma list of token counts (default: the tool's)")
     p.add_argument("--moe-tune-shapes", default="",

@@ -202,7 +202,7 @@ def prefill_ab(args, name: str) -> dict:
     from metainfer.bench.latency import run_latency
     from metainfer.bench.throughput import run_throughput
 
-    llm = _engine(family_dir(args, name))
+    llm = _engine(family_dir(args, name), enable_prefix_caching=False)  # each variant runs the same prompts
     backend = llm.llm_engine.runner.attn_backend
     res = {}
     try:
