@@ -8,6 +8,7 @@ Triton launcher is actually used.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Mapping
 from dataclasses import asdict, fields
@@ -16,10 +17,12 @@ from typing import ClassVar, TypeVar
 try:
     import triton
     import triton.language as tl
+    from triton.compiler import CompiledKernel
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     HAS_TRITON = False
+    CompiledKernel = type("CompiledKernel", (), {})  # nothing is one: PlannedLaunch never launches directly
 
     class _MissingKernel:
         def __init__(self, fn):
@@ -130,21 +133,56 @@ class PlannedLaunch:
     it: ~3 us of Python a call instead of ~8-10 (docs/results/launcher_overhead_cpu.json). The kernel's
     arguments are (q, k_cache, v_cache, *before_out, out, *after_out); every call must pass tensors of the
     planned shapes, strides and dtypes (one step's layers do: views of one pool, one static or fresh output).
-    kernel None: an empty launch (the output alone, allocated when not given)."""
+    kernel None: an empty launch (the output alone, allocated when not given).
 
-    __slots__ = ("kernel", "grid", "before_out", "after_out", "kwargs", "out_shape", "out_dtype")
+    The first call launches through Triton's JITFunction (binding, specialization, the compiled-kernel lookup);
+    the calls after it launch the compiled kernel it returned directly (`CompiledKernel[grid]`), the arguments
+    already in signature order. That is valid while the four varying tensors keep the specialization the first
+    call saw: Triton specializes a pointer on 16-byte alignment, so all four must be 16-byte aligned then and at
+    every direct call (a call that is not goes through JITFunction; the plan's other arguments never change)."""
+
+    __slots__ = ("kernel", "grid", "before_out", "after_out", "kwargs", "out_shape", "out_dtype", "_direct",
+                 "_constexprs")
 
     def __init__(self, kernel, grid, before_out: tuple, after_out: tuple, kwargs: dict, out_shape, out_dtype):
         self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
         self.before_out, self.after_out = before_out, after_out
         self.out_shape, self.out_dtype = tuple(out_shape), out_dtype
+        self._direct = None  # the compiled kernel's launcher once known; False: this plan never launches directly
+        self._constexprs = ()
 
     def __call__(self, q, k_cache, v_cache, out=None):
         if out is None:
             out = q.new_empty(self.out_shape, dtype=self.out_dtype)
-        if self.kernel is not None:
-            self.kernel[self.grid](q, k_cache, v_cache, *self.before_out, out, *self.after_out, **self.kwargs)
+        if self.kernel is None:
+            return out
+        direct = self._direct
+        if direct and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | out.data_ptr()) & 15:
+            direct(q, k_cache, v_cache, *self.before_out, out, *self.after_out, *self._constexprs)
+            return out
+        compiled = self.kernel[self.grid](q, k_cache, v_cache, *self.before_out, out, *self.after_out, **self.kwargs)
+        if direct is None:
+            self._direct = self._direct_launcher(compiled, (q, k_cache, v_cache, out))
         return out
+
+    def _direct_launcher(self, compiled, tensors):
+        """compiled[grid] when the first call's kernel can be relaunched directly, else False (the interpreter, a
+        wrapper without a plain signature, a constexpr with neither a value nor a default, an unaligned tensor)."""
+        params = getattr(self.kernel, "params", None)
+        if not isinstance(compiled, CompiledKernel) or params is None or any(t.data_ptr() & 15 for t in tensors):
+            return False
+        num_given = 4 + len(self.before_out) + len(self.after_out)
+        constexprs = []
+        for param in params[num_given:]:
+            if param.name in self.kwargs:
+                constexprs.append(self.kwargs[param.name])
+            elif param.default is not inspect.Parameter.empty:
+                constexprs.append(param.default)
+            else:
+                return False
+        self._constexprs = tuple(constexprs)
+        grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        return compiled[grid]
 
 
 __all__ = ["HAS_TRITON", "PlannedLaunch", "cdiv", "next_pow2", "pdl_args", "pdl_enter", "pdl_supported",

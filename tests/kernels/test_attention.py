@@ -451,3 +451,29 @@ def test_a_planned_launch_replays_over_other_layers_caches(dtype):
     got = paged_decode_attention_triton(q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
                                         batch.context_lens[:0], 0.1, plans=empty)
     assert got.shape == (0, 4, 64) and next(iter(empty.values())).kernel is None
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_a_planned_launch_relaunches_its_compiled_kernel_directly(dtype):
+    """PlannedLaunch: the first call goes through Triton's JITFunction; on a GPU the next ones launch the compiled
+    kernel it returned (no binding or specialization a call), which must give each layer's reference result; a
+    call whose q is not 16-byte aligned (another specialization) goes through JITFunction again and is right too.
+    The interpreter (CPU) has no compiled kernel: every call goes through JITFunction."""
+    hq, hk, head_dim = 8, 2, 64
+    batch = make_paged_batch(DECODE_CONTEXTS, 16, hk, head_dim, dtype)
+    q = _randn(len(DECODE_CONTEXTS), hq, head_dim, dtype=dtype, seed=5, device=DEVICE)
+    plans = {}
+    caches = [(batch.k_cache, batch.v_cache)] + [
+        (_randn(*batch.k_cache.shape, dtype=dtype, seed=20 + i, device=DEVICE),
+         _randn(*batch.v_cache.shape, dtype=dtype, seed=30 + i, device=DEVICE)) for i in range(2)]
+    flat = torch.empty(q.numel() + 8, dtype=dtype, device=DEVICE)
+    unaligned = flat[1:1 + q.numel()].view(q.shape)  # q's shape and strides, 2-4 bytes off alignment
+    unaligned.copy_(q)
+    assert unaligned.data_ptr() % 16 and unaligned.stride() == q.stride()
+    for query in (q, q, unaligned, q):
+        for k_cache, v_cache in caches:
+            args = (query, k_cache, v_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+            got = paged_decode_attention_triton(*args, max_num_splits=3, block_n=16, min_split_tokens=16, plans=plans)
+            _close(got, paged_decode_attention_ref(*args), dtype)
+    (plan,) = plans.values()
+    assert bool(plan._direct) == (DEVICE == "cuda")

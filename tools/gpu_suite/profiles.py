@@ -208,7 +208,7 @@ def profile_mixed(args, results) -> dict:
                 torch.cuda.synchronize()
 
     res = {"running": 64, "prompt_len_running": 512}
-    for name, prompt_len in (("decode", 0), ("mixed_128", 128), ("mixed_512", 512)):
+    for name, prompt_len in (("decode", 0), ("mixed_128", 128), ("mixed_256", 256), ("mixed_512", 512)):
         n = 12
         steps(prompt_len, 4)  # settle
         enqueue.clear()
@@ -236,39 +236,30 @@ def profile_mixed(args, results) -> dict:
                      "top_kernels_ms_per_step": top_kernels(prof, n, 12),
                      "host_ms_per_step_by_function": host_functions}
         show(f"profile_mixed {name}", {k: v for k, v in res[name].items() if not k.startswith(("top", "host_ms"))})
-    # the planned attention launches' A/B (session 19): the 128-token mixed step again with every call planning
-    # its own launch (a plans dict that keeps nothing), wall and enqueue only, then planned again
-    build = runner.attn_backend.build_metadata
+    # the direct relaunch of a planned attention kernel's compiled kernel (session 28, kernels/_triton.PlannedLaunch)
+    # against every launch through Triton's JITFunction: the 256-token mixed step's enqueue and wall, then direct again
+    from metainfer.kernels._triton import PlannedLaunch
 
-    class _KeepsNothing(dict):
-        def __setitem__(self, key, value):
-            pass
-
-    def unplanned(*args, **kwargs):
-        meta = build(*args, **kwargs)
-        for part in (meta, meta.decode_part, meta.prefill_part):
-            if part is not None:
-                part.launch_plans = _KeepsNothing()
-        return meta
-
-    for name, patched in (("mixed_128_unplanned", True), ("mixed_128_planned_again", False)):
-        if patched:  # an instance attribute over the backend's static method: the runner and the pieces call it
-            runner.attn_backend.build_metadata = unplanned
+    direct_launcher = PlannedLaunch._direct_launcher
+    for name, through_jit in (("mixed_256_jit_launch", True), ("mixed_256_direct_again", False)):
+        if through_jit:
+            PlannedLaunch._direct_launcher = lambda self, compiled, tensors: False
         else:
-            del runner.attn_backend.build_metadata
-        steps(128, 4)
+            PlannedLaunch._direct_launcher = direct_launcher
+        steps(256, 4)
         enqueue.clear()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        steps(128, 12)
+        steps(256, 12)
         torch.cuda.synchronize()
         host = [ms for mixed, ms in enqueue if mixed]
         res[name] = {"wall_ms_per_step": (time.perf_counter() - start) / 12 * 1e3,
                      "host_enqueue_ms_median": statistics.median(host) if host else None}
         show(f"profile_mixed {name}", res[name])
+    PlannedLaunch._direct_launcher = direct_launcher
     runner.compute_logits = forward
-    # the closures hold the engine (and `build` its backend, whose KV pool is most of the GPU): drop both before
-    # releasing its memory (run 69 on an H100: the GPU tests after this section found no memory for their KV cache)
-    llm = engine = runner = build = None
+    # the closures hold the engine and `forward` (the runner's bound method) its runner, whose KV pool is most of the
+    # GPU: drop them before releasing its memory (runs 69 and 99: the section after this one found no memory left)
+    llm = engine = runner = forward = None
     release()
     return res
