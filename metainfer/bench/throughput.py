@@ -82,6 +82,7 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
     # warm-up on a prompt of its own: reusing a measured one would make its blocks prefix-cache hits
     llm.generate({"prompt_token_ids": list(range(1, 17))}, SamplingParams(max_tokens=8), use_tqdm=False)
     sync(device)
+    kept = engine.step_trace  # an engine built with step_trace_path keeps its own record: this run's steps join it
     engine.step_trace = []
     allocs_before = _allocator_counts(device)
     start = time.perf_counter()
@@ -91,7 +92,7 @@ def run_throughput(llm, num_seqs=256, min_in=100, max_in=1024, min_out=100, max_
         end = time.perf_counter()
         trace = engine.step_trace
     finally:
-        engine.step_trace = None
+        engine.step_trace = None if kept is None else kept + engine.step_trace
     elapsed = end - start
     allocator = {k: v - allocs_before.get(k, 0) for k, v in _allocator_counts(device).items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)

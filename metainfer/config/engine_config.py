@@ -124,7 +124,9 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0
     # per-request bounds checked when a request is added (engine/request_validation.py)
     max_n: int = 128  # samples of one request (OpenAI's own cap); vLLM caps best-of fan-out alike
-    max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
+    # top logprobs a request may ask for (vLLM's default); -1: no cap, so logprobs / prompt_logprobs = -1 (the whole
+    # vocabulary, vLLM's) are allowed (otherwise only where the vocabulary fits under the cap)
+    max_logprobs: int = 20
     # launch step n+1 before reading step n back (None: on for a single CUDA GPU, off elsewhere)
     async_scheduling: bool | None = None
     # kill switches (on by default where the device supports them; env overrides: config/env.py)
@@ -137,9 +139,9 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     # external launcher: how long a rank waits for the others (joining; each collective) before it fails
     distributed_timeout_s: float = 600.0
-    # a profiling aid: every step's launch (perf_counter seconds, prefill?, sequences, tokens) is kept and written
-    # to this JSON file when the engine closes (`metainfer serve --step-trace`: the server's step timeline beside
-    # the offline engine's); ~40 bytes a step in memory until then. None: nothing is kept
+    # a profiling aid: every step's launch (perf_counter seconds, prefill?, sequences, tokens, decode rows, and when
+    # it was read back) is kept and written to this JSON file when the engine closes (`metainfer serve --step-trace`:
+    # the server's step timeline beside the offline engine's); ~150 bytes a step in memory until then. None: nothing
     step_trace_path: str | None = None
     # filled by finalize()
     spec: ModelSpec | None = None
@@ -159,8 +161,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
-        if self.max_logprobs < 0:
-            raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be >= 0, or -1 (no cap), got {self.max_logprobs}")
         if not 0 <= self.seed < 2**64:  # torch.manual_seed's (its overflow names no field) and MLX's (no negatives)
             raise ConfigError(f"seed must be in [0, 2**64), got {self.seed}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -80,6 +80,7 @@ class LaunchedStep:
     sampling: list[Sequence]
     token_index: list[int]  # per sampling sequence: where its PENDING token sits in token_ids
     sampled: HostSample | None
+    trace: list | None = None  # its step_trace record, whose last field is set when it is read back
 
 
 class LLMEngine:
@@ -128,6 +129,7 @@ class LLMEngine:
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else NoText()
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token of each id met so far (_fill_token_texts)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "failed_steps": 0, "failed_requests": 0}
         self._failed: list[Request] = []  # finished by fault isolation, reported by the next step()
@@ -138,19 +140,24 @@ class LLMEngine:
         # Test hook: called with each sequence before its new token is processed on the host (logprobs,
         # detokenizing, stop checks); raising there finishes only that sequence's request (_read_back).
         self.output_fault_hook: Callable[[Sequence], None] | None = None
-        # A list to have every launch recorded as (perf_counter, is_prefill, sequences, tokens, decode rows): the
-        # throughput bench's timeline, and config.step_trace_path's (written at close). None records nothing.
-        self.step_trace: list[tuple[float, bool, int, int, int]] | None = [] if config.step_trace_path else None
+        # A list to have every launch recorded as [perf_counter at launch, is_prefill, sequences, tokens, decode
+        # rows, perf_counter when read back (None until then, and for a step that samples nothing: nothing to wait
+        # on)]: the throughput bench's timeline, and config.step_trace_path's (written at close, by the rank that
+        # schedules: under an external launcher, rank 0). None records nothing.
+        self.step_trace: list[list] | None = (
+            [] if config.step_trace_path and (self.launcher is None or self.launcher.is_leader) else None)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, stream: bool = True) -> None:
+                    params: SamplingParams | None = None, stream: bool = True, decode_logprobs: bool = True) -> None:
         """Queue a request. `stream=False` (offline use) reports it only when finished and
-        detokenizes once at the end unless stop strings need the text as it grows."""
-        self._queue(self._prepare(request_id, prompt, params, stream))
+        detokenizes once at the end unless stop strings need the text as it grows. `decode_logprobs`: set the
+        `decoded_token` of its logprobs and prompt logprobs (vLLM's field; an engine without a tokenizer leaves
+        it None); the server's engine process passes False (its HTTP process decodes the tokens it answers)."""
+        self._queue(self._prepare(request_id, prompt, params, stream, decode_logprobs))
 
     def add_request_group(self, items: list[tuple[str, str | list[int] | dict, SamplingParams]],
-                          stream: bool = True) -> None:
+                          stream: bool = True, decode_logprobs: bool = True) -> None:
         """Queue the engine requests of one client request, all or none: together they may ask for at most
         max_n choices (prompts x n) and their samples must fit in the KV pool together (one request's token
         budget, `request_validation.check_group_budget`)."""
@@ -161,14 +168,15 @@ class LLMEngine:
                 if isinstance(p, SamplingParams):
                     p.validate()
             check_fan_out(len(items), [p.n if isinstance(p, SamplingParams) else 1 for p in params], limits.max_n)
-        requests = [self._prepare(rid, prompt, params, stream) for rid, prompt, params in items]
+        requests = [self._prepare(rid, prompt, params, stream, decode_logprobs) for rid, prompt, params in items]
         if len({r.request_id for r in requests}) != len(requests):
             raise ValueError("request ids of a group must differ")
         check_group_budget([kv_tokens_needed(r.params, len(r.prompt_token_ids), limits) for r in requests], limits)
         for request in requests:
             self._queue(request)
 
-    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool) -> Request:
+    def _prepare(self, request_id: str, prompt, params: SamplingParams | None, stream: bool,
+                 decode_logprobs: bool = True) -> Request:
         """Tokenize and check a request (raise ValueError naming the field); queue nothing."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "sampling_params must be a SamplingParams, got "
@@ -188,8 +196,11 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         check_request(params, ids, self.spec.vocab_size, self.request_limits())  # engine/request_validation.py
         seqs = [Sequence(request_id, i, ids, params) for i in range(params.n)]
+        texts = decode_logprobs and self.tokenizer is not None and (params.logprobs is not None
+                                                                   or params.prompt_logprobs is not None)
         for seq in seqs:
             seq.incremental_detokenize = stream or bool(params.stop_strings)
+            seq.decode_logprobs = texts
         return Request(request_id, text, ids, params, seqs, stream=stream)
 
     def _queue(self, request: Request) -> None:
@@ -204,7 +215,7 @@ class LLMEngine:
             self._id_space = max(self.spec.vocab_size, len(self.tokenizer) if self.tokenizer is not None else 0)
         return RequestLimits(vocab_size=self._id_space,
                              max_model_len=c.max_model_len, max_n=min(c.max_n, c.max_num_seqs),
-                             max_logprobs=min(c.max_logprobs, self.spec.vocab_size),
+                             max_logprobs=-1 if c.max_logprobs == -1 else min(c.max_logprobs, self.spec.vocab_size),
                              kv_tokens=self.block_manager.num_blocks * c.block_size,
                              shared_prompt=c.enable_prefix_caching)
 
@@ -249,16 +260,18 @@ class LLMEngine:
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the forward and the sampling; every sampling sequence gets a PENDING token."""
+        record = None
         if self.step_trace is not None:
-            self.step_trace.append((time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens,
-                                    batch.num_decode_rows))
+            record = [time.perf_counter(), batch.is_prefill, len(batch.seqs), batch.num_tokens,
+                      batch.num_decode_rows, None]
+            self.step_trace.append(record)
         batch, sampled = self._execute_isolating(batch)
         sampling = batch.sampling_seqs
         # before after_step, which zeroes num_scheduled_tokens (a mixed step's decode rows are not prompt)
         self.stats["prompt_tokens"] += batch.num_prefill_tokens
         self.scheduler.after_step(batch)
         index = [seq.add_pending(row) for row, seq in enumerate(sampling)]
-        return LaunchedStep(batch, sampling, index, sampled.to_host() if sampled is not None else None)
+        return LaunchedStep(batch, sampling, index, sampled.to_host() if sampled is not None else None, record)
 
     # -- fault isolation ----------------------------------------------------------------
     def _execute_isolating(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, SampledBatch | None]:
@@ -336,9 +349,14 @@ class LLMEngine:
         """Read back launched steps, oldest first, until `keep` remain in flight."""
         while len(self.in_flight) > keep:
             step = self.in_flight.popleft()
-            result = step.sampled.result() if step.sampled is not None else None
+            scored = step.batch.prompt_logprobs
+            result = None if step.sampled is None else step.sampled.result(
+                [seq.params.prompt_logprobs for seq, _ in scored.owners] if scored is not None else None)
+            if result is not None and step.trace is not None:  # the device finished it (or the host came late)
+                step.trace[-1] = time.perf_counter()
             if result is not None and result.prompt_logprobs is not None:
                 _store_prompt_logprobs(step.batch.prompt_logprobs, result.prompt_logprobs)
+                self._fill_prompt_texts(step.batch.prompt_logprobs)
             now = time.monotonic()
             for i, seq in enumerate(step.sampling):
                 if seq.is_finished:  # stopped or aborted after this step was launched: discard
@@ -365,11 +383,37 @@ class LLMEngine:
                 if seq.block_table:
                     self.block_manager.register_full_blocks(seq)
 
+    def _fill_token_texts(self, entry: dict) -> None:
+        """Set the decoded_token of each Logprob of one position: the tokenizer's decode of its id alone, as vLLM
+        fills it (`convert_ids_list_to_tokens`: `decode([id])`, special tokens kept) and the server's top_logprobs
+        keys are; each id is decoded once per engine."""
+        texts = self._token_texts
+        for token, logprob in entry.items():
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.tokenizer.decode([token])
+            logprob.decoded_token = text
+
+    def _fill_prompt_texts(self, scored) -> None:
+        """The decoded_token of a step's scored prompt tokens, for the requests that asked (decode_logprobs); a
+        failure to decode finishes that request only."""
+        for seq, position in scored.owners:
+            if seq.decode_logprobs and not seq.is_finished:
+                try:
+                    self._fill_token_texts(seq.prompt_logprobs[position])
+                except Exception as exc:
+                    log.error("request %s failed to decode its prompt logprobs' tokens and was finished with an "
+                              "error: %s: %s", seq.request_id, type(exc).__name__, exc)
+                    self._fail_request(seq.request_id, f"{type(exc).__name__}: {exc}")
+
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         """Account for a token just read back (already in seq.token_ids)."""
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]
-            seq.output_logprobs.append({**logprob[1], token: logprob[0]})
+            entry = {**logprob[1], token: logprob[0]}
+            if seq.decode_logprobs:
+                self._fill_token_texts(entry)
+            seq.output_logprobs.append(entry)
         prev_len = len(seq.output_text)
         if seq.incremental_detokenize:
             self.detokenizer.update(seq)
@@ -437,19 +481,22 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def close(self) -> None:
-        if self.config.step_trace_path and self.step_trace is not None:
-            write_step_trace(self.config.step_trace_path, self.step_trace)
-            self.step_trace = None
         if self.tp_driver is not None:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+        if self.config.step_trace_path and self.step_trace is not None:  # last: a failed write leaks no workers
+            trace, self.step_trace = self.step_trace, None
+            try:
+                write_step_trace(self.config.step_trace_path, trace)
+            except OSError as exc:
+                log.error("could not write the step trace to %s: %s", self.config.step_trace_path, exc)
 
 
-STEP_TRACE_FIELDS = ("perf_counter_s", "is_prefill", "num_seqs", "num_tokens", "num_decode_rows")
+STEP_TRACE_FIELDS = ("perf_counter_s", "is_prefill", "num_seqs", "num_tokens", "num_decode_rows", "done_s")
 
 
-def write_step_trace(path: str, trace: list[tuple[float, bool, int, int, int]]) -> None:
+def write_step_trace(path: str, trace: list[list]) -> None:
     """EngineConfig.step_trace_path's file: {"fields": STEP_TRACE_FIELDS, "steps": [[...], ...]}, one row a launch."""
     with open(path, "w") as f:
         json.dump({"fields": list(STEP_TRACE_FIELDS), "steps": [list(step) for step in trace]}, f)
@@ -490,7 +537,8 @@ def _store_prompt_logprobs(scored, entries: list[tuple[float, dict[int, float]]]
     """A step's scored prompt tokens into their sequences (by position: a recomputed prompt rescores the same)."""
     for (seq, position), target, (chosen, top) in zip(scored.owners, scored.targets, entries):
         k = seq.params.prompt_logprobs  # the step's top list is as long as its largest k; it is sorted
-        seq.prompt_logprobs[position] = {**dict(itertools.islice(top.items(), k)), target: chosen}
+        top = top if k == -1 else dict(itertools.islice(top.items(), k))  # -1: the whole vocabulary
+        seq.prompt_logprobs[position] = {**top, target: chosen}
 
 
 def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:

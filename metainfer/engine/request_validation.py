@@ -86,8 +86,8 @@ def check_sampling_params(p) -> None:
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise InvalidRequestError("min_tokens", f"min_tokens must be <= max_tokens ({p.max_tokens}), "
                                                 f"got {p.min_tokens!r}")
-    _int(p, "logprobs", 0, none_ok=True)
-    _int(p, "prompt_logprobs", 0, none_ok=True)
+    for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM's; check_request bounds it)
+        _int(p, name, -1, none_ok=True, what=">= 0 or -1 (the whole vocabulary; it must fit in int64)")
     _float(p, "presence_penalty", -2.0, 2.0)
     _float(p, "frequency_penalty", -2.0, 2.0)
     _float(p, "repetition_penalty", *REPETITION_PENALTY_RANGE)
@@ -124,7 +124,7 @@ class RequestLimits:
     vocab_size: int  # the larger of the model's and the tokenizer's vocabularies: any id either can name
     max_model_len: int
     max_n: int
-    max_logprobs: int
+    max_logprobs: int  # -1: no cap (the model's vocabulary bounds a request's logprobs either way)
     kv_tokens: int | None = None  # the KV pool's size in tokens: what one request's samples may hold at once
     shared_prompt: bool = True  # prefix caching: the samples of a request share its prompt's KV blocks
 
@@ -158,12 +158,8 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
     if p.n > limits.max_n:
         raise InvalidRequestError("n", f"n must be <= {limits.max_n} (the engine's max_n: one request's samples "
                                        f"may not fill the batch), got {p.n}")
-    if p.logprobs is not None and p.logprobs > limits.max_logprobs:
-        raise InvalidRequestError("logprobs", f"logprobs must be <= {limits.max_logprobs} (the engine's "
-                                              f"max_logprobs), got {p.logprobs}")
-    if p.prompt_logprobs is not None and p.prompt_logprobs > limits.max_logprobs:
-        raise InvalidRequestError("prompt_logprobs", f"prompt_logprobs must be <= {limits.max_logprobs} (the "
-                                                     f"engine's max_logprobs), got {p.prompt_logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        _check_num_logprobs(name, getattr(p, name), model_vocab_size, limits.max_logprobs)
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be in [0, {limits.vocab_size}) (the "
@@ -189,6 +185,23 @@ def check_request(p, prompt_token_ids: list[int], model_vocab_size: int, limits:
             raise InvalidRequestError("n", f"n={p.n} samples of up to {longest} tokens need "
                                            f"{need} tokens of KV cache, more than the engine's {limits.kv_tokens}; "
                                            "lower n or max_tokens")
+
+
+def _check_num_logprobs(name: str, asked: int | None, model_vocab_size: int, max_logprobs: int) -> None:
+    """`asked` (a `logprobs` / `prompt_logprobs` value, -1 the whole vocabulary) within the engine's
+    `max_logprobs` (-1: no cap but the vocabulary itself), as vLLM's processor bounds it. The sampler resolves -1
+    to the same vocabulary (worker/sampler.py)."""
+    if asked is None:
+        return
+    cap = model_vocab_size if max_logprobs == -1 else max_logprobs
+    if asked == -1 and model_vocab_size > cap:
+        raise InvalidRequestError(name, f"{name}=-1 requests the whole vocabulary ({model_vocab_size} logprobs a "
+                                        f"token), which is greater than max allowed: {cap} (the engine's "
+                                        "max_logprobs; max_logprobs=-1 lifts the cap)")
+    if asked > cap:
+        what = "the model's vocabulary: the engine's max_logprobs is -1" if max_logprobs == -1 else \
+            "the engine's max_logprobs"
+        raise InvalidRequestError(name, f"{name} must be <= {cap} ({what}), got {asked}")
 
 
 def kv_tokens_needed(p, prompt_len: int, limits: RequestLimits) -> int:

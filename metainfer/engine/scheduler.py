@@ -37,7 +37,7 @@ class PromptLogprobRows:
     rows: list[int]  # flat token rows of the step (a prefill step lays each sequence's new tokens out in order)
     targets: list[int]  # the scored prompt token of each row (rank 0)
     owners: list[tuple[Sequence, int]]  # (sequence, the scored token's position) of each row (rank 0)
-    top_k: int  # the most top logprobs a scored sequence asks for
+    top_k: int  # the most top logprobs a scored sequence asks for (-1: the whole vocabulary)
 
 
 def prompt_logprob_rows(seqs: list[Sequence]) -> PromptLogprobRows | None:
@@ -52,7 +52,8 @@ def prompt_logprob_rows(seqs: list[Sequence]) -> PromptLogprobRows | None:
                 rows.append(offset + p - start)
                 targets.append(seq.token_ids[p + 1])
                 owners.append((seq, p + 1))
-            top_k = max(top_k, seq.params.prompt_logprobs)
+            k = seq.params.prompt_logprobs
+            top_k = -1 if -1 in (top_k, k) else max(top_k, k)
         offset += n
     return PromptLogprobRows(rows, targets, owners, top_k) if rows else None
 

@@ -218,7 +218,8 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="most choices one request may ask for (n, times the prompts of a server request); also "
                         "capped by --max-num-seqs (default 128)")
     p.add_argument("--max-logprobs", type=int, default=20,
-                   help="most top logprobs one request may ask for (logprobs / top_logprobs; default 20)")
+                   help="most top logprobs one request may ask for (logprobs / top_logprobs; default 20); -1: no "
+                        "cap, which allows logprobs=-1 (the whole vocabulary, vLLM's)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=None, help="launch step n+1 before reading step n back (default: on for one CUDA GPU)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],

@@ -445,7 +445,8 @@ def paged_decode_attention_triton(
     # keyed by what may differ between callers of one step's plans (the piecewise capture probes with the packed
     # projection's q, then attends with the static one and an out) and by the tensors the plan holds, so another
     # caller re-plans instead of replaying the wrong launch
-    key = ("paged_decode", q.shape[0], q.stride(0), q.stride(1), q.dtype, scale, id(block_tables), id(context_lens),
+    key = ("paged_decode", q.shape[0], q.stride(0), q.stride(1), q.dtype, k_cache.dtype, k_cache.stride(),
+           v_cache.stride(), scale, id(block_tables), id(context_lens),
            None if out is None else (out.stride(0), out.stride(1)))
     launch = plans.get(key) if plans is not None else None
     if launch is None:

@@ -170,8 +170,9 @@ def paged_prefill_attention_triton(
     int (>= every q_len) that sizes the grid; no GPU value is read on the host. block_m/block_n/
     num_warps/num_stages are tuning knobs (defaults chosen for H200, bf16, D=128). `plans`: as
     paged_decode_attention_triton's (the step's first layer plans the launch, the others replay it)."""
-    key = ("paged_prefill", q.shape[0], q.stride(0), q.stride(1), q.dtype, scale, max_seqlen_q, id(block_tables),
-           id(cu_seqlens_q), id(context_lens), None if out is None else (out.stride(0), out.stride(1)))
+    key = ("paged_prefill", q.shape[0], q.stride(0), q.stride(1), q.dtype, k_cache.dtype, k_cache.stride(),
+           v_cache.stride(), scale, max_seqlen_q, id(block_tables), id(cu_seqlens_q), id(context_lens),
+           None if out is None else (out.stride(0), out.stride(1)))
     launch = plans.get(key) if plans is not None else None
     if launch is None:
         launch = _plan_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale,

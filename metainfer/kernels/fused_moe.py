@@ -23,8 +23,8 @@ Contracts (the math and rounding of kernels/moe_ref.py, docs/CONTRACTS.md "MoE")
   output rounded, times the routing weight in fp32, the product rounded to x's dtype; the K terms summed
   in fp32, rounded once.
 - `fused_moe_slots_triton(...same...) -> ExpertSlots` (kernels/moe_ref.py): kernels 1-4 below, the [T*K, H]
-  slot terms before the sum, in x's dtype (HF transformers' MoE rounds each weighted expert output to the
-  model dtype too: moe_ref's docstring); `moe_sum_triton(slots, dtype)` is kernel 5. The engine's MoE block
+  slot terms before the sum, in x's dtype (why, and how HF transformers rounds them: moe_ref's docstring);
+  `moe_sum_triton(slots, dtype)` is kernel 5. The engine's MoE block
   at tp = 1 hands the slots to the next RMSNorm, which sums them in fp32 in its own launch
   (kernels/rms_norm.py).
 Routing (route_topk_triton, router_topk_triton) lives in kernels/moe_routing.py.

@@ -19,10 +19,14 @@ Contracts (docs/CONTRACTS.md, "MoE"):
   contribute nothing (a rank that holds a slice of the experts: none here, experts are sharded by N).
 - `fused_moe_slots(x, w13, w2, weights, ids) -> ExpertSlots(out[T*K,H] in x's dtype, ids, num_experts)`: the
   same before the K-slot sum: row t*K+k holds slot k's weighted term, round(round(down GEMM) * weight) in x's
-  dtype (rows of invalid ids are never read). Why x's dtype: HF transformers' MoE (5.x) rounds each expert's
-  weighted output to the model dtype too (it index_adds in the model dtype), so these terms summed in fp32
-  stay at least as close to an fp32 model as HF itself, at half the bytes of fp32 slots in a bf16 model (the
-  norm that sums them reads T*K*H of them); in an fp32 model nothing changes.
+  dtype (rows of invalid ids are never read). Why x's dtype: half the bytes of fp32 slots in a bf16 model (the norm
+  that sums them reads T*K*H of them; DeepSeek-V2-Lite throughput +1.2%, docs/PERFORMANCE.md run 100). HF transformers
+  rounds these terms two ways: its default grouped_mm experts keep a term in the product's dtype (fp32 for
+  DeepSeek-V2, whose routing weights are fp32: no rounding; bf16 for Qwen3-MoE, whose router casts them to bf16) and
+  sum in it, its eager experts round each term to the model dtype and index_add them in it. So this is HF's default
+  rounding for Qwen3-MoE and, for DeepSeek-V2, one rounding a term (2^-9 relative in bf16) more than HF's default and
+  less than its eager path; teacher-forced agreement with HF is the check (PERFORMANCE). In an fp32 model nothing
+  changes.
   `moe_sum(slots, dtype) -> y[T,H]` is the sum (in fp32 whatever the slots' dtype, rounded once to `dtype`);
   `fused_add_rms_norm_slots(slots, residual, weight, eps)` is
   `fused_add_rms_norm(moe_sum(slots, residual.dtype), residual, ...)` in one launch on the GPU (the MoE

@@ -33,6 +33,10 @@ class SamplerOutput:
 # each at a 151,936 vocabulary) sit beside the step's sampling logits, which the memory profile holds for
 # max_num_seqs rows; small pieces keep the total well inside what the profile leaves free.
 PROMPT_SCORE_ROWS = 64
+# A top list wider than WIDE_TOP_K (logprobs=-1: the whole vocabulary) is taken WIDE_TOP_ROWS rows at a time and each
+# piece copied to the host at once (`_top`), and read back row by row (`_row_lists`).
+WIDE_TOP_K = 1024
+WIDE_TOP_ROWS = 16
 
 
 @dataclass
@@ -41,15 +45,16 @@ class PromptScores:
 
     chosen: torch.Tensor  # fp32 [R]: log_softmax of the raw logits at each row's next prompt token
     chosen_rank: torch.Tensor  # int64 [R]: tokens at least as likely as it (vLLM's rank: 1 = the most likely)
-    top_values: torch.Tensor | None  # fp32 [R, k] (None for k = 0)
+    top_values: torch.Tensor | None  # fp32 [R, k] (None for k = 0; on the host for a wide k: `_top`)
     top_ids: torch.Tensor | None  # int64 [R, k]
 
     @classmethod
     def of(cls, logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptScores:
         """From the raw logits [R, V] (cut to the vocabulary) of the scored rows, as `_with_logprobs` scores a
-        sampled token."""
+        sampled token; k = -1: the whole vocabulary."""
         logprobs = logits.float().log_softmax(dim=-1)
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        k = logprobs.shape[1] if k == -1 else k
+        top_values, top_ids = _top(logprobs, k) if k else (None, None)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
         return cls(chosen, _rank_of(logprobs, chosen), top_values, top_ids)
 
@@ -68,11 +73,12 @@ class SampledBatch:
     """One step's choices, still on the device (a step that only scores prompt tokens samples no row)."""
 
     token_ids: torch.Tensor  # int64 [B]
-    wanted_logprobs: list[int | None]  # per sequence: requested top-k count or None
+    wanted_logprobs: list[int | None]  # per sequence: requested top-k count (-1 resolved to the vocabulary) or None
     chosen_logprob: torch.Tensor | None = None  # fp32 [B]
     chosen_rank: torch.Tensor | None = None  # int64 [B] (PromptScores.chosen_rank's rule)
-    top_values: torch.Tensor | None = None  # fp32 [B, k]
-    top_ids: torch.Tensor | None = None  # int64 [B, k]
+    # the rows whose wanted count is > 0, in order (k their largest; on the host for a wide k: `_top`)
+    top_values: torch.Tensor | None = None  # fp32 [rows, k]
+    top_ids: torch.Tensor | None = None  # int64 [rows, k]
     prompt: PromptScores | None = None
 
     def to_host(self) -> HostSample:
@@ -99,14 +105,23 @@ class HostSample:
                  prompt: list[torch.Tensor | None] | None = None):
         self._host, self._event, self._wanted, self._prompt = host, event, wanted_logprobs, prompt
 
-    def result(self) -> SamplerOutput:
+    def result(self, prompt_top_k: list[int | None] | None = None) -> SamplerOutput:
+        """`prompt_top_k`: each scored prompt row's own k (its sequence's prompt_logprobs, -1 the whole
+        vocabulary; None: the step's largest): a row gets no more than it asked for."""
         if self._event is not None:
             self._event.synchronize()
         out = self._sampled()
         if self._prompt is not None:
-            chosen, ranks, values, ids = (t.tolist() if t is not None else None for t in self._prompt)
-            out.prompt_logprobs = [(Logprob(c, ranks[r]), _ranked(ids[r], values[r]) if ids is not None else {})
-                                   for r, c in enumerate(chosen)]
+            chosen, ranks = self._prompt[0].tolist(), self._prompt[1].tolist()
+            values, ids = self._prompt[2], self._prompt[3]
+            if ids is None:
+                tops = [{} for _ in chosen]
+            else:
+                width = ids.shape[1]
+                widths = [width if k is None or k == -1 else min(k, width)
+                          for k in (prompt_top_k or [None] * len(chosen))]
+                tops = [_ranked(i, v) for i, v in zip(_row_lists(ids, widths), _row_lists(values, widths))]
+            out.prompt_logprobs = [(Logprob(c, ranks[r]), tops[r]) for r, c in enumerate(chosen)]
         return out
 
     def _sampled(self) -> SamplerOutput:
@@ -114,14 +129,17 @@ class HostSample:
         if len(self._host) == 1:
             return SamplerOutput(token_list, [None] * len(token_list))
         chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
-        top_vals = self._host[3].tolist() if len(self._host) > 3 else None
-        top_ids = self._host[4].tolist() if len(self._host) > 3 else None
-        out = []
+        widths = [n for n in self._wanted if n]  # the rows the top tensors hold
+        top_vals = _row_lists(self._host[3], widths) if len(self._host) > 3 else None
+        top_ids = _row_lists(self._host[4], widths) if len(self._host) > 3 else None
+        out, held = [], 0
         for row, n in enumerate(self._wanted):
             if n is None:
                 out.append(None)
                 continue
-            top = _ranked(top_ids[row][:n], top_vals[row][:n]) if n else {}
+            top = {}
+            if n:
+                top, held = _ranked(top_ids[held], top_vals[held]), held + 1
             out.append((Logprob(chosen[row], ranks[row]), top))
         return SamplerOutput(token_list, out)
 
@@ -129,6 +147,32 @@ class HostSample:
 def _ranked(ids: list[int], values: list[float]) -> dict[int, Logprob]:
     """A sorted top-k list as {token: Logprob}, ranks 1..k."""
     return {i: Logprob(v, rank) for rank, (i, v) in enumerate(zip(ids, values), 1)}
+
+
+def _row_lists(t: torch.Tensor, widths: list[int]) -> list[list]:
+    """The rows of a host [R, k] tensor as lists, row r cut to widths[r]: one tolist of the whole for a narrow k,
+    row by row for a wide one (a whole vocabulary's row is V entries: a row that wants 5 of them builds 5 floats)."""
+    if t.shape[1] <= WIDE_TOP_K:
+        return [row[:n] for row, n in zip(t.tolist(), widths)]
+    return [t[r, :n].tolist() for r, n in enumerate(widths)]
+
+
+def _top(logprobs: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of each row of `logprobs` (of those `rows` alone when given), sorted: (fp32 values, int64 ids).
+    A wide k (beyond WIDE_TOP_K: logprobs=-1 asks for the whole vocabulary) is taken WIDE_TOP_ROWS rows at a time and
+    each piece copied to the host at once (a synchronous copy, paid by such steps only): 12 bytes x V a row would
+    otherwise pile up on the device beside the step's logits, beyond the sampler's share of the memory profile
+    (three fp32 [max_num_seqs, V] temporaries), for a whole prompt's rows."""
+    if k <= WIDE_TOP_K:
+        return (logprobs if rows is None else logprobs.index_select(0, rows)).topk(k, dim=-1)
+    values, ids = [], []
+    for start in range(0, logprobs.shape[0] if rows is None else rows.shape[0], WIDE_TOP_ROWS):
+        piece = logprobs[start:start + WIDE_TOP_ROWS] if rows is None else \
+            logprobs.index_select(0, rows[start:start + WIDE_TOP_ROWS])
+        top_values, top_ids = piece.topk(k, dim=-1)
+        values.append(top_values.cpu())
+        ids.append(top_ids.cpu())
+    return torch.cat(values), torch.cat(ids)
 
 
 def _rank_of(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -192,7 +236,7 @@ class Sampler:
             temps = self._rows([p.temperature if not p.greedy else 0.0 for p in params], torch.float32)
             sampled = self._sample(logits, seqs, temps)
             tokens = torch.where(temps == 0, tokens, sampled)
-        wanted = [p.logprobs for p in params]
+        wanted = [self.vocab_size if p.logprobs == -1 else p.logprobs for p in params]  # -1: the whole vocabulary
         if all(n is None for n in wanted):
             return SampledBatch(tokens, wanted)
         return self._with_logprobs(raw, tokens, wanted)
@@ -293,10 +337,15 @@ class Sampler:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
     # -- logprobs ---------------------------------------------------------------------
-    @staticmethod
-    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> SampledBatch:
+    def _with_logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> SampledBatch:
+        """The chosen tokens' logprobs and ranks, and the top lists of the rows that want some (their largest k;
+        the rows that want none are left out: one whole-vocabulary request beside 255 rows without top logprobs
+        takes a [1, V] top list, not [256, V])."""
         logprobs = raw.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         k = max(n or 0 for n in wanted)
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        top_vals = top_ids = None
+        if k:
+            rows = [row for row, n in enumerate(wanted) if n]
+            top_vals, top_ids = _top(logprobs, k, None if len(rows) == len(wanted) else self._rows(rows, torch.long))
         return SampledBatch(tokens, wanted, chosen, _rank_of(logprobs, chosen), top_vals, top_ids)

@@ -1,7 +1,8 @@
 """Logprobs carry vLLM's `Logprob` fields: `.logprob`, `.rank` (the count of vocabulary tokens at least as likely:
-1 for the argmax) and `.decoded_token` (the token's text, set by LLM.generate when the engine has a tokenizer), while
-staying floats. References: HF transformers' teacher-forced log_softmax (ranks counted in torch from it) and the
-tokenizer's own decode; the sampled and the prompt tokens' logprobs, both backends."""
+1 for the argmax) and `.decoded_token` (the token's text alone: set in every output LLMEngine.step returns, so
+LLM.generate's too, when the engine has a tokenizer; the server's engine process leaves it to the HTTP process),
+while staying floats. References: HF transformers' teacher-forced log_softmax (ranks counted in torch from it) and
+the tokenizer's own decode; the sampled and the prompt tokens' logprobs, both backends."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from metainfer import LLM, SamplingParams
+from metainfer.entrypoints.openai.engine_core import EngineCore
 from metainfer.outputs import Logprob
 from tests.helpers.engine_checks import BACKENDS
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
@@ -90,3 +92,107 @@ def test_logprob_is_a_float_that_pickles_and_serialises():
     assert isinstance(back, Logprob) and (back.logprob, back.rank, back.decoded_token) == (-1.25, 4, " the")
     assert json.loads(json.dumps({"v": lp})) == {"v": -1.25}
     assert "rank=4" in repr(lp) and Logprob(0.0).rank is None and Logprob(0.0).decoded_token is None
+
+
+def _texts_of(out) -> list[tuple[int, str | None]]:
+    """(id, decoded_token) of every Logprob an output carries: its samples' logprobs and its prompt logprobs."""
+    entries = [e for c in out.outputs for e in (c.logprobs or [])] + [e for e in (out.prompt_logprobs or []) if e]
+    return [(t, v.decoded_token) for e in entries for t, v in e.items()]
+
+
+def _drive(engine, stream: bool, params: SamplingParams, prompts: list[list[int]], **kw) -> dict[str, list]:
+    """Every RequestOutput step() returns for `prompts` added through LLMEngine.add_request, per request."""
+    seen: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params, stream=stream, **kw)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_engine_step_outputs_carry_decoded_tokens(reference, stream):
+    """LLMEngine.add_request + step(), streamed or not: every output's logprobs and prompt logprobs have
+    decoded_token = the tokenizer's own decode of that id alone (vLLM's output processor fills it the same way),
+    on every streamed output, not only the last; the values are HF's (ranks and logprobs as above)."""
+    folder, model, prompts = reference
+    tok = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+        seen = _drive(llm.llm_engine, stream, params, prompts)
+        for prompt, outs in zip(prompts, seen.values()):
+            assert outs[-1].finished and (len(outs) == 5 if stream else len(outs) == 1)
+            for out in outs:
+                pairs = _texts_of(out)
+                assert pairs and all(text == tok.decode([t]) for t, text in pairs)
+            final = outs[-1]
+            generated = final.outputs[0].token_ids
+            rows = _hf_rows(model, prompt + generated)
+            for i, (token, entry) in enumerate(zip(generated, final.outputs[0].logprobs)):
+                _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, lambda t: tok.decode([t]))
+            assert final.prompt_logprobs[0] is None
+            for i in range(1, len(prompt)):
+                _assert_entry(final.prompt_logprobs[i], prompt[i], rows[i - 1], 2, lambda t: tok.decode([t]))
+        # the texts checked include partial UTF-8 pieces and spaces, not only plain words
+        assert any("\ufffd" in text or text.startswith(" ") for o in seen.values() for t, text in _texts_of(o[-1]))
+        # a request without logprobs has none to fill
+        plain = _drive(llm.llm_engine, stream, SamplingParams(temperature=0.0, max_tokens=2), prompts[:1])["r0"][-1]
+        assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
+    finally:
+        llm.close()
+
+
+def test_engine_without_tokenizer_or_told_not_to_leaves_decoded_token_none(reference):
+    """skip_tokenizer_init: nothing to decode with; decode_logprobs=False (how the server's engine process adds
+    its requests): the ids stay undecoded, the values and ranks do not change."""
+    folder, model, prompts = reference
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    for kw, llm_kw in (({}, {"skip_tokenizer_init": True}), ({"decode_logprobs": False}, {})):
+        llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, **llm_kw)
+        try:
+            for stream in (True, False):
+                out = _drive(llm.llm_engine, stream, params, prompts[:1], **kw)["r0"][-1]
+                pairs = _texts_of(out)
+                assert pairs and all(text is None for _, text in pairs)
+                generated = out.outputs[0].token_ids
+                rows = _hf_rows(model, prompts[0] + generated)
+                for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+                    _assert_entry(entry, token, rows[len(prompts[0]) - 1 + i], 2, None)
+        finally:
+            llm.close()
+
+
+def test_server_engine_core_sends_undecoded_logprobs(reference):
+    """The server's engine process (EngineCore) adds its requests with decode_logprobs=False: the logprob dicts
+    it ships, per token and in the final Delta, carry no text (the HTTP process renders its own token strings), while
+    LLM.generate on the same engine still gets them."""
+    folder, _, prompts = reference
+    tok = AutoTokenizer.from_pretrained(folder)
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128)
+    try:
+        pipe = Pipe()
+        core = EngineCore(llm.llm_engine, None, pipe)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+        assert core._add([("s0", {"prompt_token_ids": prompts[1]}, params)]) is None
+        while llm.llm_engine.has_unfinished_requests():
+            core._step()
+        deltas = [d for kind, *rest in pipe.sent if kind == "step" for d in rest[0]]
+        assert deltas and deltas[-1][1]  # the last is the finished request's
+        dicts = [e for d in deltas for seq in d[4] for e in (seq[1] or [])] + [e for d in deltas for e in (d[5] or [])
+                                                                              if e]
+        assert len([e for d in deltas for seq in d[4] for e in (seq[1] or [])]) == 4
+        assert dicts and all(v.decoded_token is None for e in dicts for v in e.values())
+        out = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
+        assert all(text == tok.decode([t]) for t, text in _texts_of(out)) and _texts_of(out)
+    finally:
+        llm.close()

@@ -29,16 +29,21 @@ def test_trace_accounts_for_every_token(tmp_path, num_batched):
     llm.close()
     with open(trace_path) as f:
         record = json.load(f)
-    assert record["fields"] == ["perf_counter_s", "is_prefill", "num_seqs", "num_tokens", "num_decode_rows"]
+    assert record["fields"] == ["perf_counter_s", "is_prefill", "num_seqs", "num_tokens", "num_decode_rows",
+                                "done_s"]
     steps = record["steps"]
     times = [s[0] for s in steps]
     assert times == sorted(times)
-    prompt_tokens = sum(tokens - decode_rows for _, is_prefill, _, tokens, decode_rows in steps if is_prefill)
+    # read back after its launch, in launch order; a step with no sampling row (a middle chunk) has nothing to wait on
+    done = [s[5] for s in steps if s[5] is not None]
+    assert done == sorted(done) and all(s[5] is None or s[5] >= s[0] for s in steps)
+    assert all(s[5] is not None for s in steps if not s[1])  # every decode step samples
+    prompt_tokens = sum(tokens - decode_rows for _, is_prefill, _, tokens, decode_rows, _ in steps if is_prefill)
     assert prompt_tokens == sum(lengths)
-    assert all(decode_rows == (rows if not is_prefill else decode_rows) for _, is_prefill, rows, _, decode_rows
+    assert all(decode_rows == (rows if not is_prefill else decode_rows) for _, is_prefill, rows, _, decode_rows, _
                in steps)
     # each sequence samples once when its prompt's last chunk runs and once a decode step after that
-    decode_tokens = sum(decode_rows for *_, decode_rows in steps)
+    decode_tokens = sum(s[4] for s in steps)
     assert decode_tokens == len(lengths) * (new_tokens - 1)
     mixed = [s for s in steps if s[1] and s[4] > 0]
     # 64: the three prompts (60 tokens) in one step; 24: the short ones' rows decode beside the long one's chunks

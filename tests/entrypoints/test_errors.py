@@ -13,6 +13,29 @@ from tests.helpers.server import MODEL, assert_error, auth, metrics, post, wait_
 from tests.helpers.tiny_models import make_prompts
 
 
+def test_logit_bias_refusal_shows_the_values_as_sent(server, client, model_dir):
+    """A logit_bias the server refuses (an id outside the model's vocabulary, NaN) is a one-line 400 naming
+    logit_bias and showing the client's own entries: not the values clamped to [-100, 100] the engine would run
+    with, not the entries that were fine."""
+    with open(f"{model_dir}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+        for bias, shown, hidden in (({"-1": 200}, '{"-1": 200', "100"),
+                                    ({str(vocab): -250, "5": 1.5}, f'{{"{vocab}": -250', '"5"'),
+                                    ({"12": 3, str(vocab + 7): 1e9}, f'{{"{vocab + 7}": 1000000000', '"12"')):
+            err = assert_error(post(server, path, {**extra, "max_tokens": 2, "logit_bias": bias}), 400, "logit_bias")
+            assert shown in err["message"] and hidden not in err["message"], err
+            assert f"[0, {vocab})" in err["message"] and "\n" not in err["message"], err
+        raw = json.dumps({**extra, "max_tokens": 2}).encode()[:-1] + b', "logit_bias": {"3": 250, "7": NaN}}'
+        err = assert_error(post(server, path, raw), 400, "logit_bias")
+        assert err["message"].endswith('got {"7": NaN}') and "[-100, 100]" in err["message"], err
+    with pytest.raises(openai.BadRequestError, match='"-1": 200'):  # the official client shows it too
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"-1": 200})
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 200}).usage  # clamped
+    wait_idle(server)
+
+
 def test_bad_requests_get_openai_errors(server, client):
     assert_error(post(server, "/v1/completions", b'{"prompt": "x", '), 400)
     assert_error(post(server, "/v1/completions", b"[1, 2]"), 400)

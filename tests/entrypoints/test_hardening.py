@@ -52,6 +52,10 @@ POISONED = [  # (path, raw body, the field the 400 names): the issue's list and 
      "max_completion_tokens"),
     ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":1000000}',
      "top_logprobs"),
+    # -1 (the whole vocabulary) passes the server's check, as vLLM's; the engine's max_logprobs (20) refuses it
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":-1}',
+     "top_logprobs"),
+    ("/v1/completions", '{"prompt":"x","max_tokens":4,"logprobs":-1}', "logprobs"),
     ("/v1/chat/completions", '{"messages":[{"role":"user","content":"x"}],"temperature":NaN}', "temperature"),
     # finite in float64, 0 or inf in the sampler's float32 (review item 3)
     ("/v1/completions", '{"prompt":"x","max_tokens":4,"top_p":1e-300,"seed":1}', "top_p"),

@@ -454,11 +454,18 @@ def test_a_planned_launch_replays_over_other_layers_caches(dtype):
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_a_planned_launch_relaunches_its_compiled_kernel_directly(dtype):
+def test_a_planned_launch_relaunches_its_compiled_kernel_directly(dtype, monkeypatch):
     """PlannedLaunch: the first call goes through Triton's JITFunction; on a GPU the next ones launch the compiled
     kernel it returned (no binding or specialization a call), which must give each layer's reference result; a
     call whose q is not 16-byte aligned (another specialization) goes through JITFunction again and is right too.
-    The interpreter (CPU) has no compiled kernel: every call goes through JITFunction."""
+    Counted: on a GPU 4 of the 12 calls go through JITFunction (the plan's first, the three unaligned ones); in the
+    interpreter (CPU) there is no compiled kernel and all 12 do."""
+    from metainfer.kernels import attention_decode
+
+    kernel = attention_decode._decode_split_kernel
+    through_jit = []
+    jit_run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: through_jit.append(1) or jit_run(*a, **kw), raising=False)
     hq, hk, head_dim = 8, 2, 64
     batch = make_paged_batch(DECODE_CONTEXTS, 16, hk, head_dim, dtype)
     q = _randn(len(DECODE_CONTEXTS), hq, head_dim, dtype=dtype, seed=5, device=DEVICE)
@@ -477,3 +484,52 @@ def test_a_planned_launch_relaunches_its_compiled_kernel_directly(dtype):
             _close(got, paged_decode_attention_ref(*args), dtype)
     (plan,) = plans.values()
     assert bool(plan._direct) == (DEVICE == "cuda")
+    assert len(through_jit) == (4 if DEVICE == "cuda" else 12)
+
+
+def test_a_planned_launch_passes_its_arguments_in_signature_order():
+    """The direct launch's argument list, with a stand-in kernel (no GPU needed): the four varying tensors and the
+    plan's fixed arguments in place, then the constexprs in the kernel's signature order, from the plan's keywords
+    or the signature's defaults; launch options (num_warps) are not arguments. A constexpr with neither, or an
+    unaligned tensor at the first call, leaves the plan on JITFunction for good."""
+    import inspect
+
+    from metainfer.kernels._triton import CompiledKernel, PlannedLaunch
+
+    class Param:
+        def __init__(self, name, default=inspect.Parameter.empty):
+            self.name, self.default = name, default
+
+    launched = []
+
+    class Compiled(CompiledKernel):
+        def __init__(self):  # a stand-in: nothing to load
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *args: launched.append((grid, args))
+
+    class Kernel:
+        params = [Param(n) for n in ("q", "k", "v", "tables", "out", "stride")] + [
+            Param("BLOCK"), Param("ONE_PASS", default=True), Param("USE_PDL")]
+        jit_calls = 0
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                Kernel.jit_calls += 1
+                return Compiled()
+            return run
+
+    tensors = [torch.zeros(4) for _ in range(4)]
+    plan = PlannedLaunch(Kernel(), (3, 2), ("tables",), (7,), {"BLOCK": 32, "USE_PDL": False, "num_warps": 4},
+                         (4,), torch.float32)
+    q, k, v, out = tensors
+    for _ in range(3):
+        plan(q, k, v, out)
+    assert Kernel.jit_calls == 1
+    assert launched == [((3, 2, 1), (q, k, v, "tables", out, 7, 32, True, False))] * 2
+    Kernel.params = Kernel.params[:-1] + [Param("NO_VALUE")]  # a constexpr the plan cannot fill
+    plan = PlannedLaunch(Kernel(), (3,), ("tables",), (7,), {"BLOCK": 32}, (4,), torch.float32)
+    plan(q, k, v, out)
+    plan(q, k, v, out)
+    assert plan._direct is False and Kernel.jit_calls == 3

@@ -517,8 +517,8 @@ def test_slots_kernel_rounds_each_term_to_x_dtype(dtype):
     """The Triton slots (interpreted on the CPU in fp32 and fp16, the interpreter mishandling bf16 dots and
     casts; compiled in bf16 too on the GPU tier) against the independent loop; the K-slot sum of the rounded
     terms (fp32, one rounding) stays within a small tolerance of the unrounded float64 MoE (the fp32 model), and
-    closer to it than HF transformers' accumulation (each term rounded, summed in the model dtype) of the same
-    terms, the contract's justification."""
+    closer to it than HF transformers' eager experts' accumulation (each term rounded, summed in the model dtype)
+    of the same terms."""
     from metainfer.kernels.fused_moe import fused_moe_slots_triton, moe_sum_triton
 
     num_tokens, top_k, hidden = 16, 6, 64
@@ -529,7 +529,7 @@ def test_slots_kernel_rounds_each_term_to_x_dtype(dtype):
     exact = _brute_moe(*args)
     summed = moe_sum_triton(slots, dtype).cpu().double()
     hf = torch.zeros(num_tokens, hidden, dtype=dtype)
-    for k in range(top_k):  # HF: index_add_ of each rounded term into a model-dtype buffer
+    for k in range(top_k):  # HF's eager experts: index_add_ of each rounded term into a model-dtype buffer
         hf += want.view(num_tokens, top_k, hidden)[:, k]
     scale = exact.abs().max().item()
     assert (summed - exact).abs().max().item() / scale < TOL[dtype]

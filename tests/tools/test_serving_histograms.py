@@ -28,20 +28,23 @@ def test_an_empty_histogram_has_no_quantiles():
 
 
 def test_step_costs_bins_a_trace_by_kind():
-    """A hand-made trace: (t, is_prefill, seqs, tokens, decode rows). Expected bins worked out by hand."""
+    """A hand-made trace: [launch, is_prefill, seqs, tokens, decode rows, read back]. A step costs the time from the
+    later of its launch and the previous read-back to its own read-back (async scheduling launches n + 1 before
+    reading n back). Expected bins worked out by hand."""
     from tools.gpu_suite.serving import compare_steps, step_costs
 
     trace = [
-        (9.0, False, 1, 1, 1),        # before the window: left out
-        (10.000, True, 4, 2048, 0),   # prefill of 2,048 prompt tokens: 100 ms
-        (10.100, False, 64, 64, 64),  # decode, 64 rows: 6 ms
-        (10.106, False, 64, 64, 64),  # 8 ms
-        (10.114, True, 65, 320, 64),  # mixed: 256 prompt tokens beside 64 rows: 11 ms
-        (10.125, False, 57, 57, 57),  # decode, 57 rows (bin <=64): 0.9 s, over idle_s: idle
-        (11.025, False, 3, 3, 3),     # decode, 3 rows (bin <=8): to the end, 5 ms
+        [9.0, False, 1, 1, 1, 9.01],        # before the window: left out
+        [10.000, True, 4, 2048, 0, 10.100],  # prefill of 2,048 prompt tokens: 100 ms
+        [10.001, False, 64, 64, 64, 10.106],  # decode, 64 rows: launched before the prefill was read back: 6 ms
+        [10.101, False, 64, 64, 64, 10.114],  # 8 ms
+        [10.107, True, 65, 320, 64, 10.125],  # mixed: 256 prompt tokens beside 64 rows: 11 ms
+        [10.115, True, 1, 300, 0, None],      # a middle chunk, nothing sampled: its time goes to the next step
+        [10.125, False, 57, 57, 57, 11.025],  # decode, 57 rows (bin <=64): 0.9 s, over idle_s: idle
+        [11.024, False, 3, 3, 3, 11.030],     # decode, 3 rows (bin <=8): 5 ms
     ]
     out = step_costs(trace, start=10.0, end=11.030)
-    assert out["steps"] == 5 and out["idle_s"] == 0.9
+    assert out["steps"] == 5 and abs(out["idle_s"] - 0.9) < 1e-9
     bins = out["bins"]
     assert set(bins) == {"prefill <=2048", "decode <=64", "mixed <=256", "decode <=8"}
     assert bins["decode <=64"]["steps"] == 2 and abs(bins["decode <=64"]["ms"] - 7.0) < 1e-6

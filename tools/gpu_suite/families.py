@@ -211,7 +211,7 @@ def prefill_ab(args, name: str) -> dict:
             t = run_throughput(llm, progress=False)
             ttft = run_latency(llm, batch_size=1, input_len=1024, output_len=2, iters=3, warmup=1)
             res[variant] = {"output_tok_s": t["output_tok_s"], "elapsed_s": t["elapsed_s"],
-                            "decode_seconds": t.get("decode_seconds"), "ttft_1024_ms": ttft.get("ttft_ms")}
+                            "decode_seconds": t["timeline"]["decode_seconds"], "ttft_1024_ms": ttft.get("ttft_ms")}
             print(f"{name} prefill_ab {variant}", res[variant], flush=True)
     finally:
         del backend, llm

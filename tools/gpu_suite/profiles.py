@@ -162,7 +162,7 @@ def _host_functions(run, per: int, top: int = 20) -> list:
 
 def profile_mixed(args, results) -> dict:
     """Issue 23's ITL tail: steps of 64 running decodes (context ~512-640) with one new prompt of P tokens
-    beside them (P = 128, 512; max_tokens 1, so the running set stays at 64), against pure decode steps of the
+    beside them (P = 128, 256, 512; max_tokens 1, so the running set stays at 64), against pure decode steps of the
     same batch. Per case: wall ms a step as served (async scheduling), serial ms a step (synchronised after
     each step: host + GPU without overlap), the host's enqueue ms of the forward (the runner's compute_logits
     call: no sync inside), device ms by kernel kind and launches a step. Wall near the host's enqueue time and
@@ -241,22 +241,24 @@ def profile_mixed(args, results) -> dict:
     from metainfer.kernels._triton import PlannedLaunch
 
     direct_launcher = PlannedLaunch._direct_launcher
-    for name, through_jit in (("mixed_256_jit_launch", True), ("mixed_256_direct_again", False)):
-        if through_jit:
-            PlannedLaunch._direct_launcher = lambda self, compiled, tensors: False
-        else:
-            PlannedLaunch._direct_launcher = direct_launcher
-        steps(256, 4)
-        enqueue.clear()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        steps(256, 12)
-        torch.cuda.synchronize()
-        host = [ms for mixed, ms in enqueue if mixed]
-        res[name] = {"wall_ms_per_step": (time.perf_counter() - start) / 12 * 1e3,
-                     "host_enqueue_ms_median": statistics.median(host) if host else None}
-        show(f"profile_mixed {name}", res[name])
-    PlannedLaunch._direct_launcher = direct_launcher
+    try:
+        for name, through_jit in (("mixed_256_jit_launch", True), ("mixed_256_direct_again", False)):
+            if through_jit:
+                PlannedLaunch._direct_launcher = lambda self, compiled, tensors: False
+            else:
+                PlannedLaunch._direct_launcher = direct_launcher
+            steps(256, 4)
+            enqueue.clear()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            steps(256, 12)
+            torch.cuda.synchronize()
+            host = [ms for mixed, ms in enqueue if mixed]
+            res[name] = {"wall_ms_per_step": (time.perf_counter() - start) / 12 * 1e3,
+                         "host_enqueue_ms_median": statistics.median(host) if host else None}
+            show(f"profile_mixed {name}", res[name])
+    finally:
+        PlannedLaunch._direct_launcher = direct_launcher
     runner.compute_logits = forward
     # the closures hold the engine and `forward` (the runner's bound method) its runner, whose KV pool is most of the
     # GPU: drop them before releasing its memory (runs 69 and 99: the section after this one found no memory left)

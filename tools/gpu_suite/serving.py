@@ -94,10 +94,13 @@ def serve_vs_offline(args, num_prompts=256, input_len=512, output_len=256, concu
         import random
 
         rng = random.Random(0)
-        prompts = [{"prompt_token_ids": [rng.randint(10, 500) for _ in range(input_len)]} for _ in range(num_prompts)]
+        prompts = [{"prompt_token_ids": [rng.randint(10, 500) for _ in range(input_len)]}
+                   for _ in range(num_prompts + concurrency)]
+        prompts, warm = prompts[:num_prompts], prompts[num_prompts:]
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        llm.generate(prompts[:concurrency], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                     use_tqdm=False)  # warm-up
+        # the warm-up's prompts are not the measured ones: until session 28 they were its first 64, whose prefill
+        # the measured run then took from the prefix cache (the first wave's 32,768 tokens, ~0.7 s on an H200)
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         engine = llm.llm_engine
         engine.step_trace = []
         start = time.perf_counter()
@@ -138,6 +141,8 @@ def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: 
            "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", str(concurrency), "--port", str(port),
            "--no-access-log", "--log-level", "warning", *extra]
     trace_path = os.path.join(out_dir(), f"server_steps{tag}.json")
+    if os.path.exists(trace_path):  # an earlier call's, in the same folder
+        os.remove(trace_path)
     cmd += ["--step-trace", trace_path]
     window = []
     with open(log_path, "w") as log:
@@ -171,7 +176,7 @@ def _bench_server(args, concurrency, num_prompts, input_len, output_len, extra: 
     if os.path.exists(trace_path):  # written by the engine process as it closed
         with open(trace_path) as f:
             steps = json.load(f)["steps"]
-        result["steps"] = step_costs([tuple(s) for s in steps], *window)
+        result["steps"] = step_costs(steps, *window)
     return result
 
 
@@ -184,22 +189,29 @@ def _step_kind(is_prefill: bool, num_tokens: int, decode_rows: int) -> str:
     return f"{'mixed' if decode_rows else 'prefill'} <={max(upper, 64)}"
 
 
-def step_costs(trace: list[tuple], start: float, end: float, idle_s: float = 0.5) -> dict:
+def step_costs(trace: list, start: float, end: float, idle_s: float = 0.5) -> dict:
     """Where a run's time went, step by step, from an engine step trace (EngineConfig.step_trace_path, or
-    LLMEngine.step_trace): each launch in [start, end] costs the interval to the next launch (the last: to
-    `end`), which with async scheduling is one step's device time in steady state. Intervals over `idle_s` are
-    idle engine time, counted apart. Binned by _step_kind: steps, mean ms, seconds."""
+    LLMEngine.step_trace: [launch, is_prefill, seqs, tokens, decode rows, read back]). A step launched in
+    [start, end] costs the time from the later of its launch and the previous step's read-back to its own
+    read-back: the device's time on it while the GPU is the bound (async scheduling reads step n back after
+    launching n + 1, so the gap between two launches is mostly the step before). A step that samples nothing has
+    no read-back time: its cost goes to the next one. Costs over `idle_s` are idle engine time, counted apart.
+    Binned by _step_kind: steps, mean ms, seconds."""
     steps = [s for s in trace if start <= s[0] <= end]
     bins: dict[str, dict] = {}
     idle = 0.0
-    for i, (t, is_prefill, _, num_tokens, decode_rows) in enumerate(steps):
-        interval = (steps[i + 1][0] if i + 1 < len(steps) else end) - t
-        if interval > idle_s:
-            idle += interval
+    previous_done = None
+    for launch, is_prefill, _, num_tokens, decode_rows, done in steps:
+        if done is None:
+            continue
+        cost = done - (launch if previous_done is None else max(launch, previous_done))
+        previous_done = done
+        if cost > idle_s:
+            idle += cost
             continue
         entry = bins.setdefault(_step_kind(is_prefill, num_tokens, decode_rows), {"steps": 0, "seconds": 0.0})
         entry["steps"] += 1
-        entry["seconds"] += interval
+        entry["seconds"] += cost
     for entry in bins.values():
         entry["ms"] = round(entry["seconds"] * 1e3 / entry["steps"], 3)
         entry["seconds"] = round(entry["seconds"], 4)
@@ -210,8 +222,8 @@ def step_costs(trace: list[tuple], start: float, end: float, idle_s: float = 0.5
 
 
 def compare_steps(serve: dict, offline: dict) -> dict:
-    """Serve's step bins beside offline's: for each bin both ran, the ms a step and serve's extra seconds at
-    offline's price; and serve's busy time priced at offline's ms where offline has the bin."""
+    """Serve's step bins beside offline's: for each bin, serve's steps and ms a step beside offline's ms (None where
+    offline ran no such step), and serve's extra seconds over offline's price in the bins both ran."""
     rows, extra = {}, 0.0
     for kind, entry in serve["bins"].items():
         ref = offline["bins"].get(kind)

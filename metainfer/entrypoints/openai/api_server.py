@@ -60,8 +60,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics()
         tokenizer = load_tokenizer(info["model_dir"], info["gguf_file"], info["tokenizer"])  # this process's own
         self.engine_loop = EngineLoop(handle, tokenizer, self.metrics, max_queued_requests, self.max_model_len)
-        self.completion = OpenAIServingCompletion(self.engine_loop, self.served_model_names, self.max_logprobs)
-        self.chat = OpenAIServingChat(self.engine_loop, self.served_model_names, self.max_logprobs)
+        self.completion = OpenAIServingCompletion(self.engine_loop, self.served_model_names, self.max_logprobs,
+                                                  info["vocab_size"])
+        self.chat = OpenAIServingChat(self.engine_loop, self.served_model_names, self.max_logprobs, info["vocab_size"])
         self.tokenization = OpenAIServingTokenization(self.engine_loop, self.served_model_names, self.max_logprobs,
                                                       self.max_model_len, info["vocab_size"])
         self.created = int(time.time())

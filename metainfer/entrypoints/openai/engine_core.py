@@ -106,8 +106,9 @@ class EngineCore:
         """Add one client request's engine requests, all or none; None, or why not (kind, message, param)."""
         try:
             # stream=False: step() builds no cumulative RequestOutput per token (the core reads the new tokens
-            # itself, `_progress`) and decodes only what stop strings need
-            self.engine.add_request_group(items, stream=False)
+            # itself, `_progress`) and decodes only what stop strings need; decode_logprobs=False: the HTTP
+            # process decodes the logprob tokens it answers with (OpenAIServing.token_text), not this one
+            self.engine.add_request_group(items, stream=False, decode_logprobs=False)
         except Exception as exc:
             if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):
                 return ("invalid", str(exc) or type(exc).__name__, getattr(exc, "param", None))

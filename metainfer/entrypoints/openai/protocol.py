@@ -9,11 +9,13 @@ are refused with a 400 naming them (`check_supported`), never silently ignored.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from metainfer.engine.request_validation import MAX_LOGIT_BIAS
+from metainfer.engine.request_validation import INT64_MAX, MAX_LOGIT_BIAS
 from metainfer.entrypoints.openai.errors import bad_request, from_engine_error, from_validation_error
 from metainfer.outputs import RequestOutput
 from metainfer.sampling_params import SamplingParams
@@ -35,6 +37,10 @@ def _clamp_bias(value):
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
     return value
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(_clamp_bias(value))
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -87,8 +93,10 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        vocab_size: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams; a value it refuses is a 400 naming the field. `vocab_size`: the model's
+        vocabulary, which logit_bias ids must index (checked here, so that the 400 shows the entries as sent)."""
         if self.prompt_logprobs is not None:  # parsed so that it is not silently dropped
             raise bad_request("prompt_logprobs is not supported as a body field: completions with echo and logprobs "
                               "return the prompt tokens' logprobs", "prompt_logprobs")
@@ -100,21 +108,52 @@ class _SamplingFields(_Body):
             if value is not None:
                 kw[name] = value
         if self.logit_bias:  # OpenAI's keys are token ids written as strings; values clamped to [-100, 100] as
-            try:  # OpenAI's spec and vLLM's server do (NaN is left for SamplingParams to refuse)
-                kw["logit_bias"] = {int(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"[:300],
-                                  "logit_bias") from None
+            kw["logit_bias"] = self._logit_bias(vocab_size)  # OpenAI's spec and vLLM's server do
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as exc:
             err = from_engine_error(exc)
+            if err.param == "logit_bias" and self.logit_bias:  # its message showed the clamped values
+                bad = [k for k, v in self.logit_bias.items() if not _finite(v)]
+                err.message = f"{err.message.rpartition(', got ')[0] or err.message}, got {self._bias_as_sent(bad)}"
             err.param = self.body_field(err.param)
             raise err from None
+
+    def _logit_bias(self, vocab_size: int | None) -> dict[int, Any]:
+        """{token id: value clamped to [-100, 100]} (NaN is left for SamplingParams to refuse); a key that is not a
+        token id (of the vocabulary, when known) is a 400 that shows the entries as the client sent them."""
+        ids: dict[str, int] = {}
+        for key in self.logit_bias:
+            try:
+                ids[key] = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"[:300],
+                                  "logit_bias") from None
+        end = vocab_size if vocab_size is not None else INT64_MAX + 1
+        bad = [key for key, token in ids.items() if not 0 <= token < end]
+        if bad:
+            span = f"in [0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else "non-negative"
+            raise bad_request(f"logit_bias token ids must be {span}, got {self._bias_as_sent(bad)}", "logit_bias")
+        return {ids[key]: _clamp_bias(value) for key, value in self.logit_bias.items()}
+
+    def _bias_as_sent(self, keys: list[str]) -> str:
+        """The client's own logit_bias entries of `keys` (every entry when none is named), as JSON, at most 5."""
+        keys = keys or list(self.logit_bias)
+        shown = json.dumps({k: self.logit_bias[k] for k in keys[:5]})
+        return f"{shown} (and {len(keys) - 5} more)" if len(keys) > 5 else shown[:300]
 
     def body_field(self, param: str | None) -> str | None:
         """The body's name for a SamplingParams field (they differ in the chat API)."""
         return param
+
+
+def _within(k: int, max_logprobs: int) -> bool:
+    """A top-logprobs count within the engine's max_logprobs (-1: no cap; the engine bounds it by the vocabulary)."""
+    return 0 <= k and (max_logprobs == -1 or k <= max_logprobs)
+
+
+def _bound(max_logprobs: int) -> str:
+    return ">= 0" if max_logprobs == -1 else f"in [0, {max_logprobs}]"
 
 
 class CompletionRequest(_SamplingFields):
@@ -145,8 +184,8 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
-            raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and not _within(self.logprobs, max_logprobs):  # no -1 here, as vLLM's
+            raise bad_request(f"logprobs must be {_bound(max_logprobs)}, got {self.logprobs}", "logprobs")
 
 
 class TextPart(_Body):
@@ -225,8 +264,10 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
-            raise bad_request(f"top_logprobs must be in [0, {max_logprobs}]", "top_logprobs")
+        # -1: the whole vocabulary (vLLM's); the engine refuses it unless the vocabulary fits under max_logprobs
+        if self.top_logprobs is not None and self.top_logprobs != -1 and not _within(self.top_logprobs, max_logprobs):
+            raise bad_request(f"top_logprobs must be {_bound(max_logprobs)} or -1 (the whole vocabulary), got "
+                              f"{self.top_logprobs}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         self.check_template_kwargs(trust_request_chat_template)

@@ -40,11 +40,13 @@ class OpenAIServing:
     """Base of the two endpoint classes: the engine loop (and this process's tokenizer), the served names and
     the engine's logprobs cap."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_names: list[str], max_logprobs: int):
+    def __init__(self, engine_loop: EngineLoop, served_model_names: list[str], max_logprobs: int,
+                 vocab_size: int | None = None):
         self.tokenizer = engine_loop.tokenizer
         self.engine_loop = engine_loop
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
+        self.vocab_size = vocab_size  # the model's: logit_bias ids must index it (protocol's sampling_params)
 
     def check_model(self, model: str | None) -> str:
         return check_model(self.served_model_names, model)

@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs, self.trust_request_chat_template)
         top_k = req.top_logprobs or 0
-        params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None)
+        params = req.sampling_params(req.max_new_tokens, top_k if req.logprobs else None, self.vocab_size)
         prompt = chat_prompt(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -90,7 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for tid, d in zip(token_ids, dicts):
             text = self.token_text(tid)
-            ranked = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            ranked = sorted(d.items(), key=lambda kv: -kv[1])
+            ranked = ranked if k == -1 else ranked[:k]  # top_logprobs=-1: the whole vocabulary
             content.append({"token": text, "logprob": d.get(tid), "bytes": list(text.encode()),
                             "top_logprobs": [{"token": (s := self.token_text(t)), "logprob": lp,
                                               "bytes": list(s.encode())} for t, lp in ranked]})

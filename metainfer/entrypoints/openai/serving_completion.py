@@ -18,7 +18,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req = parse_request(await request.body(), CompletionRequest)
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs)
-        params = req.sampling_params(1 if req.echo_only else req.max_tokens, req.logprobs)
+        params = req.sampling_params(1 if req.echo_only else req.max_tokens, req.logprobs, self.vocab_size)
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry their logprobs too (vLLM)
             params.prompt_logprobs = req.logprobs
             params.validate()
