@@ -150,3 +150,20 @@ def prefill_inputs(seqs, group, hk, head_dim, block_size, dtype, device=DEVICE, 
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     q = randn(sum(q_lens), group * hk, head_dim, dtype=dtype, seed=seed + 7, device=device)
     return batch, q, cu, max(q_lens)
+
+
+def assert_relaunchable(plan) -> None:
+    """A PlannedLaunch whose compiled kernel can be relaunched directly on a GPU (kernels/_triton.py): after the
+    four varying tensors and the plan's fixed arguments, every parameter of the kernel's signature is a constexpr the
+    plan's keywords or the signature's defaults fill, and none of the positional ones is also a keyword (else the
+    GPU path would silently stay on Triton's JITFunction, or pass an argument twice). Read from the kernel's Python
+    signature, so it holds on the CPU's interpreter too."""
+    import inspect
+
+    function = getattr(plan.kernel, "fn", plan.kernel)
+    params = list(inspect.signature(function).parameters.values())
+    num_given = 4 + len(plan.before_out) + len(plan.after_out)
+    assert len(params) >= num_given
+    assert not {p.name for p in params[:num_given]} & set(plan.kwargs)
+    unfilled = [p.name for p in params[num_given:] if p.name not in plan.kwargs and p.default is p.empty]
+    assert not unfilled, f"constexprs neither planned nor defaulted: {unfilled}"

@@ -27,6 +27,7 @@ from tests.helpers.aot import run_aot_check
 from tests.helpers.attention_cases import (
     DECODE_CONTEXTS,
     PREFILL_SEQS,
+    assert_relaunchable,
     make_paged_batch,
     naive_attention,
     prefill_inputs,
@@ -447,6 +448,7 @@ def test_a_planned_launch_replays_over_other_layers_caches(dtype):
         _close(paged_prefill_attention_triton(*args, block_m=16, block_n=16, plans=plans),
                paged_prefill_attention_ref(*args), dtype)
     assert [key[0] for key in plans] == ["paged_prefill"]
+    assert_relaunchable(next(iter(plans.values())))
     empty = {}  # an empty batch plans no kernel: each call hands back its output
     got = paged_decode_attention_triton(q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0],
                                         batch.context_lens[:0], 0.1, plans=empty)
@@ -483,6 +485,7 @@ def test_a_planned_launch_relaunches_its_compiled_kernel_directly(dtype, monkeyp
             got = paged_decode_attention_triton(*args, max_num_splits=3, block_n=16, min_split_tokens=16, plans=plans)
             _close(got, paged_decode_attention_ref(*args), dtype)
     (plan,) = plans.values()
+    assert_relaunchable(plan)
     assert bool(plan._direct) == (DEVICE == "cuda")
     assert len(through_jit) == (4 if DEVICE == "cuda" else 12)
 

@@ -30,7 +30,7 @@ from metainfer.kernels.mla_ref import (
     store_latent_ref,
 )
 from tests.helpers.aot import aot_main, run_aot_main
-from tests.helpers.attention_cases import close, naive_attention
+from tests.helpers.attention_cases import assert_relaunchable, close, naive_attention
 from tests.helpers.kernel_devices import DEVICE, KERNEL_DTYPES, ON_GPU
 from tests.helpers.tensors import randn
 
@@ -373,6 +373,7 @@ def test_mla_expanded_triton_matches_ref(case):
                                       **dict(zip(("block_m", "block_n"), tiles or ())))
         close(into, mla_expanded_attention_ref(q, kv_layer, *args[2:]), dtype)
     assert len(plans) == 1
+    assert_relaunchable(next(iter(plans.values())))
 
 
 def test_mla_expanded_triton_mixed_step_offsets():
@@ -487,6 +488,7 @@ def test_planned_mla_launches_replay_over_other_layers_caches(dtype):
         close(mla_decode_attention_triton(*args, num_splits=4, block_n=16, min_split_tokens=16, plans=plans),
               mla_decode_attention_ref(*args), dtype)
     assert len(plans) == 1
+    assert_relaunchable(next(iter(plans.values())))
     args = (q_lat.contiguous(), q_pe, decode.cache, decode.block_tables, decode.context_lens, scale)
     close(mla_decode_attention_triton(*args, num_splits=4, block_n=16, min_split_tokens=16, plans=plans),
           mla_decode_attention_ref(*args), dtype)
@@ -498,3 +500,4 @@ def test_planned_mla_launches_replay_over_other_layers_caches(dtype):
         args = (p_lat, p_pe, cache, cu, batch.context_lens, batch.block_tables, max_q, scale)
         close(mla_prefill_attention_triton(*args, plans=plans), mla_prefill_attention_ref(*args), dtype)
     assert [key[0] for key in plans] == ["mla_prefill"]
+    assert_relaunchable(next(iter(plans.values())))
