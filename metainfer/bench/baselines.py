@@ -132,6 +132,9 @@ def main(args: argparse.Namespace, engine_kwargs) -> dict:
     if kw.get("distributed_executor_backend", "mp") != "mp":
         raise ConfigError("--distributed-executor-backend: the HF baseline runs in one process on one device and "
                           "cannot be launched by torchrun; leave the option out")
+    if kw.get("step_trace_path"):
+        raise ConfigError("--step-trace: the HF baseline runs no MetaInfer engine, so there are no engine steps to "
+                          "trace; leave the option out")
     if kw["device"] == "mlx":  # HF transformers runs in torch; mlx-lm is the MLX baseline (tools/bench_mlx.py)
         raise ConfigError("--device mlx: the HF baseline runs HF transformers in torch, not MLX; pass --device cpu "
                           "or cuda")

@@ -228,8 +228,8 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--distributed-timeout-s", type=float, default=600.0,
                    help="external_launcher: how long a rank waits for the others to join or answer (default 600)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
-                   help="write every engine step's launch time, rows and tokens to this JSON file when the engine "
-                        "closes (a profiling aid; default: none)")
+                   help="write every engine step (launch time, prefill?, rows, tokens, decode rows, read-back time) "
+                        "to this JSON file when the engine closes (a profiling aid; default: none)")
 
 
 def engine_kwargs(args) -> dict:

@@ -149,6 +149,15 @@ def test_bench_baseline_refuses_device_mlx_in_one_line(model_dir, capsys):
                            "pass --device cpu or cuda"), err
 
 
+def test_bench_baseline_refuses_a_step_trace(model_dir, capsys, tmp_path):
+    """--step-trace traces MetaInfer's engine steps; the HF baseline runs none, so the option would silently write
+    nothing: refused in one line, before any model is loaded."""
+    assert cli.main(["bench", "baseline", "--model", model_dir, "--device", "cpu", "--output-len", "4",
+                     "--step-trace", str(tmp_path / "t.json")]) == 2
+    assert capsys.readouterr().err.startswith("metainfer: error: --step-trace: the HF baseline runs no MetaInfer")
+    assert not (tmp_path / "t.json").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-seqs", "0"], "--num-seqs must be >= 1, got 0"),
     (["--min-input-len", "50", "--max-input-len", "10"], "--min-input-len and --max-input-len need 1 <= min <= max"),

@@ -36,6 +36,16 @@ def test_logit_bias_refusal_shows_the_values_as_sent(server, client, model_dir):
     wait_idle(server)
 
 
+def test_chat_whole_vocabulary_refusal_names_top_logprobs(server):
+    """Chat's top_logprobs=-1 (the whole vocabulary) under the engine's default cap of 20: a 400 whose param and
+    message both name the body's field, top_logprobs (the engine calls it logprobs)."""
+    err = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                              "max_tokens": 2, "logprobs": True, "top_logprobs": -1}),
+                       400, "top_logprobs")
+    assert err["message"].startswith("top_logprobs=-1 requests the whole vocabulary"), err
+    wait_idle(server)
+
+
 def test_bad_requests_get_openai_errors(server, client):
     assert_error(post(server, "/v1/completions", b'{"prompt": "x", '), 400)
     assert_error(post(server, "/v1/completions", b"[1, 2]"), 400)

@@ -141,3 +141,31 @@ def test_serve_refuses_a_bad_engine_option_before_its_engine_process_starts(mode
     assert cli.main(["serve", "--model", model_dir, "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("metainfer: error: ") and option in err[0], err
+
+
+@pytest.mark.slow  # starts a second Python that loads the model
+def test_serve_reads_a_step_message_larger_than_the_pipe_buffer(model_dir):
+    """A step's message from the engine process bigger than the output pipe's buffer (64 KiB on Linux): here the
+    prompt logprobs of a 500-token prompt (echo, 20 top logprobs: ~300 KB pickled) in one message. The HTTP process
+    must wait for all of it: under uvloop the pipe's read end is non-blocking, and a half-arrived message once read
+    as the engine's death (a 500, then 503 for every request; found by session 28's README verifier)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "metainfer.entrypoints.cli", "serve", "--model", model_dir, "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--served-model-name", "tiny-cli", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, port, timeout=90)
+        import httpx
+
+        prompt = [(i * 7919) % 50000 + 10 for i in range(500)]  # the tiny model's max_model_len is 512
+        r = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": "tiny-cli", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 20})
+        assert r.status_code == 200, r.text
+        top = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(top) == 501 and top[0] is None and all(len(t) >= 20 for t in top[1:])
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+    finally:
+        terminate(proc)
+    assert proc.returncode == 0

@@ -25,6 +25,7 @@ import asyncio
 import copy
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -180,7 +181,13 @@ class EngineLoop:
         self.handle.start()
         self._sender = threading.Thread(target=self._send_loop, name="metainfer-engine-input", daemon=True)
         self._sender.start()
-        loop.add_reader(self.handle.outputs.fileno(), self._on_readable)
+        fd = self.handle.outputs.fileno()
+        loop.add_reader(fd, self._on_readable)
+        # uvloop (libuv) makes a watched fd non-blocking; Connection.recv must then not meet a message that has only
+        # partly arrived (one over the pipe's 64 KiB buffer: a step with long prompt logprobs), which it reports as
+        # BlockingIOError and leaves unreadable. Readiness says a message has begun, and the engine writes each one
+        # whole, so a blocking read of its rest is short
+        os.set_blocking(fd, True)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine: "stop" goes through the sender thread (the only writer of the input pipe, after what it

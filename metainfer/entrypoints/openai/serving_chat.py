@@ -58,7 +58,10 @@ class OpenAIServingChat(OpenAIServing):
         try:
             group = await self.engine_loop.submit([(base, prompt, params)])
         except OpenAIError as err:  # the engine names its own fields: the prompt is the messages here
-            err.param = req.body_field(err.param)
+            field = req.body_field(err.param)
+            if field != err.param and err.message.startswith(f"{err.param}="):  # "logprobs=-1 ..." as sent here
+                err.message = field + err.message[len(err.param):]
+            err.param = field
             raise
         return await self.respond(
             request, req, group, base=base, model=model, obj="chat.completion", chunk_obj="chat.completion.chunk",
