@@ -383,16 +383,19 @@ class LLMEngine:
                 if seq.block_table:
                     self.block_manager.register_full_blocks(seq)
 
+    def _token_text(self, token: int) -> str:
+        """A Logprob's decoded_token: the tokenizer's decode of its id alone, as vLLM fills it
+        (`convert_ids_list_to_tokens`: `decode([id])`, special tokens kept) and the server's top_logprobs keys are;
+        each id is decoded once per engine."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
     def _fill_token_texts(self, entry: dict) -> None:
-        """Set the decoded_token of each Logprob of one position: the tokenizer's decode of its id alone, as vLLM
-        fills it (`convert_ids_list_to_tokens`: `decode([id])`, special tokens kept) and the server's top_logprobs
-        keys are; each id is decoded once per engine."""
-        texts = self._token_texts
+        """Set the decoded_token of each Logprob of one position (_token_text)."""
         for token, logprob in entry.items():
-            text = texts.get(token)
-            if text is None:
-                text = texts[token] = self.tokenizer.decode([token])
-            logprob.decoded_token = text
+            logprob.decoded_token = self._token_text(token)
 
     def _fill_prompt_texts(self, scored) -> None:
         """The decoded_token of a step's scored prompt tokens, for the requests that asked (decode_logprobs); a
