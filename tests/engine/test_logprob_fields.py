@@ -17,21 +17,14 @@ from metainfer import LLM, SamplingParams
 from metainfer.entrypoints.openai.engine_core import EngineCore
 from metainfer.outputs import Logprob
 from tests.helpers.engine_checks import BACKENDS
-from tests.helpers.tiny_models import build_tiny_model, make_prompts
+from tests.helpers.tiny_models import hf_logprob_rows, logprob_reference
 
 VOCAB = 509
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("logprob-fields"))
-    model = build_tiny_model(folder, "qwen3", vocab_size=VOCAB)
-    return folder, model, make_prompts([5, 23], vocab=VOCAB, seed=11)
-
-
-def _hf_rows(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return logprob_reference(str(tmp_path_factory.mktemp("logprob-fields")), VOCAB)
 
 
 def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, texts) -> None:
@@ -48,6 +41,18 @@ def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, texts) -> 
         assert value.decoded_token == (texts(t) if texts else None)
 
 
+def _assert_output(out, prompt: list[int], model, texts) -> None:
+    """A finished RequestOutput asked for logprobs=3 and prompt_logprobs=2: every sampled and prompt position against
+    HF's teacher-forced row (_assert_entry), the first prompt position None."""
+    generated = out.outputs[0].token_ids
+    rows = hf_logprob_rows(model, prompt + generated)
+    for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+        _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, texts)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        _assert_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], 2, texts)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_sampled_and_prompt_logprobs_carry_rank_and_text(reference, device):
     folder, model, prompts = reference
@@ -57,13 +62,7 @@ def test_sampled_and_prompt_logprobs_carry_rank_and_text(reference, device):
         params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            generated = out.outputs[0].token_ids
-            rows = _hf_rows(model, prompt + generated)
-            for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
-                _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, lambda t: tok.decode([t]))
-            assert out.prompt_logprobs[0] is None
-            for i in range(1, len(prompt)):
-                _assert_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], 2, lambda t: tok.decode([t]))
+            _assert_output(out, prompt, model, lambda t: tok.decode([t]))
         # sampling at temperature 0.8 from a tiny random model picks tokens below the top: ranks above 1 are checked
         assert any(e[t].rank > 1 for o in outs for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs))
     finally:
@@ -77,7 +76,7 @@ def test_no_tokenizer_leaves_decoded_token_none(reference):
         out = llm.generate({"prompt_token_ids": prompts[0]},
                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
                            use_tqdm=False)[0]
-        rows = _hf_rows(model, prompts[0] + out.outputs[0].token_ids)
+        rows = hf_logprob_rows(model, prompts[0] + out.outputs[0].token_ids)
         for i, (token, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
             _assert_entry(entry, token, rows[len(prompts[0]) - 1 + i], 2, None)
             assert entry[token].rank == 1  # greedy: the argmax
@@ -127,14 +126,7 @@ def test_engine_step_outputs_carry_decoded_tokens(reference, stream):
             for out in outs:
                 pairs = _texts_of(out)
                 assert pairs and all(text == tok.decode([t]) for t, text in pairs)
-            final = outs[-1]
-            generated = final.outputs[0].token_ids
-            rows = _hf_rows(model, prompt + generated)
-            for i, (token, entry) in enumerate(zip(generated, final.outputs[0].logprobs)):
-                _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, lambda t: tok.decode([t]))
-            assert final.prompt_logprobs[0] is None
-            for i in range(1, len(prompt)):
-                _assert_entry(final.prompt_logprobs[i], prompt[i], rows[i - 1], 2, lambda t: tok.decode([t]))
+            _assert_output(outs[-1], prompt, model, lambda t: tok.decode([t]))
         # the texts checked include partial UTF-8 pieces and spaces, not only plain words
         assert any("\ufffd" in text or text.startswith(" ") for o in seen.values() for t, text in _texts_of(o[-1]))
         # a request without logprobs has none to fill
@@ -157,7 +149,7 @@ def test_engine_without_tokenizer_or_told_not_to_leaves_decoded_token_none(refer
                 pairs = _texts_of(out)
                 assert pairs and all(text is None for _, text in pairs)
                 generated = out.outputs[0].token_ids
-                rows = _hf_rows(model, prompts[0] + generated)
+                rows = hf_logprob_rows(model, prompts[0] + generated)
                 for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
                     _assert_entry(entry, token, rows[len(prompts[0]) - 1 + i], 2, None)
         finally:

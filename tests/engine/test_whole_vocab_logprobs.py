@@ -17,21 +17,14 @@ from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from metainfer.outputs import Logprob
 from metainfer.worker import sampler
 from tests.helpers.engine_checks import BACKENDS
-from tests.helpers.tiny_models import build_tiny_model, make_prompts
+from tests.helpers.tiny_models import hf_logprob_rows, logprob_reference
 
 VOCAB = 509
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("whole-vocab-logprobs"))
-    model = build_tiny_model(folder, "qwen3", vocab_size=VOCAB)
-    return folder, model, make_prompts([5, 23], vocab=VOCAB, seed=11)
-
-
-def _hf_rows(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return logprob_reference(str(tmp_path_factory.mktemp("whole-vocab-logprobs")), VOCAB)
 
 
 def _assert_whole_vocabulary(entry: dict, row: torch.Tensor) -> None:
@@ -77,7 +70,7 @@ def test_minus_one_is_the_whole_vocabulary(reference, device, wide, monkeypatch)
         zero = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
         asked = [prompts[1], prompts[0], prompts[0][:3]]
         outs = llm.generate([{"prompt_token_ids": p} for p in asked], [whole, two, zero], use_tqdm=False)
-        rows = [_hf_rows(model, p + o.outputs[0].token_ids) for p, o in zip(asked, outs)]
+        rows = [hf_logprob_rows(model, p + o.outputs[0].token_ids) for p, o in zip(asked, outs)]
 
         prompt, out = asked[0], outs[0]
         assert len(out.outputs[0].logprobs) == 4
@@ -107,7 +100,7 @@ def test_minus_one_is_the_whole_vocabulary(reference, device, wide, monkeypatch)
             assert err.value.param == "prompt_logprobs"
             out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1, logprobs=VOCAB),
                                use_tqdm=False)[0]
-            _assert_whole_vocabulary(out.outputs[0].logprobs[0], _hf_rows(model, prompts[0])[-1])
+            _assert_whole_vocabulary(out.outputs[0].logprobs[0], hf_logprob_rows(model, prompts[0])[-1])
     finally:
         llm.close()
 

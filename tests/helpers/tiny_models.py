@@ -160,3 +160,18 @@ def assert_engine_matches_hf(reference, params, **engine_kw):
     llm, got = generate_drained(folder, prompts, params, **engine_kw)
     assert_matches_hf(model, prompts, got, expected)
     return llm
+
+
+def logprob_reference(folder: str, vocab: int = 509):
+    """A tiny Qwen3 (written by transformers into `folder`) and two prompts for the logprob tests: (folder, the HF
+    model, prompts). 509: Qwen's tokenizer gives one id per character of plain ASCII below it."""
+    model = build_tiny_model(folder, "qwen3", vocab_size=vocab)
+    return folder, model, make_prompts([5, 23], vocab=vocab, seed=11)
+
+
+def hf_logprob_rows(model, ids: list[int]):
+    """HF's teacher-forced log_softmax rows (fp32) over `ids`: row i scores the token after position i."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
