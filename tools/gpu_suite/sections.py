@@ -25,6 +25,7 @@ SECTIONS = {
     "skinny_sweep": studies.skinny_sweep,
     "attn_sweep": studies.attn_sweep,
     "attn_kv_dtype": studies.attn_kv_dtype,
+    "attn_ncu": studies.attn_ncu,
     "sampler": studies.sampler,
     "ab": ab.ab,
     "moe_families": families.moe_families,

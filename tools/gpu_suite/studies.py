@@ -191,3 +191,70 @@ def sampler(args, results) -> dict:
             res[f"b{batch}_t{temperature}"] = row
             show(f"sampler b{batch} t{temperature}", row)
     return res
+
+
+NCU_CASES = [("fp8", 256, 600), ("bf16", 256, 600), ("fp8", 512, 1500)]
+NCU_METRICS = (  # the ncu details rows kept in the JSON (the whole CSV goes to $OUT beside it)
+    "Duration", "Memory Throughput", "DRAM Throughput", "Compute (SM) Throughput", "Registers Per Thread",
+    "Achieved Occupancy", "Theoretical Occupancy", "Block Limit Registers", "Block Limit Shared Mem",
+    "Dynamic Shared Memory Per Block", "Static Shared Memory Per Block", "Warp Cycles Per Issued Instruction",
+    "Issue Slots Busy", "No Eligible", "Executed Ipc Active", "L1/TEX Hit Rate", "L2 Hit Rate",
+    "Mem Busy", "Max Bandwidth", "Mem Pipes Busy", "Executed Instructions", "Waves Per SM",
+)
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """ncu `--csv --page details` output (program lines mixed in) -> one {metric: "value unit"} a kernel launch,
+    plus its section rows under "sections" and its rule messages under "rules"."""
+    import csv
+
+    rows = list(csv.DictReader(line for line in text.splitlines() if line.startswith('"')))
+    launches: dict[str, dict] = {}
+    for r in rows:
+        launch = launches.setdefault(r.get("ID", "0"), {"kernel": r.get("Kernel Name", ""), "sections": {},
+                                                         "rules": []})
+        name, value = r.get("Metric Name") or "", r.get("Metric Value") or ""
+        if name:
+            launch["sections"].setdefault(r.get("Section Name", ""), {})[name] = f"{value} {r.get('Metric Unit') or ''}"
+            if name in NCU_METRICS:
+                launch[name] = f"{value} {r.get('Metric Unit') or ''}".strip()
+        if r.get("Rule Name") and r.get("Rule Description"):
+            launch["rules"].append(f"{r['Rule Name']}: {r['Rule Description'][:300]}")
+    return list(launches.values())
+
+
+def attn_ncu(args, results) -> dict:
+    """Nsight Compute's full set on one warm launch of the decode attention kernel per case (tools.decode_attn_case):
+    fp8 and bf16 at 256 x 600, fp8 at 512 x 1,500. Where ncu cannot read the counters (a gVisor machine), the
+    error is the record. The whole CSV goes to $OUT/ncu_<case>.csv."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tools.gpu_suite.common import ROOT, out_dir
+
+    ncu = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    if ncu is None:
+        return {"error": "ncu not found"}
+    res = {"ncu": ncu}
+    for cache, batch, ctx in NCU_CASES:
+        name = f"{cache}_b{batch}_ctx{ctx}"
+        cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_decode_split_kernel", "--launch-skip", "1",
+               "--launch-count", "1", "--set", "full", "--csv", "--page", "details",
+               sys.executable, "-m", "tools.decode_attn_case", "--cache", cache, "--batch", str(batch),
+               "--ctx", str(ctx), "--iters", "2"]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            res[name] = {"error": "ncu timed out (240 s)"}
+            continue
+        with open(os.path.join(out_dir(), f"ncu_{name}.csv"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
+        launches = parse_ncu_csv(proc.stdout)
+        if proc.returncode or not launches:
+            res[name] = {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
+        else:
+            res[name] = {k: v for k, v in launches[0].items() if k != "sections"}
+        print(name, {k: v for k, v in res[name].items() if k not in ("rules",)}, flush=True)
+    return res
