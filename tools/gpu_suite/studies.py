@@ -240,16 +240,25 @@ def attn_ncu(args, results) -> dict:
     res = {"ncu": ncu}
     for cache, batch, ctx in NCU_CASES:
         name = f"{cache}_b{batch}_ctx{ctx}"
+        report = os.path.join(out_dir(), f"ncu_{name}")
         cmd = [ncu, "--clock-control", "none", "--kernel-name", "regex:_decode_split_kernel", "--launch-skip", "1",
-               "--launch-count", "1", "--set", "full", "--csv", "--page", "details",
+               "--launch-count", "1", "--set", "full", "--import-source", "yes", "-f", "-o", report,
                sys.executable, "-m", "tools.decode_attn_case", "--cache", cache, "--batch", str(batch),
                "--ctx", str(ctx), "--iters", "2"]
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            proc = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "details"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120)
+            # per instruction and per source line: stall samples, excessive sectors, bank conflicts
+            for view in ("sass", "cuda"):
+                src = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "source", "--print-source",
+                                      view], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                with open(f"{report}_source_{view}.csv", "w") as f:
+                    f.write(src.stdout + src.stderr)
         except subprocess.TimeoutExpired:
-            res[name] = {"error": "ncu timed out (240 s)"}
+            res[name] = {"error": "ncu timed out"}
             continue
-        with open(os.path.join(out_dir(), f"ncu_{name}.csv"), "w") as f:
+        with open(report + ".csv", "w") as f:
             f.write(proc.stdout + proc.stderr)
         launches = parse_ncu_csv(proc.stdout)
         if proc.returncode or not launches:
