@@ -28,6 +28,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--num-splits", type=int, default=None)
+    p.add_argument("--maxnreg", type=int, default=None)
     a = p.parse_args(argv)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     blocks = -(-a.ctx // BLOCK)
@@ -40,7 +41,8 @@ def main(argv=None) -> None:
     lens = torch.full((a.batch,), a.ctx, device=dev, dtype=torch.int32)
     q = torch.randn(a.batch, HQ, D, device=dev, dtype=bf16)
     kw = {name: val for name, val in (("block_n", a.block_n), ("num_warps", a.num_warps),
-                                       ("num_stages", a.num_stages), ("num_splits", a.num_splits)) if val}
+                                       ("num_stages", a.num_stages), ("num_splits", a.num_splits),
+                                       ("maxnreg", a.maxnreg)) if val}
     out = paged_decode_attention_triton(q, k, v, tables, lens, D ** -0.5, **kw)  # compile
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

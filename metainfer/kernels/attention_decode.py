@@ -427,6 +427,7 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     tail_block_n: int | None = None,
     plans: dict | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -435,9 +436,9 @@ def paged_decode_attention_triton(
     `min_split_tokens` (default 32, rounded up to block_n) is the fewest tokens a split covers.
     block_n defaults to 64 where the launch needs no split (batch x Hk fills the GPU) and to 32
     where it splits (the split count is taken at block_n 64 either way). num_warps / num_stages are
-    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as is `num_splits` (replaces the
-    shape rule; at most max_num_splits, and a given workspace must hold it). One-pass launches over
-    an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
+    tuning knobs (defaults: 4 warps, 8 for groups over 32; 2 stages), as are `maxnreg` (registers a thread) and
+    `num_splits` (replaces the shape rule; at most max_num_splits, and a given workspace must hold it). One-pass
+    launches over an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
     at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
     planned by the first call and replayed by the next ones through the same dict with the same q and out strides
@@ -455,7 +456,7 @@ def paged_decode_attention_triton(
         launch = _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_num_splits=max_num_splits,
                               workspace=workspace, out=out, block_n=block_n, counters=counters,
                               min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                              num_splits=num_splits, tail_block_n=tail_block_n)
+                              num_splits=num_splits, tail_block_n=tail_block_n, maxnreg=maxnreg)
         if plans is not None:
             plans[key] = launch
     return launch(q, k_cache, v_cache, out)
@@ -463,7 +464,7 @@ def paged_decode_attention_triton(
 
 def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_num_splits, workspace, out, block_n,
                  counters, min_split_tokens, num_warps, num_stages, pdl, num_splits=None,
-                 tail_block_n=None) -> PlannedLaunch:
+                 tail_block_n=None, maxnreg=None) -> PlannedLaunch:
     """One _decode_split_kernel launch, planned: the argument checks and choices made here, once."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -528,5 +529,6 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
              USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
              BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
              V_TOKEN_MAJOR=is_token_major(v_cache),
-             num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl)),
+             num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
+             **({"maxnreg": maxnreg} if maxnreg else {})),
         out_shape, q.dtype)

@@ -97,7 +97,9 @@ def attn_sweep(args, results) -> dict:
 
 
 COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), ("block_n64", dict(block_n=64)),
-          ("block_n128", dict(block_n=128))]
+          ("block_n128", dict(block_n=128)), ("maxnreg104", dict(maxnreg=104)), ("maxnreg96", dict(maxnreg=96)),
+          ("maxnreg80", dict(maxnreg=80)), ("maxnreg72", dict(maxnreg=72)),
+          ("block_n64_maxnreg96", dict(block_n=64, maxnreg=96))]
 RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
 FP8_ONLY = [("tail32", dict(tail_block_n=32))]  # token-major V: the context's tail in 32-token tiles
 
