@@ -101,7 +101,8 @@ COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), 
           ("maxnreg80", dict(maxnreg=80)), ("maxnreg72", dict(maxnreg=72)),
           ("block_n64_maxnreg96", dict(block_n=64, maxnreg=96))]
 RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
-FP8_ONLY = [("tail32", dict(tail_block_n=32))]  # token-major V: the context's tail in 32-token tiles
+# token-major V: the context's tail in 32- and 16-token tiles
+FP8_ONLY = [("tail32", dict(tail_block_n=32)), ("tail16", dict(tail_block_n=16))]
 
 
 def _kv_dtype_cases() -> list:
