@@ -226,6 +226,43 @@ def parse_ncu_csv(text: str) -> list[dict]:
     return list(launches.values())
 
 
+def summarize_sass_csv(text: str, top: int = 12) -> dict:
+    """ncu's source page per SASS instruction (`--page source --print-source sass --csv`) -> the executed
+    instruction mix by opcode, the warp stall reasons (shares of all samples), and the global loads whose L2
+    sectors exceed the ideal (the uncoalesced ones: sectors against ideal sectors)."""
+    import collections
+    import csv
+
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        return {"error": "no source table"}
+    rows = list(csv.DictReader(lines[start:]))
+
+    def num(value) -> float:
+        try:
+            return float(str(value).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    executed, stalls, excessive = collections.Counter(), collections.Counter(), {"sectors": 0, "ideal": 0}
+    stall_keys = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k] if rows else []
+    for r in rows:
+        op = r["Source"].strip()
+        op = (op.split(None, 1)[1] if op.startswith("@") else op).split()[0]
+        executed[op] += num(r["Instructions Executed"])
+        for k in stall_keys:
+            stalls[k] += num(r[k])
+        if num(r.get("L2 Theoretical Sectors Global Excessive", 0)) > 0:
+            excessive["sectors"] += num(r["L2 Theoretical Sectors Global"])
+            excessive["ideal"] += num(r["L2 Theoretical Sectors Global Ideal"])
+    total, samples = sum(executed.values()) or 1.0, sum(stalls.values()) or 1.0
+    return {"warp_instructions": total,
+            "mix_pct": {op: round(100 * n / total, 1) for op, n in executed.most_common(top)},
+            "stall_pct": {k: round(100 * n / samples, 1) for k, n in stalls.most_common(top)},
+            "uncoalesced_loads": excessive}
+
+
 def attn_ncu(args, results) -> dict:
     """Nsight Compute's full set on one warm launch of the decode attention kernel per case (tools.decode_attn_case):
     fp8 and bf16 at 256 x 600, fp8 at 512 x 1,500. Where ncu cannot read the counters (a gVisor machine), the
@@ -253,11 +290,10 @@ def attn_ncu(args, results) -> dict:
             proc = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "details"], cwd=ROOT,
                                   capture_output=True, text=True, timeout=120)
             # per instruction and per source line: stall samples, excessive sectors, bank conflicts
-            for view in ("sass", "cuda"):
-                src = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "source", "--print-source",
-                                      view], cwd=ROOT, capture_output=True, text=True, timeout=120)
-                with open(f"{report}_source_{view}.csv", "w") as f:
-                    f.write(src.stdout + src.stderr)
+            src = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "source", "--print-source",
+                                  "sass"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+            with open(f"{report}_source_sass.csv", "w") as f:
+                f.write(src.stdout + src.stderr)
         except subprocess.TimeoutExpired:
             res[name] = {"error": "ncu timed out"}
             continue
@@ -268,5 +304,6 @@ def attn_ncu(args, results) -> dict:
             res[name] = {"error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}"}
         else:
             res[name] = {k: v for k, v in launches[0].items() if k != "sections"}
+            res[name]["sass"] = summarize_sass_csv(src.stdout)
         print(name, {k: v for k, v in res[name].items() if k not in ("rules",)}, flush=True)
     return res
