@@ -9,6 +9,9 @@ where its replays leave the hidden states (the pool is shared, so it holds the l
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from metainfer.attention import forward_context
@@ -22,6 +25,22 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
     return sizes if max_bs in sizes else sizes + [max_bs]
+
+
+@contextlib.contextmanager
+def no_gc_during_capture():
+    """Collect Python's cyclic garbage first, then keep the collector off while graphs are captured. Why: a
+    collection inside a capture may free CUDA graphs that only a reference cycle kept (a dropped engine's, or a
+    re-capture's old ones), and destroying a graph while a stream captures is not permitted: the capture is
+    invalidated and the process aborts (an in-engine A/B of the GPU suite died of it, run 109)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -52,7 +71,7 @@ class DecodeGraphs:
     def _capture(self) -> None:
         self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
         pool = None
-        with torch.inference_mode():
+        with torch.inference_mode(), no_gc_during_capture():
             for bs in reversed(self.batch_sizes):
                 views = self._idle_views(bs)
                 graph = torch.cuda.CUDAGraph()

@@ -34,10 +34,13 @@ a GPU yet.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from metainfer.attention import forward_context, get_attention_metadata
 from metainfer.engine.scheduler import ScheduledBatch
+from metainfer.worker.cuda_graphs import no_gc_during_capture
 from metainfer.worker.step_inputs import pack_step
 from metainfer.worker.warmup import BlockCycle, WarmupStep, warmup_batch
 
@@ -68,7 +71,7 @@ class _Split:
     uncaptured run before a bucket's capture (compiles; sizes the static buffers), which attends directly."""
 
     def __init__(self, owner: PiecewiseGraphs):
-        self.owner = owner
+        self.owner = weakref.proxy(owner)  # no cycle through the owner (see _EagerAttention)
         self.probing = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
@@ -106,7 +109,9 @@ class _EagerAttention:
     step's real tokens) under the step's metadata, into the static output's first T rows."""
 
     def __init__(self, owner: PiecewiseGraphs, layer):
-        self.owner, self.layer = owner, layer
+        # a proxy, not the owner: the owner's pieces hold this object, and a cycle would leave a dropped engine's
+        # graphs to the cyclic collector, which may run inside a later capture (cuda_graphs.no_gc_during_capture)
+        self.owner, self.layer = weakref.proxy(owner), layer
 
     def __call__(self) -> None:
         owner = self.owner
@@ -188,7 +193,7 @@ class PiecewiseGraphs:
         split = _Split(self)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.inference_mode(), torch.cuda.stream(stream), self._split_attention(split):
+        with torch.inference_mode(), no_gc_during_capture(), torch.cuda.stream(stream), self._split_attention(split):
             for bucket in reversed(self.buckets):
                 batch = _capture_batch(bucket, max_len, blocks, self.block_size)
                 layout = pack_step(batch, len(batch.seqs), self.staging.next_host_buffer(), self.block_size,

@@ -163,3 +163,31 @@ def test_prompt_logprobs_through_the_captured_pieces_on_cuda(tmp_path):
         for i in range(1, len(prompt)):
             assert eager[i][prompt[i]] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-3)
             assert pieces[i] == pytest.approx(eager[i], abs=1e-4)
+
+
+@pytest.mark.gpu
+def test_recapture_with_the_collector_running_often_on_cuda(tmp_path):
+    """Re-capturing every graph of a serving engine (`ModelRunner.swap_kernels`, the GPU suite's in-engine A/B)
+    while Python's collector runs at nearly every allocation: the dropped graphs must not be freed inside a capture
+    (CUDA forbids it and the process aborts; run 109's A/B died of it), and the re-captured graphs give the same
+    greedy tokens as the first ones."""
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _, prompts, _ = hf_reference(str(tmp_path), "qwen3", LENGTHS, NEW_TOKENS)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=96)
+    runner = llm.llm_engine.runner
+    assert runner.graphs.max_batch and runner.piecewise.max_tokens, "both graph kinds must be captured"
+    first = generate_ids(llm, prompts, GREEDY)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for _ in range(2):
+            runner.swap_kernels(runner.ops)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert generate_ids(llm, prompts, GREEDY) == first
+    assert_drained(llm)
+    del llm, runner
+    torch.cuda.empty_cache()
