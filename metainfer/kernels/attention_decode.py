@@ -88,14 +88,13 @@ def _tile_pages(bt_row, tok, t_mask, end, BLOCK_SIZE: tl.constexpr, MASKED: tl.c
     """The cache block of every token of a tile, from the block table. MASKED tiles: tokens from `end`
     on read page 0 (masked load), or with CLAMP the last valid token's page (an unmasked load, so the
     page keeps Triton's per-block constancy and token-major V's loads stay vectorised)."""
-    index = tok.to(tl.uint32) // BLOCK_SIZE  # unsigned: a shift for a power-of-two block, no sign fix-ups
     if MASKED:
         if CLAMP:
-            page = tl.load(bt_row + tl.minimum(index, ((end - 1) // BLOCK_SIZE).to(tl.uint32)))
+            page = tl.load(bt_row + tl.minimum(tok // BLOCK_SIZE, (end - 1) // BLOCK_SIZE))
         else:
-            page = tl.load(bt_row + index, mask=t_mask, other=0)
+            page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0)
     else:
-        page = tl.load(bt_row + index)
+        page = tl.load(bt_row + tok // BLOCK_SIZE)
     return page.to(tl.int64)
 
 
@@ -128,7 +127,7 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
         kv_mask = t_mask[:, None] & d_mask[None, :]
     else:
         kv_mask = d_mask[None, :]
-    in_page = (tok.to(tl.uint32) % BLOCK_SIZE).to(tl.int64)
+    in_page = tok % BLOCK_SIZE
     k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
     k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v_rows = page * vc_stride_b + in_page * vc_stride_s + kv_head * vc_stride_h

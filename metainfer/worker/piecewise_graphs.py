@@ -34,8 +34,6 @@ a GPU yet.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from metainfer.attention import forward_context, get_attention_metadata
@@ -71,7 +69,7 @@ class _Split:
     uncaptured run before a bucket's capture (compiles; sizes the static buffers), which attends directly."""
 
     def __init__(self, owner: PiecewiseGraphs):
-        self.owner = weakref.proxy(owner)  # no cycle through the owner (see _EagerAttention)
+        self.owner = owner
         self.probing = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
@@ -109,9 +107,7 @@ class _EagerAttention:
     step's real tokens) under the step's metadata, into the static output's first T rows."""
 
     def __init__(self, owner: PiecewiseGraphs, layer):
-        # a proxy, not the owner: the owner's pieces hold this object, and a cycle would leave a dropped engine's
-        # graphs to the cyclic collector, which may run inside a later capture (cuda_graphs.no_gc_during_capture)
-        self.owner, self.layer = weakref.proxy(owner), layer
+        self.owner, self.layer = owner, layer
 
     def __call__(self) -> None:
         owner = self.owner

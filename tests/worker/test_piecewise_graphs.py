@@ -167,10 +167,11 @@ def test_prompt_logprobs_through_the_captured_pieces_on_cuda(tmp_path):
 
 @pytest.mark.gpu
 def test_recapture_with_the_collector_running_often_on_cuda(tmp_path):
-    """Re-capturing every graph of a serving engine (`ModelRunner.swap_kernels`, the GPU suite's in-engine A/B)
-    while Python's collector runs at nearly every allocation: the dropped graphs must not be freed inside a capture
-    (CUDA forbids it and the process aborts; run 109's A/B died of it), and the re-captured graphs give the same
-    greedy tokens as the first ones."""
+    """Re-capturing every graph of a serving engine (`ModelRunner.swap_kernels`, the GPU suite's in-engine A/B) twice
+    with Python's collector set to run at nearly every allocation: no collection may free the dropped graphs inside
+    a capture (CUDA refuses it and the process terminates, as run 109's A/B did), and the re-captured graphs give the
+    same greedy tokens as the first ones. Whether a collection would land inside a capture without the guard depends
+    on the collector's generations; the guard itself is checked on the CPU (test_capture_gc.py)."""
     import gc
 
     if not torch.cuda.is_available():
