@@ -177,7 +177,9 @@ def test_recapture_with_the_collector_running_often_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _, prompts, _ = hf_reference(str(tmp_path), "qwen3", LENGTHS, NEW_TOKENS)
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=96)
+    # no prefix caching: the second generate must run the same steps as the first, not reuse its blocks
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=96,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.runner
     assert runner.graphs.max_batch and runner.piecewise.max_tokens, "both graph kinds must be captured"
     first = generate_ids(llm, prompts, GREEDY)
