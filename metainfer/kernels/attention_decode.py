@@ -37,9 +37,6 @@ _TARGET_DECODE_PROGRAMS = 512
 _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
-# Token-major V (an fp8 cache): the context's tail after the full tiles runs in masked tiles of block_n / 2 tokens,
-# at most this many.
-_TAIL_BLOCK_N_MAX = 64
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 
 
@@ -490,7 +487,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
     if block_n is None:
         block_n = decode_block_n(num_splits, k_cache.dtype)
     if tail_block_n is None:
-        tail_block_n = max(16, min(block_n // 2, _TAIL_BLOCK_N_MAX))
+        tail_block_n = max(16, block_n // 2)
     elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
         raise ValueError(f"tail_block_n must be a power of two in [16, block_n={block_n}], got {tail_block_n}")
     out_shape = (batch, num_q_heads, head_dim)

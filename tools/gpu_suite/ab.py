@@ -93,27 +93,3 @@ def ab(args, results) -> dict:
         show(f"ab switch {name}", res["switches"][name])
     return res
 
-
-def tail_ab(args, results) -> dict:
-    """fp8 KV cache, nano-vllm's protocol, engines A / B / A: the decode attention's masked tail tiles over
-    token-major V at the shipped width (attention_decode._TAIL_BLOCK_N_MAX) and at 32 tokens. Each variant is an
-    engine of its own (the width is a plan-time constant its graphs capture); prefix caching off so the three
-    run the same prompts cold."""
-    import metainfer.kernels.attention_decode as attn
-    from metainfer.bench.throughput import run_throughput
-
-    shipped, res = attn._TAIL_BLOCK_N_MAX, {}
-
-    def brief(llm) -> dict:
-        full = run_throughput(llm, progress=False)
-        return {**{k: full[k] for k in ("output_tok_s", "elapsed_s")},
-                "decode_seconds": full["timeline"]["decode_seconds"]}
-
-    for name, width in ((f"tail{shipped}", shipped), ("tail32", 32), (f"tail{shipped}_again", shipped)):
-        attn._TAIL_BLOCK_N_MAX = width
-        try:
-            res[name] = variant(args, brief, kv_cache_dtype="fp8", enable_prefix_caching=False)
-        finally:
-            attn._TAIL_BLOCK_N_MAX = shipped
-        show(name, res[name])
-    return res

@@ -28,7 +28,6 @@ SECTIONS = {
     "attn_ncu": studies.attn_ncu,
     "sampler": studies.sampler,
     "ab": ab.ab,
-    "tail_ab": ab.tail_ab,
     "moe_families": families.moe_families,
     "tune_moe": families.tune_moe,
     "bench_moe": families.bench_moe,

@@ -248,14 +248,17 @@ def summarize_sass_csv(text: str, top: int = 12) -> dict:
     executed, stalls, excessive = collections.Counter(), collections.Counter(), {"sectors": 0, "ideal": 0}
     stall_keys = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k] if rows else []
     for r in rows:
-        op = r["Source"].strip()
-        op = (op.split(None, 1)[1] if op.startswith("@") else op).split()[0]
-        executed[op] += num(r["Instructions Executed"])
+        words = (r.get("Source") or "").split()
+        if words and words[0].startswith("@"):  # a predicate guard
+            words = words[1:]
+        if not words:
+            continue
+        executed[words[0]] += num(r.get("Instructions Executed", 0))
         for k in stall_keys:
-            stalls[k] += num(r[k])
+            stalls[k] += num(r.get(k, 0))
         if num(r.get("L2 Theoretical Sectors Global Excessive", 0)) > 0:
-            excessive["sectors"] += num(r["L2 Theoretical Sectors Global"])
-            excessive["ideal"] += num(r["L2 Theoretical Sectors Global Ideal"])
+            excessive["sectors"] += num(r.get("L2 Theoretical Sectors Global", 0))
+            excessive["ideal"] += num(r.get("L2 Theoretical Sectors Global Ideal", 0))
     total, samples = sum(executed.values()) or 1.0, sum(stalls.values()) or 1.0
     return {"warp_instructions": total,
             "mix_pct": {op: round(100 * n / total, 1) for op, n in executed.most_common(top)},
@@ -286,7 +289,11 @@ def attn_ncu(args, results) -> dict:
                sys.executable, "-m", "tools.decode_attn_case", "--cache", cache, "--batch", str(batch),
                "--ctx", str(ctx), "--iters", "2"]
         try:
-            subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            profiled = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            if profiled.returncode or not os.path.exists(report + ".ncu-rep"):
+                res[name] = {"error": f"ncu rc {profiled.returncode}: {(profiled.stderr or profiled.stdout)[-600:]}"}
+                print(name, res[name], flush=True)
+                continue
             proc = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "details"], cwd=ROOT,
                                   capture_output=True, text=True, timeout=120)
             # per instruction and per source line: stall samples, excessive sectors, bank conflicts
