@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from metainfer import LLM, SamplingParams
 from metainfer.entrypoints.openai.engine_core import EngineCore
 from metainfer.outputs import Logprob
-from tests.helpers.engine_checks import BACKENDS
+from tests.helpers.engine_checks import BACKENDS, decoded_token_matches
 from tests.helpers.tiny_models import hf_logprob_rows, logprob_reference
 
 VOCAB = 509
@@ -27,7 +27,7 @@ def reference(tmp_path_factory):
     return logprob_reference(str(tmp_path_factory.mktemp("logprob-fields")), VOCAB)
 
 
-def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, texts) -> None:
+def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, tok) -> None:
     """One position's {token: Logprob}: the scored token's value and rank from HF's row, the top k ranked 1..k."""
     assert all(isinstance(v, Logprob) for v in entry.values())
     chosen = entry[token]
@@ -38,19 +38,19 @@ def _assert_entry(entry: dict, token: int, row: torch.Tensor, k: int, texts) -> 
     for rank, t in enumerate(top, 1):
         assert entry[t].rank == rank and entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
     for t, value in entry.items():
-        assert value.decoded_token == (texts(t) if texts else None)
+        assert decoded_token_matches(tok, t, value.decoded_token) if tok else value.decoded_token is None
 
 
-def _assert_output(out, prompt: list[int], model, texts) -> None:
+def _assert_output(out, prompt: list[int], model, tok) -> None:
     """A finished RequestOutput asked for logprobs=3 and prompt_logprobs=2: every sampled and prompt position against
     HF's teacher-forced row (_assert_entry), the first prompt position None."""
     generated = out.outputs[0].token_ids
     rows = hf_logprob_rows(model, prompt + generated)
     for i, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
-        _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, texts)
+        _assert_entry(entry, token, rows[len(prompt) - 1 + i], 3, tok)
     assert out.prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
-        _assert_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], 2, texts)
+        _assert_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], 2, tok)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -62,7 +62,7 @@ def test_sampled_and_prompt_logprobs_carry_rank_and_text(reference, device):
         params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            _assert_output(out, prompt, model, lambda t: tok.decode([t]))
+            _assert_output(out, prompt, model, tok)
         # sampling at temperature 0.8 from a tiny random model picks tokens below the top: ranks above 1 are checked
         assert any(e[t].rank > 1 for o in outs for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs))
     finally:
@@ -125,8 +125,8 @@ def test_engine_step_outputs_carry_decoded_tokens(reference, stream):
             assert outs[-1].finished and (len(outs) == 5 if stream else len(outs) == 1)
             for out in outs:
                 pairs = _texts_of(out)
-                assert pairs and all(text == tok.decode([t]) for t, text in pairs)
-            _assert_output(outs[-1], prompt, model, lambda t: tok.decode([t]))
+                assert pairs and all(decoded_token_matches(tok, t, text) for t, text in pairs)
+            _assert_output(outs[-1], prompt, model, tok)
         # the texts checked include partial UTF-8 pieces and spaces, not only plain words
         assert any("\ufffd" in text or text.startswith(" ") for o in seen.values() for t, text in _texts_of(o[-1]))
         # a request without logprobs has none to fill
@@ -185,6 +185,59 @@ def test_server_engine_core_sends_undecoded_logprobs(reference):
         assert len([e for d in deltas for seq in d[4] for e in (seq[1] or [])]) == 4
         assert dicts and all(v.decoded_token is None for e in dicts for v in e.values())
         out = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
-        assert all(text == tok.decode([t]) for t, text in _texts_of(out)) and _texts_of(out)
+        assert all(decoded_token_matches(tok, t, text) for t, text in _texts_of(out)) and _texts_of(out)
+    finally:
+        llm.close()
+
+
+def _byte_ids(tok, text: str) -> list[int]:
+    """`text` as byte-level BPE's single-byte tokens (one id per UTF-8 byte, all below 256 in Qwen's vocabulary, so
+    a tiny model's embedding holds them): GPT-2's printable stand-in for each byte, written out here."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    stand_in = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    ids = [tok.convert_tokens_to_ids(stand_in[b]) for b in text.encode()]
+    assert tok.decode(ids) == text and max(ids) < VOCAB
+    return ids
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: the token read back has a pending one after it
+def test_byte_tokens_of_multibyte_characters_join_to_the_text(reference, async_scheduling):
+    """A character of several UTF-8 bytes, one token a byte: each byte decodes alone to U+FFFD, so decoded_token is
+    what the token adds to the text after the ids before it (vLLM's correction): the bytes before the last add ""
+    (or the space they complete), the last adds the character, and the prompt's pieces join to the tokenizer's own
+    decode of the prompt past its first token. Sampled tokens get theirs from the ids before them too: a sampled
+    sequence re-scored as a prompt gives each token the same text as when it was sampled."""
+    folder, _, _ = reference
+    tok = AutoTokenizer.from_pretrained(folder)
+    chars = "é🦜“鸚"
+    prompt = _byte_ids(tok, "Say " + chars + " ok")
+    assert all(tok.decode([t]).endswith("\ufffd") for t in _byte_ids(tok, chars))
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, async_scheduling=async_scheduling)
+    try:
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+        pieces = [out.prompt_logprobs[i][prompt[i]].decoded_token for i in range(1, len(prompt))]
+        text = tok.decode(prompt)
+        assert "".join(pieces) == text[len(tok.decode(prompt[:1])):]
+        assert pieces[:3] == ["a", "y", " "] and pieces[-3:] == [" ", "o", "k"]  # one-byte characters: themselves
+        by_char, at = [], 3
+        for ch in chars:
+            n = len(ch.encode())
+            by_char.append(pieces[at:at + n])
+            at += n
+        assert by_char == [[""] * (len(ch.encode()) - 1) + [ch] for ch in chars]
+
+        # sampled tokens: the generated ids, re-scored as a prompt, get the same texts as when they were sampled
+        # sampled among the two bytes of "é" only, so some pairs complete the character and others do not
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, logprobs=0,
+                                allowed_token_ids=_byte_ids(tok, "é"))
+        sampled = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        again = llm.generate({"prompt_token_ids": prompt + list(sampled.token_ids)},
+                             SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        as_sampled = [e[t].decoded_token for t, e in zip(sampled.token_ids, sampled.logprobs)]
+        as_prompt = [again.prompt_logprobs[len(prompt) + i][t].decoded_token for i, t in enumerate(sampled.token_ids)]
+        assert as_sampled == as_prompt
+        assert "é" in as_sampled and "" in as_sampled, "the sample must complete the character and leave it open"
     finally:
         llm.close()

@@ -40,3 +40,11 @@ def assert_drained(llm) -> None:
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
     assert not engine.has_unfinished_requests(), "a request was left behind"
     assert all(PENDING not in b.token_ids for b in bm.blocks), "a PENDING token was hashed"
+
+
+def decoded_token_matches(tok, token: int, text) -> bool:
+    """A Logprob's decoded_token against the tokenizer: the id's decode alone, except for an id that alone decodes to
+    an incomplete character (ends in U+FFFD), whose text depends on the ids before it (checked exactly by
+    test_logprob_fields' byte-token tests)."""
+    solo = tok.decode([token])
+    return text == solo or (solo.endswith("\ufffd") and isinstance(text, str))
