@@ -40,6 +40,7 @@ from metainfer.engine.request_validation import (
 )
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
 from metainfer.engine.sequence import Sequence
+from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
 from metainfer.engine.tokenizer import IncrementalDetokenizer, NoText, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
 from metainfer.loader.gguf import gguf_config, share_gguf_readers
@@ -51,7 +52,6 @@ from metainfer.worker.sampler import HostSample, SampledBatch
 from metainfer.worker.tp.driver import TPDriver
 from metainfer.worker.tp.launched import LaunchedRank
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decode gives for an incomplete UTF-8 character
 log = logging.getLogger("metainfer")
 
 
@@ -130,7 +130,7 @@ class LLMEngine:
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else NoText()
-        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token of each id met so far (_fill_token_texts)
+        self.token_texts = TokenTexts(self.tokenizer)  # Logprob.decoded_token (engine/token_texts.py)
         self.requests: dict[str, Request] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "failed_steps": 0, "failed_requests": 0}
         self._failed: list[Request] = []  # finished by fault isolation, reported by the next step()
@@ -384,50 +384,14 @@ class LLMEngine:
                 if seq.block_table:
                     self.block_manager.register_full_blocks(seq)
 
-    def _token_text(self, token: int, context: list[int] | tuple = ()) -> str:
-        """A Logprob's decoded_token: the tokenizer's decode of its id alone, as vLLM fills it
-        (`convert_ids_list_to_tokens`: `decode([id])`, special tokens kept) and the server's top_logprobs keys are;
-        each id is decoded once per engine. An id that alone decodes to an incomplete character (a byte-level token
-        inside a multi-byte one: U+FFFD) gets the text it adds after `context`, the ids before its position
-        (`_text_after`)."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        if context and text.endswith(REPLACEMENT_CHAR):
-            return self._text_after(token, context)
-        return text
-
-    def _text_after(self, token: int, context) -> str:
-        """What `token` adds to the text after the ids `context` (the last 1-4 of them, fewest first, until the
-        character it ends is complete): the decode of context + [token] past the decode of context, each without
-        its trailing U+FFFD. So the pieces of a multi-byte character's tokens, in order, join to the character: a
-        token that only starts or continues one adds what it completes before it (often ""), the one that ends it
-        adds the character (vLLM's correction of byte-fallback tokens, per position against the sampled ids).
-        Where the decodes do not extend each other, the token's own decode."""
-        decode, piece = self.tokenizer.decode, None
-        for n in range(1, min(4, len(context)) + 1):
-            before = decode(list(context[-n:])).rstrip(REPLACEMENT_CHAR)
-            full = decode([*context[-n:], token])
-            if not full.startswith(before):
-                continue
-            piece = full.rstrip(REPLACEMENT_CHAR)[len(before):]
-            if not full.endswith(REPLACEMENT_CHAR):
-                return piece
-        return piece if piece is not None else self._token_texts[token]
-
-    def _fill_token_texts(self, entry: dict, context: list[int] | tuple = ()) -> None:
-        """Set the decoded_token of each Logprob of one position (_token_text; `context`: the ids before it)."""
-        for token, logprob in entry.items():
-            logprob.decoded_token = self._token_text(token, context)
-
     def _fill_prompt_texts(self, scored) -> None:
         """The decoded_token of a step's scored prompt tokens, for the requests that asked (decode_logprobs); a
         failure to decode finishes that request only."""
         for seq, position in scored.owners:
             if seq.decode_logprobs and not seq.is_finished:
                 try:
-                    self._fill_token_texts(seq.prompt_logprobs[position],
-                                           seq.token_ids[max(0, position - 4):position])
+                    self.token_texts.fill(seq.prompt_logprobs[position],
+                                          seq.token_ids[max(0, position - MAX_CONTEXT):position])
                 except Exception as exc:
                     log.error("request %s failed to decode its prompt logprobs' tokens and was finished with an "
                               "error: %s: %s", seq.request_id, type(exc).__name__, exc)
@@ -440,7 +404,7 @@ class LLMEngine:
             entry = {**logprob[1], token: logprob[0]}
             if seq.decode_logprobs:
                 index = seq.num_known_tokens - 1  # this token's (pending ones are read back in order)
-                self._fill_token_texts(entry, seq.token_ids[max(0, index - 4):index])
+                self.token_texts.fill(entry, seq.token_ids[max(0, index - MAX_CONTEXT):index])
             seq.output_logprobs.append(entry)
         prev_len = len(seq.output_text)
         if seq.incremental_detokenize:

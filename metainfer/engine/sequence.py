@@ -58,7 +58,7 @@ class Sequence:
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
         self.incremental_detokenize = True
-        self.decode_logprobs = False  # set Logprob.decoded_token of its logprobs (LLMEngine._fill_token_texts)
+        self.decode_logprobs = False  # set Logprob.decoded_token of its logprobs (engine/token_texts.py)
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.logit_adjustment: torch.Tensor | None = None  # logit_bias / allowed_token_ids as one row (the sampler's)
