@@ -1,9 +1,12 @@
 """Logprob.decoded_token: the text of each id a logprob entry names, as vLLM's output processor gives it.
 
 Why a module of its own: the text of most ids is their decode alone (cached per engine), but a byte-level token
-inside a multi-byte character decodes alone to U+FFFD, and vLLM gives such a token what it adds to the text after
-the ids before its position instead, so the pieces of a character join to it. That needs the position's context
-and a few decodes, done here for the engine's sampled and prompt positions alike.
+inside a multi-byte character decodes alone to U+FFFD. Such a token gets what it adds to the text after the ids
+before its position instead, so the pieces of a character join to it (vLLM corrects these too, with its own split:
+there a token holding text before a partial byte, such as " " + a lead byte, gives "" and the last byte's token the
+space with the character; here the space goes with the token that holds it; vLLM's context is also the sampled
+ids only, this one the whole sequence). That needs the position's context and a few decodes, done here for the
+engine's sampled and prompt positions alike.
 """
 
 from __future__ import annotations
@@ -17,26 +20,30 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self._solo: dict[int, str] = {}  # each id's decode alone, met so far
 
-    def text(self, token: int, context: list[int] | tuple = ()) -> str:
+    def text(self, token: int, context: list[int] | tuple = (), befores: dict | None = None) -> str:
         """The decoded_token of `token` at a position after the ids `context` (its last MAX_CONTEXT are read): the
         tokenizer's decode of the id alone (`decode([id])`, special tokens kept, as the server's top_logprobs keys
-        are), except where that is an incomplete character and a context is given (`text_after`)."""
+        are), except where that is an incomplete character and a context is given (`text_after`; `befores`: the
+        position's context decodes, shared by the ids of one position)."""
         text = self._solo.get(token)
         if text is None:
             text = self._solo[token] = self.tokenizer.decode([token])
         if context and text.endswith(REPLACEMENT_CHAR):
-            return self.text_after(token, context)
+            return self.text_after(token, context, {} if befores is None else befores)
         return text
 
-    def text_after(self, token: int, context) -> str:
+    def text_after(self, token: int, context, befores: dict) -> str:
         """What `token` adds to the text after the ids `context` (the last 1-4 of them, fewest first, until the
         character it ends is complete): the decode of context + [token] past the decode of context, each without
         its trailing U+FFFD. So a token that only starts or continues a character adds what it completes before it
-        (often ""), the one that ends it adds the character. Where the decodes do not extend each other, the
-        token's own decode."""
+        (often "", or the text before its partial byte, such as a space), the one that ends it adds the character,
+        and the pieces join to the text. Where the decodes do not extend each other, the token's own decode.
+        `befores` memoises decode(context[-n:]) per n for the position."""
         decode, piece = self.tokenizer.decode, None
         for n in range(1, min(MAX_CONTEXT, len(context)) + 1):
-            before = decode(list(context[-n:])).rstrip(REPLACEMENT_CHAR)
+            before = befores.get(n)
+            if before is None:
+                before = befores[n] = decode(list(context[-n:])).rstrip(REPLACEMENT_CHAR)
             full = decode([*context[-n:], token])
             if not full.startswith(before):
                 continue
@@ -47,5 +54,6 @@ class TokenTexts:
 
     def fill(self, entry: dict, context: list[int] | tuple = ()) -> None:
         """Set the decoded_token of each Logprob of one position ({id: Logprob}; `context`: the ids before it)."""
+        befores: dict[int, str] = {}
         for token, logprob in entry.items():
-            logprob.decoded_token = self.text(token, context)
+            logprob.decoded_token = self.text(token, context, befores)

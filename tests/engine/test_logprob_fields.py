@@ -113,8 +113,9 @@ def _drive(engine, stream: bool, params: SamplingParams, prompts: list[list[int]
 @pytest.mark.parametrize("stream", [True, False])
 def test_engine_step_outputs_carry_decoded_tokens(reference, stream):
     """LLMEngine.add_request + step(), streamed or not: every output's logprobs and prompt logprobs have
-    decoded_token = the tokenizer's own decode of that id alone (vLLM's output processor fills it the same way),
-    on every streamed output, not only the last; the values are HF's (ranks and logprobs as above)."""
+    decoded_token = the tokenizer's own decode of that id alone (vLLM's output processor fills it the same way; an id
+    that alone is an incomplete character gets its text in context, checked exactly by the byte-token test), on every
+    streamed output, not only the last; the values are HF's (ranks and logprobs as above)."""
     folder, model, prompts = reference
     tok = AutoTokenizer.from_pretrained(folder)
     llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128)
@@ -127,8 +128,10 @@ def test_engine_step_outputs_carry_decoded_tokens(reference, stream):
                 pairs = _texts_of(out)
                 assert pairs and all(decoded_token_matches(tok, t, text) for t, text in pairs)
             _assert_output(outs[-1], prompt, model, tok)
-        # the texts checked include partial UTF-8 pieces and spaces, not only plain words
-        assert any("\ufffd" in text or text.startswith(" ") for o in seen.values() for t, text in _texts_of(o[-1]))
+        # the texts checked include spaces and ids that alone are partial UTF-8 pieces, not only plain words
+        pairs = [p for o in seen.values() for p in _texts_of(o[-1])]
+        assert any(text.startswith(" ") for _, text in pairs)
+        assert any(tok.decode([t]).endswith("\ufffd") for t, _ in pairs)
         # a request without logprobs has none to fill
         plain = _drive(llm.llm_engine, stream, SamplingParams(temperature=0.0, max_tokens=2), prompts[:1])["r0"][-1]
         assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
@@ -227,6 +230,16 @@ def test_byte_tokens_of_multibyte_characters_join_to_the_text(reference, async_s
             by_char.append(pieces[at:at + n])
             at += n
         assert by_char == [[""] * (len(ch.encode()) - 1) + [ch] for ch in chars]
+
+        # the alternatives a position lists: each one's text is what it gets as the scored token after the same ids
+        listed = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                              use_tqdm=False)[0].prompt_logprobs
+        alternatives = [(p, t) for p in range(4, len(prompt) - 3) for t in listed[p] if t != prompt[p]]
+        assert any(tok.decode([t]).endswith("\ufffd") for _, t in alternatives)
+        scored = llm.generate([{"prompt_token_ids": prompt[:p] + [t]} for p, t in alternatives],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        assert [listed[p][t].decoded_token for p, t in alternatives] == [
+            out.prompt_logprobs[p][t].decoded_token for (p, t), out in zip(alternatives, scored)]
 
         # sampled tokens: the generated ids, re-scored as a prompt, get the same texts as when they were sampled
         # sampled among the two bytes of "é" only, so some pairs complete the character and others do not

@@ -52,8 +52,11 @@ def _kernel_variants(args, runner, results) -> tuple[list, list]:
     swept = results.get("gemv", {}).get("table")
     if swept:
         bs1.append(("gemv_this_sweep", select_ops(dev, gpu_name=gpu, pdl=pdl, gemv_table=swept)))
-    # another GPU's GEMV and skinny tables on this one (an H200's on an H100: the same GH100 die and 132 SMs)
+    # another GPU's GEMV and skinny tables on this one, where they differ from its own (an H200's on another GPU;
+    # the H100 ships them since run 111, so there the variant would time the default again)
     other = args.ab_tables_of if args.ab_tables_of and args.ab_tables_of != gpu else ""
+    if other and all(load_tuned_configs(other)[k] == load_tuned_configs(gpu)[k] for k in ("gemv", "skinny")):
+        other = ""
     if other:
         bs1.append((f"tables_of {other}", select_ops(dev, gpu_name=other, pdl=pdl)))
     bs1.append(("default_again", default))
@@ -92,4 +95,3 @@ def ab(args, results) -> dict:
         res["switches"][name] = variant(args, lambda llm, batch=batch: _measure(llm, (batch,), 3), **kw)
         show(f"ab switch {name}", res["switches"][name])
     return res
-
