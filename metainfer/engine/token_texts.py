@@ -1,12 +1,13 @@
 """Logprob.decoded_token: the text of each id a logprob entry names, as vLLM's output processor gives it.
 
 Why a module of its own: the text of most ids is their decode alone (cached per engine), but a byte-level token
-inside a multi-byte character decodes alone to U+FFFD. Such a token gets what it adds to the text after the ids
-before its position instead, so the pieces of a character join to it (vLLM corrects these too, with its own split:
-there a token holding text before a partial byte, such as " " + a lead byte, gives "" and the last byte's token the
-space with the character; here the space goes with the token that holds it; vLLM's context is also the sampled
-ids only, this one the whole sequence). That needs the position's context and a few decodes, done here for the
-engine's sampled and prompt positions alike.
+inside a multi-byte character decodes alone to text with U+FFFD in it: at its end (it starts or continues a
+character) or at its start (it ends one and holds more text, as Qwen's token of 데's trailing bytes + 이터). Such a
+token gets what it adds to the text after the ids before its position instead, so the pieces of a character join to
+it (vLLM corrects these too, with its own split: there a token holding text before a partial byte, such as " " + a
+lead byte, gives "" and the last byte's token the space with the character; here the space goes with the token that
+holds it; vLLM's context is also the sampled ids only, this one the whole sequence). That needs the position's
+context and a few decodes, done here for the engine's sampled and prompt positions alike.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ class TokenTexts:
     def text(self, token: int, context: list[int] | tuple = (), befores: dict | None = None) -> str:
         """The decoded_token of `token` at a position after the ids `context` (its last MAX_CONTEXT are read): the
         tokenizer's decode of the id alone (`decode([id])`, special tokens kept, as the server's top_logprobs keys
-        are), except where that is an incomplete character and a context is given (`text_after`; `befores`: the
-        position's context decodes, shared by the ids of one position)."""
+        are), except where that holds an incomplete character (U+FFFD anywhere) and a context is given (`text_after`;
+        `befores`: the position's context decodes, shared by the ids of one position)."""
         text = self._solo.get(token)
         if text is None:
             text = self._solo[token] = self.tokenizer.decode([token])
-        if context and text.endswith(REPLACEMENT_CHAR):
+        if context and REPLACEMENT_CHAR in text:
             return self.text_after(token, context, {} if befores is None else befores)
         return text
 
