@@ -43,6 +43,10 @@ _MLA_SHORT_SPLIT_TOKENS = 32
 _MLA_SHORT_MAX_SPLITS = 8
 _MLA_MAX_SPLITS = 64
 _MLA_DECODE_BLOCK_N = 32
+# Decode pipeline depth: two cache tiles in flight a program (their blocks read a step ahead). Run 113 (H100, CUDA
+# graphs): 256 rows x 600 tokens 69.8 against 78.7 us with one tile in flight, 16 x 1,500 27.4 against 35.7, 1 x
+# 1,000 17.7 against 19.3; DeepSeek-V2-Lite throughput 8,403 / 8,416 against 8,223 / 8,224 tok/s (runs 113-114)
+_MLA_DECODE_STAGES = 3
 
 
 def _check_cache(cache: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[int, int, int]:
@@ -69,15 +73,20 @@ def _check_cache(cache: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor) -
 
 
 @triton.jit
+def _tile_pages(bt_row, tok, t_mask, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each token of a tile (tokens outside t_mask read block 0)."""
+    return tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+
+
+@triton.jit
 def _mla_tile(
-    q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible, bt_row, cache_ptr, c_stride_b, c_stride_s,
+    q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible, page, cache_ptr, c_stride_b, c_stride_s,
     scale_log2e, offs_l, offs_r,
     KV_LORA: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """(m_i, l_i, acc) after the tokens `tok` ([BLOCK_N]): t_mask says which tokens exist (loads),
-    `visible` ([rows, BLOCK_N], used when MASKED) which scores count. The latent tile is loaded once and
+    """(m_i, l_i, acc) after the tokens `tok` ([BLOCK_N]) on cache blocks `page`: t_mask says which tokens exist
+    (loads), `visible` ([rows, BLOCK_N], used when MASKED) which scores count. The latent tile is loaded once and
     serves both q_lat @ c^T and P @ c; k_pe is a second, narrow tile."""
-    page = tl.load(bt_row + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
     rows = page * c_stride_b + (tok % BLOCK_SIZE).to(tl.int64) * c_stride_s
     c = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=t_mask[:, None], other=0.0).to(q_lat.dtype)
     kpe = tl.load(cache_ptr + rows[:, None] + KV_LORA + offs_r[None, :], mask=t_mask[:, None],
@@ -158,12 +167,19 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, KV_LORA], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
+    # The next tile's blocks are read one step ahead and carried in the loop: the cache loads then hang off no load
+    # of the same step, so Triton's pipeliner gives them num_stages - 1 buffers (with the block read in the step it
+    # kept one whatever num_stages was: docs/PERFORMANCE.md, run 113). Past `end` the last block is re-read.
+    last_block = tl.maximum(end - 1, 0) // BLOCK_SIZE
+    page = tl.load(bt_row + tl.minimum((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last_block)).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :], bt_row, cache_ptr,
+        page_next = tl.load(bt_row + tl.minimum((tok + BLOCK_N) // BLOCK_SIZE, last_block)).to(tl.int64)
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :], page, cache_ptr,
                                   c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
                                   KV_LORA, BLOCK_SIZE, True, DOT_PRECISION)
+        page = page_next
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if ONE_PASS or live <= 1:
         tl.store(out_ptr + seq * out_stride_b + h[:, None] * out_stride_h + offs_l[None, :],
@@ -320,7 +336,7 @@ def _plan_mla_decode(q_lat, q_pe, cache, block_tables, context_lens, scale, *, w
         dict(KV_LORA=kv_lora, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n,
              BLOCK_S=next_pow2(num_splits), ONE_PASS=one_pass, SHORT_MAX_SPLITS=_MLA_SHORT_MAX_SPLITS,
              DOT_PRECISION=_dot_precision(q_lat.dtype), num_warps=num_warps or _decode_num_warps(block_h, cache.dtype),
-             num_stages=num_stages or 2, **pdl_args(pdl)),
+             num_stages=num_stages or _MLA_DECODE_STAGES, **pdl_args(pdl)),
         out_shape, q_lat.dtype)
 
 
@@ -376,14 +392,16 @@ def _mla_prefill_kernel(
     for n0 in range(0, diag_start, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < ctx  # always true here; keeps the loads' masks uniform
-        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :], bt_row, cache_ptr,
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, t_mask[None, :],
+                                  _tile_pages(bt_row, tok, t_mask, BLOCK_SIZE), cache_ptr,
                                   c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
                                   KV_LORA, BLOCK_SIZE, False, DOT_PRECISION)
     for n0 in range(diag_start, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < ctx
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
-        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible, bt_row, cache_ptr,
+        m_i, l_i, acc = _mla_tile(q_lat, q_pe, m_i, l_i, acc, tok, t_mask, visible,
+                                  _tile_pages(bt_row, tok, t_mask, BLOCK_SIZE), cache_ptr,
                                   c_stride_b, c_stride_s, scale_log2e, offs_l, offs_r,
                                   KV_LORA, BLOCK_SIZE, True, DOT_PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
