@@ -7,7 +7,9 @@ token gets what it adds to the text after the ids before its position instead, s
 it (vLLM corrects these too, with its own split: there a token holding text before a partial byte, such as " " + a
 lead byte, gives "" and the last byte's token the space with the character; here the space goes with the token that
 holds it; vLLM's context is also the sampled ids only, this one the whole sequence). That needs the position's
-context and a few decodes, done here for the engine's sampled and prompt positions alike.
+context and a few decodes, done here for the engine's sampled and prompt positions alike, and for the server's
+answers (OpenAIServing.token_texts_at). A known limit: a literal U+FFFD in the text just before a partial character
+is taken for part of it (the decodes cannot tell the two apart), so such pieces may not join exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +32,20 @@ class TokenTexts:
         if text is None:
             text = self._solo[token] = self.tokenizer.decode([token])
         if context and REPLACEMENT_CHAR in text:
-            return self.text_after(token, context, {} if befores is None else befores)
+            befores = {} if befores is None else befores
+            if not text.endswith(REPLACEMENT_CHAR) and self._stands_alone(token, text, context, befores):
+                return text  # a literal U+FFFD inside the token (Qwen has "\ufffds"), not trailing bytes
+            return self.text_after(token, context, befores)
         return text
+
+    def _stands_alone(self, token: int, text: str, context, befores: dict) -> bool:
+        """Whether the token's decode after the last context id is just the two decodes side by side: nothing of
+        it completes a character that id opened."""
+        key = ("raw", 1)
+        before = befores.get(key)
+        if before is None:
+            before = befores[key] = self.tokenizer.decode(list(context[-1:]))
+        return self.tokenizer.decode([*context[-1:], token]) == before + text
 
     def text_after(self, token: int, context, befores: dict) -> str:
         """What `token` adds to the text after the ids `context` (the last 1-4 of them, fewest first, until the

@@ -175,9 +175,11 @@ def _mla_decode_kernel(
     bt_row = block_tables_ptr + seq * bt_stride_b
     # The next tile's blocks are read one step ahead and carried in the loop: the cache loads then hang off no load
     # of the same step, so Triton's pipeliner gives them num_stages - 1 buffers (with the block read in the step it
-    # kept one whatever num_stages was: docs/PERFORMANCE.md, run 113). Past `end` the last block is re-read.
+    # kept one whatever num_stages was: docs/PERFORMANCE.md, run 113). Past `end` the last block is re-read; an empty
+    # range reads nothing.
     last_block = tl.maximum(end - 1, 0) // BLOCK_SIZE
-    page = tl.load(bt_row + tl.minimum((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last_block)).to(tl.int64)
+    page = tl.load(bt_row + tl.minimum((start + tl.arange(0, BLOCK_N)) // BLOCK_SIZE, last_block), mask=start < end,
+                   other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         t_mask = tok < end
@@ -234,9 +236,10 @@ def _decode_block_h(num_heads: int) -> int:
 
 
 def _decode_num_warps(block_h: int, cache_dtype: torch.dtype) -> int:
-    """sm_90 AOT at L = 512, R = 64, 16 heads, 32-token tiles (registers a thread): a 16-bit cache holds 216 at
-    4 warps (two programs an SM) and 146 at 8; an fp8 cache (widened in registers) reaches 255 at 4 warps
-    and holds 172 at 8. Head blocks of 32 double the accumulator: 8 warps. Not timed yet."""
+    """sm_90 AOT at L = 512, R = 64, 16 heads, 32-token tiles, 3 stages (registers a thread): a 16-bit cache holds
+    128 one-pass and 200 split at 4 warps (93 KB of shared memory: two programs an SM); an fp8 cache (widened in
+    registers, products in fp16) reaches 255 at 4 warps and holds 190 at 8. Head blocks of 32 double the
+    accumulator: 8 warps. The warp counts are not timed."""
     return 4 if block_h <= 16 and cache_dtype != FP8_KV_DTYPE else 8
 
 
@@ -280,7 +283,7 @@ def mla_decode_attention_triton(
     dense decode shares: attention_decode.alloc_decode_counters). No GPU value is read on the host.
     block_n / num_warps / num_stages / min_split_tokens (the fewest tokens a split covers, rounded up to
     block_n) / short_split_tokens (the same for a short context, at most min_split_tokens) are tuning knobs
-    (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 2 / 64 / 32). `plans` (a step's
+    (defaults 32 / 4 (8 over an fp8 cache or for 32-head blocks) / 3 (_MLA_DECODE_STAGES) / 64 / 32). `plans` (a step's
     AttentionMetadata.launch_plans): planned by the first layer's call, replayed by the others (_triton.PlannedLaunch,
     as the dense launchers)."""
     key = ("mla_decode", q_lat.shape, q_lat.stride(), q_pe.stride(), q_lat.dtype, cache.dtype, cache.stride(),

@@ -46,3 +46,13 @@ def test_whole_tokens_keep_their_own_decode(tok):
     ids = tok.encode("hello world, the cat", add_special_tokens=False)
     texts = TokenTexts(tok)
     assert [texts.text(t, ids[:i]) for i, t in enumerate(ids)] == [tok.decode([t]) for t in ids]
+
+
+def test_a_literal_replacement_character_keeps_its_own_decode(tok):
+    """Qwen has tokens of a literal U+FFFD followed by a letter ("\ufffds"): not trailing bytes, so after a lead byte
+    (its character still open) or after a literal U+FFFD it is its own decode, as the pieces of the text say."""
+    (token,) = tok.encode("\ufffds", add_special_tokens=False)
+    lead = tok.encode("请데이터", add_special_tokens=False)[-2]
+    texts = TokenTexts(tok)
+    for context in ([lead], tok.encode("x \ufffd", add_special_tokens=False)):
+        assert texts.text(token, context) == "\ufffds"

@@ -9,6 +9,8 @@ from metainfer import SamplingParams
 from tests.helpers.server import MODEL, greedy, metrics, wait_idle
 from tests.helpers.tiny_models import make_prompts
 
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
 
 def test_completions_match_llm(server, client, ref):
     prompts = ["Hello world", "The capital of France is", "1, 2, 3, 4,"]
@@ -229,3 +231,47 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(server, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 1})
     assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_logprob_tokens_of_multibyte_characters_join_to_the_text(server, client, ref):
+    """Byte-level pieces of a character in the answers' logprobs (Qwen's "데" is a lead-byte token, then a token of
+    its two trailing bytes + "이터"): each token's text is what it adds after the ids before it, as LLMEngine's
+    decoded_token and vLLM's server give it, not its own decode (U+FFFD). The echoed prompt's tokens join to the
+    prompt and text_offset follows them; a sampled token completes the character the prompt's last id opened, in the
+    body and streamed alike; chat's tokens, their bytes and its top_logprobs equal LLM.chat's decoded_token."""
+    tok = ref.get_tokenizer()
+    text = "> 请데이터 and 🦜 ok"
+    ids = tok.encode(text)
+    solo = [tok.decode([t]) for t in ids]
+    assert any(s.startswith("\ufffd") for s in solo) and any(s.endswith("\ufffd") for s in solo)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert "".join(lp.tokens[:n]) == text and "\ufffd" not in "".join(lp.tokens[:n])
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
+
+    lead, rest = tok.encode("请데이터")[-2:]  # the lead byte of 데, then its trailing bytes + 이터
+    assert tok.decode([lead]) == "\ufffd" and tok.decode([rest]).startswith("\ufffd")
+    prompt = tok.encode("> 请") + [lead]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                extra_body={"allowed_token_ids": [rest]})
+    full = client.completions.create(**body)
+    streamed = [t for c in client.completions.create(**body, stream=True) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens]
+    assert full.choices[0].logprobs.tokens == streamed == ["데이터"]
+
+    messages = [{"role": "user", "content": "Say 데이터"}]
+    allowed = [lead, rest, *tok.encode(" 🦜")]
+    exp = ref.chat(messages, SamplingParams(temperature=0, max_tokens=6, logprobs=2, allowed_token_ids=allowed),
+                   chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0].outputs[0]
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=2, stream=stream,
+                                           extra_body={"allowed_token_ids": allowed, **NO_THINK})
+        content = ([x for c in r if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+                   if stream else r.choices[0].logprobs.content)
+        assert [c.token for c in content] == [e[t].decoded_token for t, e in zip(exp.token_ids, exp.logprobs)]
+        assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
+        assert [{a.token for a in c.top_logprobs} for c in content] == [
+            {lp.decoded_token for t, lp in e.items() if lp.rank <= 2} for e in exp.logprobs]
+    wait_idle(server)

@@ -107,7 +107,7 @@ class EngineCore:
         try:
             # stream=False: step() builds no cumulative RequestOutput per token (the core reads the new tokens
             # itself, `_progress`) and decodes only what stop strings need; decode_logprobs=False: the HTTP
-            # process decodes the logprob tokens it answers with (OpenAIServing.token_text), not this one
+            # process decodes the logprob tokens it answers with (OpenAIServing.token_texts_at), not this one
             self.engine.add_request_group(items, stream=False, decode_logprobs=False)
         except Exception as exc:
             if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):

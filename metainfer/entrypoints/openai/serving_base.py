@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
 from metainfer.entrypoints.openai.engine_loop import EngineError, EngineLoop, RequestGroup
 from metainfer.entrypoints.openai.errors import OpenAIError, engine_failed
 from metainfer.entrypoints.openai.protocol import usage
@@ -24,6 +25,8 @@ from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 Finals = dict[str, RequestOutput]
+# (choice, index, text, new token ids, their logprob dicts or None, the ids before them)
+Piece = tuple[CompletionOutput, int, str, list[int], list | None, list[int]]
 
 
 def check_model(served_model_names: list[str], model: str | None) -> str:
@@ -43,6 +46,7 @@ class OpenAIServing:
     def __init__(self, engine_loop: EngineLoop, served_model_names: list[str], max_logprobs: int,
                  vocab_size: int | None = None):
         self.tokenizer = engine_loop.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
         self.engine_loop = engine_loop
         self.served_model_names = served_model_names
         self.max_logprobs = max_logprobs
@@ -51,8 +55,19 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> str:
         return check_model(self.served_model_names, model)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def token_texts_at(self, token_ids: list[int], dicts: list, context) -> list[tuple[str, dict[int, str]]]:
+        """(the text of each id, {listed id: its text}) per position, as LLMEngine's Logprob.decoded_token gives
+        them (engine/token_texts.py: a byte-level piece of a character gets what it adds after the ids before it, so
+        the pieces join to the text); `context`: the ids before the first position (the prompt's and earlier
+        outputs' last ones). A None dict (a prompt's first token) gives an empty listing."""
+        texts, ctx = [], list(context)[-MAX_CONTEXT:]
+        for tid, d in zip(token_ids, dicts):
+            befores: dict[int, str] = {}
+            text = self.token_texts.text(tid, ctx, befores)
+            listed = {t: (text if t == tid else self.token_texts.text(t, ctx, befores)) for t in d} if d else {}
+            texts.append((text, listed))
+            ctx = (ctx + [tid])[-MAX_CONTEXT:]
+        return texts
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
@@ -79,9 +94,9 @@ class OpenAIServing:
                              "choices": choices(done), "usage": usage(done)})
 
     async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool,
-                     finals: Finals) -> AsyncIterator[tuple[CompletionOutput, int, str, list[int], list | None]]:
+                     finals: Finals) -> AsyncIterator[Piece]:
         """What is new per choice since its last yield: (choice, index, text, new token ids, their logprob dicts
-        or None).
+        or None, the last MAX_CONTEXT ids before the new ones: the context of their token texts).
 
         The new tokens are sliced when the output arrives: a choice's token lists are the engine loop's own and
         grow while this generator waits for its consumer, so they must not be read after a yield.
@@ -112,7 +127,9 @@ class OpenAIServing:
                 if finished:
                     done.add(index)
                 new_logprobs = c.logprobs[first:length] if c.logprobs is not None else None
-                yield c, index, text, c.token_ids[first:length], new_logprobs
+                before = c.token_ids[max(0, first - MAX_CONTEXT):first]
+                context = list(out.prompt_token_ids or ())[-MAX_CONTEXT:] + before
+                yield c, index, text, c.token_ids[first:length], new_logprobs, context
 
     @staticmethod
     def _event_stream(group: RequestGroup, chunks, head: dict, finals: Finals, include_usage: bool) -> _EventStream:

@@ -70,7 +70,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choices(self, out, req: ChatCompletionRequest, top_k: int) -> list[dict]:
         return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": {"content": self.logprobs(c.token_ids, c.logprobs or [], top_k)} if req.logprobs else None,
+                 "logprobs": {"content": self.logprobs(c.token_ids, c.logprobs or [], top_k, out.prompt_token_ids)}
+                 if req.logprobs else None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
 
     async def _chunks(self, group: RequestGroup, req: ChatCompletionRequest, params: SamplingParams, head: dict,
@@ -78,24 +79,24 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(req.n):
             yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, False, finals):
+        async for c, index, text, ids, dicts, context in self.pieces(group, req.n, params, False, finals):
             logprobs = None
             if req.logprobs:
-                logprobs = {"content": self.logprobs(ids, dicts or [], top_k)}
+                logprobs = {"content": self.logprobs(ids, dicts or [], top_k, context)}
             choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             yield {**head, "choices": [choice]}
 
-    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int) -> list[dict]:
-        """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens."""
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int, context) -> list[dict]:
+        """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens after the ids `context`
+        (the texts and their bytes as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
         content = []
-        for tid, d in zip(token_ids, dicts):
-            text = self.token_text(tid)
+        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context)):
             ranked = sorted(d.items(), key=lambda kv: -kv[1])
             ranked = ranked if k == -1 else ranked[:k]  # top_logprobs=-1: the whole vocabulary
             content.append({"token": text, "logprob": d.get(tid), "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (s := self.token_text(t)), "logprob": lp,
-                                              "bytes": list(s.encode())} for t, lp in ranked]})
+                            "top_logprobs": [{"token": listed[t], "logprob": lp, "bytes": list(listed[t].encode())}
+                                             for t, lp in ranked]})
         return content

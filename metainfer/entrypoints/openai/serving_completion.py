@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids, text = ([], "") if req.echo_only else (c.token_ids, c.text)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self.logprobs(ids, c.logprobs or [], len(prefix))
+                    logprobs = self.logprobs(ids, c.logprobs or [], len(prefix), out.prompt_token_ids)
                     if req.echo:
                         logprobs = self._with_prompt(out, logprobs)
                 choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + text,
@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       finals: Finals):
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
-        async for c, index, text, ids, dicts in self.pieces(group, req.n, params, req.echo, finals):
+        async for c, index, text, ids, dicts, context in self.pieces(group, req.n, params, req.echo, finals):
             if req.echo_only:  # the prompt alone (its text is this first piece's head)
                 out = finals[group.ids[index // req.n]]
                 text, ids = self.prompt_text(out), []
@@ -61,23 +61,24 @@ class OpenAIServingCompletion(OpenAIServing):
             if want_logprobs:
                 if req.echo and first:  # the chunk that echoes the prompt carries its tokens' logprobs first
                     out = finals[group.ids[index // req.n]]
-                    logprobs = self._with_prompt(out, self.logprobs(ids, dicts or [], len(self.prompt_text(out))))
+                    logprobs = self._with_prompt(out, self.logprobs(ids, dicts or [], len(self.prompt_text(out)),
+                                                                    context))
                 else:
-                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0))
+                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context)
             offsets[index] = offsets.get(index, 0) + len(text)
             yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
     def _with_prompt(self, out, output_logprobs: dict) -> dict:
         """`output_logprobs` after the echoed prompt's own (its first token has none: null, as vLLM and OpenAI)."""
-        prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0)
+        prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0, ())
         return {key: prompt[key] + output_logprobs[key] for key in prompt}
 
-    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int) -> dict:
-        """Completions-style logprobs for some tokens (a None dict: a prompt's first token, which has none)."""
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int, context) -> dict:
+        """Completions-style logprobs for some tokens after the ids `context` (a None dict: a prompt's first token,
+        which has none; the texts as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for tid, d in zip(token_ids, dicts):
-            text = self.token_text(tid)
+        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context)):
             tokens.append(text)
             if d is None:
                 token_logprobs.append(None)
@@ -86,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 text_offset += len(text)
                 continue
             token_logprobs.append(d.get(tid))
-            top.append({self.token_text(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])})
+            top.append({listed[t]: lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])})
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
