@@ -166,6 +166,8 @@ DECODE_CASES = [  # (dtype, cache dtype or None, block size, num_splits)
     # to bf16 not: no bf16 case with a bf16 widening runs on the CPU)
     (torch.bfloat16, FP8_KV_DTYPE, 16, 4),
     (torch.bfloat16, FP8_KV_DTYPE, 1, 3),
+    (torch.bfloat16, FP8_KV_DTYPE, 16, 1),  # one pass over fp8: the latent tile loaded a step ahead
+    (torch.bfloat16, FP8_KV_DTYPE, 1, 1),
 ]
 
 
