@@ -8,8 +8,9 @@ it (vLLM corrects these too, with its own split: there a token holding text befo
 lead byte, gives "" and the last byte's token the space with the character; here the space goes with the token that
 holds it; vLLM's context is also the sampled ids only, this one the whole sequence). That needs the position's
 context and a few decodes, done here for the engine's sampled and prompt positions alike, and for the server's
-answers (OpenAIServing.token_texts_at). A known limit: a literal U+FFFD in the text just before a partial character
-is taken for part of it (the decodes cannot tell the two apart), so such pieces may not join exactly.
+answers (OpenAIServing.token_texts_at). A known limit: the decodes cannot tell a literal U+FFFD from a partial
+character where it ends a token ("\ufffd", " \ufffd") or comes just before one, so such a token adds "" or less than its
+text and those pieces do not join exactly (a literal U+FFFD followed by other text in a token is kept: _stands_alone).
 """
 
 from __future__ import annotations

@@ -87,8 +87,8 @@ def _mla_tile(
     c_raw=None,
 ):
     """(m_i, l_i, acc) after the tokens `tok` ([BLOCK_N]) on cache blocks `page`: t_mask says which tokens exist
-    (loads), `visible` ([rows, BLOCK_N], used when MASKED) which scores count. The latent tile is loaded once and
-    serves both q_lat @ c^T and P @ c; k_pe is a second, narrow tile."""
+    (loads), `visible` ([rows, BLOCK_N], used when MASKED) which scores count. The latent tile is loaded once (or
+    given as `c_raw`, loaded a step ahead) and serves both q_lat @ c^T and P @ c; k_pe is a second, narrow tile."""
     rows = page * c_stride_b + (tok % BLOCK_SIZE).to(tl.int64) * c_stride_s
     if c_raw is None:
         c = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=t_mask[:, None], other=0.0).to(q_lat.dtype)

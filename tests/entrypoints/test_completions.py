@@ -237,8 +237,10 @@ def test_logprob_tokens_of_multibyte_characters_join_to_the_text(server, client,
     """Byte-level pieces of a character in the answers' logprobs (Qwen's "데" is a lead-byte token, then a token of
     its two trailing bytes + "이터"): each token's text is what it adds after the ids before it, as LLMEngine's
     decoded_token and vLLM's server give it, not its own decode (U+FFFD). The echoed prompt's tokens join to the
-    prompt and text_offset follows them; a sampled token completes the character the prompt's last id opened, in the
-    body and streamed alike; chat's tokens, their bytes and its top_logprobs equal LLM.chat's decoded_token."""
+    prompt and text_offset follows them; a sampled token gets the character the prompt's last id opened, in the body
+    and streamed alike (its context is the prompt too, unlike the completion's text, decoded from the outputs alone);
+    streamed offsets equal the body's; chat's tokens, their bytes and its top_logprobs equal LLM.chat's
+    decoded_token."""
     tok = ref.get_tokenizer()
     text = "> 请데이터 and 🦜 ok"
     ids = tok.encode(text)
@@ -260,8 +262,19 @@ def test_logprob_tokens_of_multibyte_characters_join_to_the_text(server, client,
                 for t in c.choices[0].logprobs.tokens]
     assert full.choices[0].logprobs.tokens == streamed == ["데이터"]
 
-    messages = [{"role": "user", "content": "Say 데이터"}]
+    # several steps among byte pieces (the detokenizer holds a partial character back from the streamed text):
+    # streamed tokens and text_offsets equal the body's, each offset past the token texts before it
     allowed = [lead, rest, *tok.encode(" 🦜")]
+    body = dict(model=MODEL, prompt=tok.encode("> 请"), max_tokens=8, temperature=0, logprobs=1,
+                extra_body={"allowed_token_ids": allowed})
+    whole = client.completions.create(**body).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**body, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == whole.tokens
+    assert [o for c in chunks for o in c.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
+
+    messages = [{"role": "user", "content": "Say 데이터"}]
     exp = ref.chat(messages, SamplingParams(temperature=0, max_tokens=6, logprobs=2, allowed_token_ids=allowed),
                    chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0].outputs[0]
     for stream in (False, True):

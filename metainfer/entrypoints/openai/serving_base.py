@@ -128,7 +128,7 @@ class OpenAIServing:
                     done.add(index)
                 new_logprobs = c.logprobs[first:length] if c.logprobs is not None else None
                 before = c.token_ids[max(0, first - MAX_CONTEXT):first]
-                context = list(out.prompt_token_ids or ())[-MAX_CONTEXT:] + before
+                context = (list(out.prompt_token_ids or ())[-MAX_CONTEXT:] + before)[-MAX_CONTEXT:]
                 yield c, index, text, c.token_ids[first:length], new_logprobs, context
 
     @staticmethod

@@ -65,7 +65,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                                     context))
                 else:
                     logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context)
-            offsets[index] = offsets.get(index, 0) + len(text)
+            # the next chunk's first text_offset: past this chunk's token texts, as the whole body counts them (the
+            # streamed text may hold some back: a partial character, a possible stop string)
+            offsets[index] = (_offset_after(logprobs, offsets.get(index, 0)) if logprobs
+                              else offsets.get(index, 0) + len(text))
             yield {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
@@ -87,7 +90,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 text_offset += len(text)
                 continue
             token_logprobs.append(d.get(tid))
-            top.append({listed[t]: lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])})
+            ranked = {}
+            for t, lp in sorted(d.items(), key=lambda kv: -kv[1]):
+                ranked.setdefault(listed[t], lp)  # ids with the same text: the likelier one's value
+            top.append(ranked)
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _offset_after(logprobs: dict, offset: int) -> int:
+    """The text offset just past a completions logprobs block's last token (`offset` where it has none)."""
+    offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+    return offsets[-1] + len(tokens[-1]) if tokens else offset
