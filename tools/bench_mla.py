@@ -3,7 +3,8 @@ absorbed Triton prefill against the expanded form (K/V up-projected, the choice 
 
     python -m tools.bench_mla --json mla_h200.json --budget-s 100
 
-Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, block size 16, bf16.
+Dims: H=16 heads, L=512 (kv_lora_rank), R=64 (rope), Dn=128 (nope), Dv=128, block size 16, bf16 (the decode
+cases over an fp8 latent cache with `--cache-dtype fp8`: floors and rates then count 1 byte a value).
 * decode, batch {1, 8, 32, 128, 256} x context {512, 2048, 8192}: mla_decode_attention_triton with its
   default split rule and a workspace from mla_decode_workspace_numel, timed as a CUDA graph of back-to-back
   launches (device time, as the engine replays decode; it also shows the launch is capturable); the floor is
@@ -99,13 +100,18 @@ def _graph_us(fn, inner: int, repeats: int) -> float:
     return us
 
 
-def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cache [N, 16, L+R] of random latents, a random permutation of its blocks)."""
+def _paged_cache(num_tokens: int, device, dtype=torch.bfloat16, seed: int = 0,
+                 fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache [N, 16, L+R] of random latents, in fp8 (e4m3, as the engine stores them) when asked, a random
+    permutation of its blocks)."""
+    from metainfer.kernels import FP8_KV_DTYPE
+    from metainfer.kernels.kv_cache import to_cache_dtype
+
     num_blocks = -(-num_tokens // BLOCK)
     gen = torch.Generator(device=device).manual_seed(seed)
     cache = torch.randn(num_blocks, BLOCK, LORA + ROPE, device=device, dtype=dtype, generator=gen)
     order = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
-    return cache, order
+    return (to_cache_dtype(cache, FP8_KV_DTYPE) if fp8 else cache), order
 
 
 def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: int, table_tokens: int | None = None,
@@ -143,13 +149,13 @@ def _decode_case(cache, order, batch: int, context: int, inner: int, repeats: in
     except RuntimeError as exc:  # capture refused: report the eager time and why
         torch.cuda.synchronize()
         us, timing = time_eager(run, iters=repeats, warmup=3), f"eager ({exc!s:.80})"
-    floor = decode_floor_us(batch, context)
+    floor = decode_floor_us(batch, context, cache.element_size())
     min_split = knobs.get("min_split_tokens", _MLA_MIN_SPLIT_TOKENS)
     short_split = knobs.get("short_split_tokens", _MLA_SHORT_SPLIT_TOKENS)
     return {"splits": splits, "live_splits": live_splits(context, splits, min_split, block_n, short_split),
             "us": round(us, 3), "timing": timing,
             "floor_fraction": round(floor / us, 3),
-            "tb_per_s": round(batch * context * (LORA + ROPE) * 2 / us / 1e6, 3)}
+            "tb_per_s": round(batch * context * (LORA + ROPE) * cache.element_size() / us / 1e6, 3)}
 
 
 def live_splits(context: int, splits: int, min_split_tokens: int, block_n: int, short_split_tokens: int) -> int:
@@ -198,11 +204,13 @@ def bench_decode_sweep(batches, contexts, table_tokens: int, grid: dict, budget_
                 print(json.dumps(results[-1]), flush=True)
 
 
-def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int) -> None:
-    cache, order = _paged_cache(max(batches) * -(-max(contexts) // BLOCK) * BLOCK, torch.device("cuda"))
+def bench_decode(batches, contexts, budget_end: float, results: list, inner: int, repeats: int,
+                 fp8: bool = False) -> None:
+    cache, order = _paged_cache(max(batches) * -(-max(contexts) // BLOCK) * BLOCK, torch.device("cuda"), fp8=fp8)
     for context in contexts:
         for batch in batches:
-            case = dict(kind="decode", batch=batch, context=context, floor_us=round(decode_floor_us(batch, context), 3))
+            case = dict(kind="decode", cache="fp8" if fp8 else "bf16", batch=batch, context=context,
+                        floor_us=round(decode_floor_us(batch, context, cache.element_size()), 3))
             if time.monotonic() > budget_end:
                 results.append({**case, "skipped": "budget"})
                 continue
@@ -312,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--inner", type=int, default=10, help="decode calls per CUDA graph")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="the decode cases' latent cache (fp8: e4m3, as kv_cache_dtype fp8 stores it)")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--split-sweep", action="store_true",
                         help="only the short-context split sweep at the engine's table width (module docstring)")
@@ -335,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if not sweeps and not args.skip_decode:
         # decode first, but keep ~40% of the budget for prefill
         decode_end = budget_end if args.skip_prefill else start + 0.6 * args.budget_s
-        bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats)
+        bench_decode(args.batches, args.contexts, decode_end, results, args.inner, args.repeats,
+                     fp8=args.cache_dtype == "fp8")
     if not args.skip_prefill and not sweeps:
         steps = [(label, seqs) for label, seqs in PREFILL_STEPS if label in args.prefill_steps]
         bench_prefill(steps, budget_end, results, max(5, args.repeats // 2))

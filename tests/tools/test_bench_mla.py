@@ -28,6 +28,7 @@ def test_floor_and_flop_counts():
     # one sequence of 512 tokens: 512 * 576 bf16 values = 589,824 bytes at 4.8 TB/s
     assert bench_mla.decode_floor_us(1, 512) == pytest.approx(589824 / 4.8e12 * 1e6)
     assert bench_mla.decode_floor_us(256, 8192) == pytest.approx(256 * 8192 * bench_mla.decode_floor_us(1, 1))
+    assert bench_mla.decode_floor_us(1, 512, 1) == pytest.approx(bench_mla.decode_floor_us(1, 512) / 2)  # fp8
     # causal: T (T + 1) / 2 visible pairs; absorbed 512 + 64 + 512 per pair and head, expanded 192 + 128
     assert bench_mla.absorbed_prefill_flops(2) == 2.0 * 16 * 3 * 1088
     assert bench_mla.expanded_prefill_flops(2) == 2.0 * 16 * 3 * 320
