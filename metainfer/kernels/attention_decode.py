@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
+from .attention_decode_fp8 import _decode_fp8_kernel
+from .decode_split import _decode_finish, _split_range
 from .kv_cache import FP8_KV_DTYPE, check_cache_dtype, check_v_cache_layout, is_token_major
 
 LOG2E = 1.4426950408889634
@@ -37,32 +39,8 @@ _TARGET_DECODE_PROGRAMS = 512
 _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
+_FP8_MMA_MIN_TOKENS = 64  # the fp8 tensor-core kernel's tiles: an sm_90 wgmma's M (attention_decode_fp8.py)
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton: decode with split-KV (one launch: the last split of each (sequence, kv head) merges)
-# ----------------------------------------------------------------------------------------------
-#
-# Memory-ordering argument of the in-kernel merge (the GPU, not the interpreter, which runs the
-# programs one after the other and has no races):
-# * A program's partial-output and log-sum-exp stores are issued by many threads, while a scalar
-#   `tl.atomic_add` is issued by one thread of the program (Triton predicates scalar atomics to a
-#   single thread and broadcasts the old value through shared memory). So the writers first run
-#   `tl.debug_barrier()` (bar.sync): every thread's stores precede, in causality order, the
-#   counting thread's atomic. That atomic is `sem="acq_rel", scope="gpu"`; its release half is
-#   cumulative, so it publishes all the stores ordered before it - the other threads' included -
-#   at GPU scope (the pattern of CUTLASS's split-K semaphore: __syncthreads, then one thread's
-#   red.release.gpu).
-# * The counter's modification order is a total order: exactly one program reads the value
-#   `live - 1` and it is the last. Its acquire half synchronises with the release of every
-#   program that incremented before it, so all live partials are visible to the counting thread.
-#   The result broadcast (and an explicit `tl.debug_barrier()`) orders that acquire before the
-#   loads of the program's other threads, which read the partials with `.cg` (L2, bypassing the
-#   SM's non-coherent L1 - belt and braces: acquire already invalidates it).
-# * The last program sets the counter back to 0. Nothing else touches that counter in this
-#   launch any more, and the next launch (or CUDA-graph replay) is ordered after this one by the
-#   stream, so every launch finds its counters at 0 and leaves them at 0.
 
 
 @triton.jit
@@ -154,41 +132,6 @@ def _decode_step(q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_p
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
-def _decode_merge_splits(
-    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
-    out_stride_b, out_stride_h,
-    GROUP: tl.constexpr, BLOCK_GM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-):
-    """out[heads of kv_head] = sum_s w_s * part_s / sum_s w_s with w_s = 2^(lse_s - max lse),
-    over the `live` (>= 2) splits, MERGE_SPLITS partials at a time (bounded registers)."""
-    g = tl.arange(0, BLOCK_GM)
-    g_mask = g < GROUP
-    heads = kv_head * GROUP + g
-    base = (seq * num_q_heads + heads) * num_splits  # workspace row of split 0, per q head
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + base[:, None] + s[None, :], mask=g_mask[:, None] & (s < live)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.where(g_mask, tl.max(lse, axis=1), 0.0)  # finite on real heads (live >= 2)
-    total = tl.sum(tl.exp2(lse - lse_max[:, None]), axis=1)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
-    for s0 in range(0, live, MERGE_SPLITS):
-        st = s0 + tl.arange(0, MERGE_SPLITS)
-        gs_mask = g_mask[:, None] & (st < live)[None, :]
-        rows = base[:, None] + st[None, :]
-        w = tl.exp2(tl.load(part_lse_ptr + rows, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
-                    - lse_max[:, None])
-        parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM + d[None, None, :],
-                        mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, :, None] * parts, axis=1)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-
-
 @triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -208,7 +151,7 @@ def _decode_split_kernel(
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
-    counter, and the last one to arrive merges the partials into the output (see above).
+    counter, and the last one to arrive merges the partials into the output (decode_split.py).
     V_TOKEN_MAJOR (an fp8 cache): full tiles without token masks, then the tail in masked tiles."""
     pdl_enter(USE_PDL)
     # kv heads vary fastest in launch order: a row's programs start together, and rows start in
@@ -216,20 +159,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(0)
-    num_q_heads = num_kv_heads * GROUP
-
-    # Token range of this split: the context cut into num_splits chunks rounded up to BLOCK_N.
-    # Splits 0..live-1 are non-empty; all programs of a (sequence, kv head) agree on `live`.
     ctx = tl.load(context_lens_ptr + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_chunk)  # a BLOCK_N multiple
-    live = tl.cdiv(ctx, tl.maximum(chunk, 1))  # 0 for an empty context
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx)
+    start, end, live = _split_range(ctx, split, num_splits, min_chunk, BLOCK_N)
     if not ONE_PASS:
-        # Empty splits do nothing (they are not counted: the merge waits for `live` arrivals);
-        # split 0 of an empty context still runs to write its zeros.
-        if split >= tl.maximum(live, 1):
+        if split >= tl.maximum(live, 1):  # an empty split (split 0 of an empty context writes its zeros)
             return
 
     g = tl.arange(0, BLOCK_G)
@@ -265,31 +198,9 @@ def _decode_split_kernel(
                 kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
                 scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, False)
 
-    out_offs = seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
-    if ONE_PASS:
-        # Empty context: acc is 0 and l_i is 0 -> write zeros.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
-    else:
-        if live <= 1:  # the whole context is this split (or it is empty): no merge needed
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
-        else:
-            rows = (seq * num_q_heads + heads) * num_splits + split
-            tl.store(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None], mask=qd_mask)
-            tl.store(part_lse_ptr + rows, m_i + tl.log2(l_i), mask=g_mask)
-            # All threads' partial stores are issued before the one counting thread releases them.
-            tl.debug_barrier()
-            counter = counters_ptr + seq * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == live - 1:  # the last live split of this (sequence, kv head)
-                tl.debug_barrier()  # the acquire above precedes every thread's partial loads
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _decode_merge_splits(
-                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, live, num_splits, num_q_heads,
-                    out_stride_b, out_stride_h,
-                    GROUP, BLOCK_GM, HEAD_DIM, BLOCK_D, BLOCK_S, MERGE_SPLITS,
-                )
+    _decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split, live,
+                   num_splits, out_stride_b, out_stride_h, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_GM, BLOCK_S,
+                   MERGE_SPLITS, ONE_PASS)
 
 
 def decode_num_splits(
@@ -306,13 +217,23 @@ def decode_num_splits(
     return max(1, min(max_num_splits, wanted, useful))
 
 
-def decode_block_n(num_splits: int, cache_dtype: torch.dtype) -> int:
+def decode_block_n(num_splits: int, cache_dtype: torch.dtype, fp8_mma: bool = False) -> int:
     """Tokens a program step by default: 32 for split launches, 64 for one-pass ones, 128 for one-pass
     launches over an fp8 cache (token-major V; run 35: 121.4 against 124.9 us at 256 rows x 600, 53.2
-    against 56.2 at 64 x 1,088)."""
+    against 56.2 at 64 x 1,088). The fp8 tensor-core kernel (`fp8_mma`) takes 64 in split launches: its
+    tiles' tokens are the M of an sm_90 wgmma, at least 64."""
+    if fp8_mma:
+        return _FP8_MMA_MIN_TOKENS
     if num_splits > 1:
         return _DECODE_SPLIT_BLOCK_N
     return 2 * _DECODE_BLOCK_N if cache_dtype == FP8_KV_DTYPE else _DECODE_BLOCK_N
+
+
+def uses_fp8_mma(q_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a decode launch runs attention_decode_fp8's kernel (products on fp8 tensor cores): bf16 q over an
+    fp8 cache with token-major V and a head_dim of 64, 128 or 256 (the M of its P @ V wgmma)."""
+    return (q_dtype == torch.bfloat16 and k_cache.dtype == FP8_KV_DTYPE and is_token_major(v_cache)
+            and k_cache.shape[-1] in (64, 128, 256))
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -484,10 +405,13 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
         )
     elif not 1 <= num_splits <= max_num_splits:
         raise ValueError(f"num_splits must be in [1, max_num_splits={max_num_splits}], got {num_splits}")
+    # the fp8 tensor-core kernel's tiles are a wgmma's M: a forced narrower tile takes the widening kernel
+    fp8_mma = uses_fp8_mma(q.dtype, k_cache, v_cache) and all(
+        n is None or n >= _FP8_MMA_MIN_TOKENS for n in (block_n, tail_block_n))
     if block_n is None:
-        block_n = decode_block_n(num_splits, k_cache.dtype)
+        block_n = decode_block_n(num_splits, k_cache.dtype, fp8_mma)
     if tail_block_n is None:
-        tail_block_n = max(16, block_n // 2)
+        tail_block_n = min(block_n, _FP8_MMA_MIN_TOKENS) if fp8_mma else max(16, block_n // 2)
     elif tail_block_n < 16 or tail_block_n & (tail_block_n - 1) or tail_block_n > block_n:
         raise ValueError(f"tail_block_n must be a power of two in [16, block_n={block_n}], got {tail_block_n}")
     out_shape = (batch, num_q_heads, head_dim)
@@ -507,7 +431,10 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
             raise ValueError(f"counters need {batch * num_kv_heads} int32 elements, "
                              f"got {counters.numel()} {counters.dtype}")
     use_dot = group > 1
-    block_g = max(16, next_pow2(group)) if use_dot else 1
+    if fp8_mma:  # heads a program: 2 * block_g columns (two terms a head) are the wgmma's N, at least 16
+        block_g = max(8, next_pow2(group))
+    else:
+        block_g = max(16, next_pow2(group)) if use_dot else 1
     block_d = max(16, next_pow2(head_dim))
     block_gm = next_pow2(group)
     block_s = next_pow2(num_splits)
@@ -516,7 +443,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
     return PlannedLaunch(
-        _decode_split_kernel, (num_kv_heads, batch, num_splits),
+        _decode_fp8_kernel if fp8_mma else _decode_split_kernel, (num_kv_heads, batch, num_splits),
         (block_tables, context_lens),
         (part_out, part_lse, counters,
          scale_log2e, num_splits, min_chunk,
@@ -529,6 +456,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
              USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
              BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
              V_TOKEN_MAJOR=is_token_major(v_cache),
-             num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or 2, **pdl_args(pdl),
+             num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or (1 if fp8_mma else 2),
+             **pdl_args(pdl),
              **({"maxnreg": maxnreg} if maxnreg else {})),
         out_shape, q.dtype)

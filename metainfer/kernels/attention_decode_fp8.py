@@ -1,0 +1,150 @@
+"""Paged decode attention over an fp8 cache on fp8 tensor cores, for bf16 queries.
+
+Contract: attention_decode.paged_decode_attention_triton's (that launcher plans this kernel for bf16 q over an fp8
+cache in the engine's layouts: K block-major, V token-major); the result is the same up to the rounding below.
+
+Why: the kernel that widens each cached e4m3 value to fp16 before its products is bound by those widening
+instructions, not by bytes (docs/PERFORMANCE.md, run 106: ~30% of its instructions, DRAM at 68% of peak). Here no
+cached value is widened: both products run as e4m3 x e4m3 -> fp32 tensor-core MMAs (sm_90 wgmma, which takes
+8-bit operands only with M >= 64 and K-major operands, so the products are transposed: S^T = K q^T with the tile's
+tokens as M, and O^T = V^T P^T with head_dim as M; token-major V is V^T K-major).
+
+Exactness: each query row is scaled by a power of two so its largest |value| lies in (224, 448], then split into
+two e4m3 terms hi + lo (lo = e4m3(x - hi)); a bf16 value's 8 significant bits are 4 + 4, so the pair holds it
+exactly wherever lo stays out of e4m3's subnormals (values within 2^-9 of the row's largest, scaled, lose at most
+2^-10 of the scaled row maximum: ~2^-18 of it). The probabilities (at most 1, scaled by 256) are split the same way,
+keeping ~8 significant bits: the bf16 cache path's precision for them. The two terms sit in adjacent columns of
+the products' N dimension (column 2h + t: head h, term t), so summing them is a per-thread add of neighbouring
+accumulator columns; wgmma's smallest N for 8-bit operands is 16, so up to 8 query heads share a kv head at no
+extra cost.
+"""
+
+from __future__ import annotations
+
+from ._triton import pdl_enter, tl, triton
+from .decode_split import _decode_finish, _split_range
+
+
+@triton.jit
+def _e4m3_terms(x, term):
+    """fp32 x (|x| <= 448) as its e4m3 term `term` (0 or 1, broadcast against x): hi = e4m3(x), lo = e4m3(x - hi)
+    (x - hi is exact in fp32)."""
+    hi = x.to(tl.float8e4nv)
+    lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
+    return tl.where(term == 0, hi, lo)
+
+
+@triton.jit
+def _pair_sum(x):
+    """[R, 2H] -> [R, 2H]: columns 2h and 2h + 1 both hold their sum (in-thread: an MMA accumulator's neighbouring
+    columns are one thread's). The sum is formed in [R, 2H], not as [R, H], because Triton 3.6 fails to lower a
+    join + reshape that feeds a dot's operand (sm_90)."""
+    a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return x + tl.reshape(tl.join(b, a), [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, page, k_cache_ptr, v_cache_ptr, kv_head,
+              kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_h, vc_stride_d,
+              d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over tokens n0 .. n0 + BLOCK_N - 1 (page: their cache blocks). Columns c = 2h + t
+    (head h, term t): m_i, l_i [2H] (each head's twice), acc = O^T [D, 2H] (term t of the probabilities in column
+    2h + t). MASKED: tokens from `end` on are loaded as 0 and left out."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    in_page = tok % BLOCK_SIZE
+    k_rows = page * kc_stride_b + in_page * kc_stride_s + kv_head * kc_stride_h
+    v_cols = page * vc_stride_b + in_page + kv_head * vc_stride_h  # token-major V: tokens are unit-stride
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :])
+    vt = tl.load(v_cache_ptr + v_cols[None, :] + d[:, None] * vc_stride_d)
+    if MASKED:
+        t_mask = tok < end
+        vt = tl.where(t_mask[None, :], vt, 0.0)
+    s = _pair_sum(tl.dot(k, q_terms)) * inv_q_scale[None, :]  # [BLOCK_N, 2H], log2 units
+    if MASKED:
+        s = tl.where(t_mask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    if MASKED:
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+    else:  # per-token partial sums, reduced over the tokens once after the loop (no cross-warp sum a tile)
+        l_i = l_i * alpha[None, :] + p
+    acc = tl.dot(vt, _e4m3_terms(p * 256.0, term), acc * alpha[None, :])
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
+def _decode_fp8_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    scale_log2e, num_splits, min_chunk,
+    q_stride_b, q_stride_h,
+    kc_stride_b, kc_stride_s, kc_stride_h,
+    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+    bt_stride_b, out_stride_b, out_stride_h,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """attention_decode._decode_split_kernel's program (sequence, kv head, split) and arguments, over an fp8 cache
+    with bf16 q (HEAD_DIM == BLOCK_D, a multiple of 64; BLOCK_G heads a program, 2 * BLOCK_G >= 16)."""
+    pdl_enter(USE_PDL)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    start, end, live = _split_range(ctx, split, num_splits, min_chunk, BLOCK_N)
+    if not ONE_PASS:
+        if split >= tl.maximum(live, 1):
+            return
+
+    # columns c = 2h + t: term t of head h (see above); q^T [D, 2 * BLOCK_G] with each head's values twice
+    c = tl.arange(0, 2 * BLOCK_G)
+    term = (c % 2)[None, :]
+    heads = kv_head * GROUP + c // 2
+    c_mask = c // 2 < GROUP
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + seq * q_stride_b + heads[None, :] * q_stride_h + d[:, None], mask=c_mask[None, :],
+                other=0.0).to(tl.float32)
+    # a power of two per head puts its largest |q| in (224, 448] (1 for a zero row)
+    q_max = tl.max(tl.abs(q), axis=0)
+    q_scale = tl.where(q_max > 0, tl.exp2(tl.floor(tl.log2(448.0 / tl.where(q_max > 0, q_max, 1.0)))), 1.0)
+    q_terms = _e4m3_terms(q * q_scale[None, :], term)
+    inv_q_scale = scale_log2e / q_scale
+    m_i = tl.full([2 * BLOCK_G], float("-inf"), tl.float32)
+    l_parts = tl.zeros([BLOCK_N, 2 * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_D, 2 * BLOCK_G], tl.float32)
+    bt_row = block_tables_ptr + seq * bt_stride_b
+    # Full tiles, their blocks read a step ahead and carried in the loop (so Triton's pipeliner can give the cache
+    # loads more than one buffer: docs/PERFORMANCE.md, run 113), then the tail in masked tiles.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    last_block = tl.maximum(full_end - 1, 0) // BLOCK_SIZE
+    n = tl.arange(0, BLOCK_N)
+    page = tl.load(bt_row + tl.minimum((start + n) // BLOCK_SIZE, last_block), mask=start < full_end,
+                   other=0).to(tl.int64)
+    for n0 in range(start, full_end, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        page_next = tl.load(bt_row + tl.minimum((n0 + BLOCK_N + n) // BLOCK_SIZE, last_block)).to(tl.int64)
+        m_i, l_parts, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_parts, acc, n0, end, page, k_cache_ptr,
+                                  v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+                                  vc_stride_h, vc_stride_d, d, BLOCK_SIZE, BLOCK_N, False)
+        page = page_next
+    l_i = tl.sum(l_parts, axis=0)
+    for n0 in range(full_end, end, TAIL_BLOCK_N):
+        n0 = tl.multiple_of(n0, TAIL_BLOCK_N)
+        tok = n0 + tl.arange(0, TAIL_BLOCK_N)
+        tail_page = tl.load(bt_row + tl.minimum(tok // BLOCK_SIZE, (end - 1) // BLOCK_SIZE)).to(tl.int64)
+        m_i, l_i, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, tail_page, k_cache_ptr,
+                                  v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+                                  vc_stride_h, vc_stride_d, d, BLOCK_SIZE, TAIL_BLOCK_N, True)
+    # O^T's two terms added (the pair sums of neighbouring columns), back to [heads, D]: each head's row twice;
+    # the even rows are the heads
+    out_t = _pair_sum(acc) * (1.0 / 256.0)
+    acc_h, _ = tl.split(tl.reshape(tl.trans(out_t), [BLOCK_G, 2, BLOCK_D]).permute(0, 2, 1))
+    m_h, _ = tl.split(tl.reshape(m_i, [BLOCK_G, 2]))
+    l_h, _ = tl.split(tl.reshape(l_i, [BLOCK_G, 2]))
+    _decode_finish(acc_h, m_h, l_h, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split, live,
+                   num_splits, out_stride_b, out_stride_h, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_GM, BLOCK_S,
+                   MERGE_SPLITS, ONE_PASS)
