@@ -30,7 +30,6 @@ from metainfer.kernels import (
     FP8_KV_DTYPE,
     activation,
     attention_decode,
-    attention_decode_fp8,
     attention_prefill,
     block_major_k_cache,
     gemv,
@@ -221,8 +220,7 @@ def _cases(op: str):
 def _kernel_objects():
     return [
         rms_norm._rms_norm_kernel, activation._silu_and_mul_kernel, rotary._rotary_neox_kernel,
-        kv_cache._store_kv_kernel, attention_decode._decode_split_kernel, attention_decode_fp8._decode_fp8_kernel,
-        attention_prefill._prefill_kernel,
+        kv_cache._store_kv_kernel, attention_decode._decode_split_kernel, attention_prefill._prefill_kernel,
         gemv._gemv_kernel, gemv._splitk_reduce_kernel, qkv_prep._qk_norm_rope_store_kernel,
         sampling._gumbel_sample_kernel, skinny_gemm._skinny_gemm_kernel, step_inputs._step_inputs_kernel,
     ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
-from .attention_decode_fp8 import _decode_fp8_kernel
+from .attention_decode_fp8 import _fp8_attend
 from .decode_split import _decode_finish, _split_range
 from .kv_cache import FP8_KV_DTYPE, check_cache_dtype, check_v_cache_layout, is_token_major
 
@@ -145,14 +145,15 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr, FP8_MMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (sequence, kv head, split): all GROUP q heads of that kv head over one
     contiguous token range of the context. ONE_PASS (a single split): writes the output. Else a
     sequence whose context fits one split also writes it directly; otherwise each live split
     writes its normalised partial output + log2-sum-exp, counts itself on the (sequence, kv head)
     counter, and the last one to arrive merges the partials into the output (decode_split.py).
-    V_TOKEN_MAJOR (an fp8 cache): full tiles without token masks, then the tail in masked tiles."""
+    V_TOKEN_MAJOR (an fp8 cache): full tiles without token masks, then the tail in masked tiles. FP8_MMA: the
+    products on fp8 tensor cores (attention_decode_fp8.py: bf16 q over an fp8 cache)."""
     pdl_enter(USE_PDL)
     # kv heads vary fastest in launch order: a row's programs start together, and rows start in
     # batch order (the scheduler puts the longest contexts first, so the launch's tail is short ones)
@@ -165,39 +166,44 @@ def _decode_split_kernel(
         if split >= tl.maximum(live, 1):  # an empty split (split 0 of an empty context writes its zeros)
             return
 
-    g = tl.arange(0, BLOCK_G)
-    heads = kv_head * GROUP + g
-    g_mask = g < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    qd_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
-    q_kv = _in_kv_dtype(q, k_cache_ptr, q)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * bt_stride_b
-    if V_TOKEN_MAJOR:  # full tiles without token masks (V's loads then vectorise along tokens), then the tail
-        full_end = start + (end - start) // BLOCK_N * BLOCK_N
-        for n0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), end, bt_row, k_cache_ptr, v_cache_ptr,
-                kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
-        # the tail in smaller masked tiles: one full-size masked tile outside the loop is not staged
-        # through shared memory and held 184 registers a thread against 118 without it (sm_90)
-        for n0 in range(full_end, end, TAIL_BLOCK_N):
-            m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), end, bt_row, k_cache_ptr,
-                v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
-                vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
+    if FP8_MMA:
+        acc, m_i, l_i = _fp8_attend(q_ptr + seq * q_stride_b, q_stride_h, k_cache_ptr, v_cache_ptr, bt_row, start, end,
+                                    kv_head, scale_log2e, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+                                    vc_stride_h, vc_stride_d, GROUP, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                    TAIL_BLOCK_N)
     else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _decode_step(
-                q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr,
-                kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-                scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, False)
-
+        g = tl.arange(0, BLOCK_G)
+        heads = kv_head * GROUP + g
+        g_mask = g < GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        qd_mask = g_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=qd_mask, other=0.0)
+        q_kv = _in_kv_dtype(q, k_cache_ptr, q)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        if V_TOKEN_MAJOR:  # full tiles without token masks (V's loads then vectorise along tokens), then the tail
+            full_end = start + (end - start) // BLOCK_N * BLOCK_N
+            for n0 in range(start, full_end, BLOCK_N):
+                m_i, l_i, acc = _decode_step(
+                    q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, BLOCK_N), end, bt_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+                    scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, False, True)
+            # the tail in smaller masked tiles: one full-size masked tile outside the loop is not staged
+            # through shared memory and held 184 registers a thread against 118 without it (sm_90)
+            for n0 in range(full_end, end, TAIL_BLOCK_N):
+                m_i, l_i, acc = _decode_step(
+                    q, q_kv, m_i, l_i, acc, tl.multiple_of(n0, TAIL_BLOCK_N), end, bt_row, k_cache_ptr,
+                    v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+                    vc_stride_d, scale_log2e, d, d_mask, BLOCK_SIZE, TAIL_BLOCK_N, USE_DOT, DOT_PRECISION, True, True)
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _decode_step(
+                    q, q_kv, m_i, l_i, acc, n0, end, bt_row, k_cache_ptr, v_cache_ptr,
+                    kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+                    scale_log2e, d, d_mask, BLOCK_SIZE, BLOCK_N, USE_DOT, DOT_PRECISION, True, False)
     _decode_finish(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split, live,
                    num_splits, out_stride_b, out_stride_h, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_GM, BLOCK_S,
                    MERGE_SPLITS, ONE_PASS)
@@ -443,7 +449,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
     min_split = _DECODE_MIN_SPLIT_TOKENS if min_split_tokens is None else max(1, int(min_split_tokens))
     min_chunk = cdiv(min_split, block_n) * block_n
     return PlannedLaunch(
-        _decode_fp8_kernel if fp8_mma else _decode_split_kernel, (num_kv_heads, batch, num_splits),
+        _decode_split_kernel, (num_kv_heads, batch, num_splits),
         (block_tables, context_lens),
         (part_out, part_lse, counters,
          scale_log2e, num_splits, min_chunk,
@@ -455,7 +461,7 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
              BLOCK_SIZE=block_size, BLOCK_N=block_n, TAIL_BLOCK_N=tail_block_n,
              USE_DOT=use_dot, ONE_PASS=one_pass, DOT_PRECISION=_dot_precision(q.dtype),
              BLOCK_GM=block_gm, BLOCK_S=block_s, MERGE_SPLITS=merge_splits,
-             V_TOKEN_MAJOR=is_token_major(v_cache),
+             V_TOKEN_MAJOR=is_token_major(v_cache), FP8_MMA=fp8_mma,
              num_warps=num_warps or (4 if block_g <= 32 else 8), num_stages=num_stages or (1 if fp8_mma else 2),
              **pdl_args(pdl),
              **({"maxnreg": maxnreg} if maxnreg else {})),

@@ -21,8 +21,7 @@ extra cost.
 
 from __future__ import annotations
 
-from ._triton import pdl_enter, tl, triton
-from .decode_split import _decode_finish, _split_range
+from ._triton import tl, triton
 
 
 @triton.jit
@@ -73,40 +72,19 @@ def _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, page, k_cache_
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["bt_stride_b"])  # the block-table width changes per batch
-def _decode_fp8_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    scale_log2e, num_splits, min_chunk,
-    q_stride_b, q_stride_h,
-    kc_stride_b, kc_stride_s, kc_stride_h,
-    vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
-    bt_stride_b, out_stride_b, out_stride_h,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, ONE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    V_TOKEN_MAJOR: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """attention_decode._decode_split_kernel's program (sequence, kv head, split) and arguments, over an fp8 cache
-    with bf16 q (HEAD_DIM == BLOCK_D, a multiple of 64; BLOCK_G heads a program, 2 * BLOCK_G >= 16)."""
-    pdl_enter(USE_PDL)
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
-    ctx = tl.load(context_lens_ptr + seq)
-    start, end, live = _split_range(ctx, split, num_splits, min_chunk, BLOCK_N)
-    if not ONE_PASS:
-        if split >= tl.maximum(live, 1):
-            return
-
+@triton.jit
+def _fp8_attend(q_row, q_stride_h, k_cache_ptr, v_cache_ptr, bt_row, start, end, kv_head, scale_log2e,
+                kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_h, vc_stride_d,
+                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, TAIL_BLOCK_N: tl.constexpr):
+    """(acc [BLOCK_G, D] un-normalised, m_i, l_i [BLOCK_G]) of kv head `kv_head`'s GROUP q heads (q_row: the
+    sequence's q) over tokens start .. end - 1 (bt_row: its block-table row), for attention_decode's
+    `_decode_split_kernel` (FP8_MMA). HEAD_DIM == BLOCK_D, a multiple of 64; 2 * BLOCK_G >= 16."""
     # columns c = 2h + t: term t of head h (see above); q^T [D, 2 * BLOCK_G] with each head's values twice
     c = tl.arange(0, 2 * BLOCK_G)
     term = (c % 2)[None, :]
-    heads = kv_head * GROUP + c // 2
-    c_mask = c // 2 < GROUP
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + seq * q_stride_b + heads[None, :] * q_stride_h + d[:, None], mask=c_mask[None, :],
+    q = tl.load(q_row + (kv_head * GROUP + c // 2)[None, :] * q_stride_h + d[:, None], mask=(c // 2 < GROUP)[None, :],
                 other=0.0).to(tl.float32)
     # a power of two per head puts its largest |q| in (224, 448] (1 for a zero row)
     q_max = tl.max(tl.abs(q), axis=0)
@@ -116,9 +94,9 @@ def _decode_fp8_kernel(
     m_i = tl.full([2 * BLOCK_G], float("-inf"), tl.float32)
     l_parts = tl.zeros([BLOCK_N, 2 * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_D, 2 * BLOCK_G], tl.float32)
-    bt_row = block_tables_ptr + seq * bt_stride_b
-    # Full tiles, their blocks read a step ahead and carried in the loop (so Triton's pipeliner can give the cache
-    # loads more than one buffer: docs/PERFORMANCE.md, run 113), then the tail in masked tiles.
+    # Full tiles, their blocks read a step ahead and carried in the loop (a cache load hanging off a block-table
+    # load of the same step keeps Triton's pipeliner to one buffer: docs/PERFORMANCE.md, run 113), then the tail
+    # in tiles whose tokens past `end` are left out.
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     last_block = tl.maximum(full_end - 1, 0) // BLOCK_SIZE
     n = tl.arange(0, BLOCK_N)
@@ -128,23 +106,22 @@ def _decode_fp8_kernel(
         n0 = tl.multiple_of(n0, BLOCK_N)
         page_next = tl.load(bt_row + tl.minimum((n0 + BLOCK_N + n) // BLOCK_SIZE, last_block)).to(tl.int64)
         m_i, l_parts, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_parts, acc, n0, end, page, k_cache_ptr,
-                                  v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
-                                  vc_stride_h, vc_stride_d, d, BLOCK_SIZE, BLOCK_N, False)
+                                      v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
+                                      vc_stride_h, vc_stride_d, d, BLOCK_SIZE, BLOCK_N, False)
         page = page_next
     l_i = tl.sum(l_parts, axis=0)
     for n0 in range(full_end, end, TAIL_BLOCK_N):
         n0 = tl.multiple_of(n0, TAIL_BLOCK_N)
         tok = n0 + tl.arange(0, TAIL_BLOCK_N)
+        # pages clamped to the last valid block: every address is in a block of the row's own
         tail_page = tl.load(bt_row + tl.minimum(tok // BLOCK_SIZE, (end - 1) // BLOCK_SIZE)).to(tl.int64)
         m_i, l_i, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, tail_page, k_cache_ptr,
                                   v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
                                   vc_stride_h, vc_stride_d, d, BLOCK_SIZE, TAIL_BLOCK_N, True)
-    # O^T's two terms added (the pair sums of neighbouring columns), back to [heads, D]: each head's row twice;
+    # O^T's two terms added (the pair sums of neighbouring columns), back to [heads, D]: each head's row twice,
     # the even rows are the heads
     out_t = _pair_sum(acc) * (1.0 / 256.0)
     acc_h, _ = tl.split(tl.reshape(tl.trans(out_t), [BLOCK_G, 2, BLOCK_D]).permute(0, 2, 1))
     m_h, _ = tl.split(tl.reshape(m_i, [BLOCK_G, 2]))
     l_h, _ = tl.split(tl.reshape(l_i, [BLOCK_G, 2]))
-    _decode_finish(acc_h, m_h, l_h, out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, seq, kv_head, split, live,
-                   num_splits, out_stride_b, out_stride_h, GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_GM, BLOCK_S,
-                   MERGE_SPLITS, ONE_PASS)
+    return acc_h, m_h, l_h
