@@ -5,8 +5,9 @@ block_tables i32[B,M], context_lens i32[B], scale) -> o[B,Hq,D]`: the query of s
 its `context_lens[b]` cached tokens (the new token is already stored); rows with context 0 give 0.
 GQA: q head h reads kv head h // (Hq / Hk). Math in fp32; the output has q's dtype. The cache holds
 q's dtype (V head-major) or fp8 (V token-major, kernels/kv_cache.py): fp8 K/V are widened exactly as
-they are loaded, to q's dtype, or to fp16 for bf16 q (whose products then run in fp16: `_in_kv_dtype`).
-The torch reference: attention_ref.py.
+they are loaded, to q's dtype, or to fp16 for bf16 q (whose products then run in fp16: `_in_kv_dtype`), except
+for bf16 q over the engine's fp8 layouts, whose products run on fp8 tensor cores (`uses_fp8_mma`,
+attention_decode_fp8.py). The torch reference: attention_ref.py.
 
 The kernel gathers K/V token by token through the block table (physical row =
 block_tables[b, t // S] * S + t % S), so every block size works, including 1.
