@@ -15,6 +15,10 @@ _ids = itertools.count()
 # (async scheduling: step n+1 is scheduled and launched before step n's tokens arrive).
 PENDING = -1
 
+# The most prompt ids (its last) the detokenizer reads to choose the context it decodes the output after
+# (engine/tokenizer.py); vLLM's fast detokenizer looks back as far.
+DETOK_PROMPT_TAIL = 24
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -55,8 +59,11 @@ class Sequence:
         # the first sample scores the prompt the request shares, the others may then take its prefix-cache hit
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and index == 0 else None)
+        # the detokenizer's window (engine/tokenizer.py), relative to num_prompt_tokens: it starts in the prompt, at
+        # the context it chooses on first use
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
+        self.detok_context: list[int] | None = None
         self.incremental_detokenize = True
         self.decode_logprobs = False  # set Logprob.decoded_token of its logprobs (engine/token_texts.py)
         self.num_preemptions = 0
@@ -89,6 +96,11 @@ class Sequence:
     @property
     def num_known_output_tokens(self) -> int:
         return self.num_known_tokens - self.num_prompt_tokens
+
+    @property
+    def detok_prompt_tail(self) -> list[int]:
+        """The prompt's last DETOK_PROMPT_TAIL ids, that the detokenizer chooses its context from."""
+        return self.token_ids[max(0, self.num_prompt_tokens - DETOK_PROMPT_TAIL):self.num_prompt_tokens]
 
     def add_pending(self, sample_row: int) -> int:
         """Reserve the next token for a sampled-but-unread id; returns its index."""

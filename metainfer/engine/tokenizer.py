@@ -7,6 +7,7 @@ import os
 
 from metainfer.config.errors import ConfigError
 from metainfer.engine.sequence import Sequence
+from metainfer.engine.token_texts import REPLACEMENT_CHAR
 
 
 def load_tokenizer(model_dir: str, gguf_file: str | None = None, tokenizer: str | None = None):
@@ -64,12 +65,24 @@ def _gguf_tokenizer(gguf_file: str):
     return tokenizer
 
 
+# The fewest prompt ids the output is decoded after (all of a shorter prompt): more than the 3 tokens a prompt that
+# ends inside a character can hold of it, so the context starts before that character; 5 as vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET. More where the 5th id from the end does not start a character.
+CONTEXT_TOKENS = 5
+MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so at most 4 tokens
+
+
 class IncrementalDetokenizer:
     """Decodes a sequence's new tokens into text without re-decoding everything.
 
     A window of earlier tokens is decoded with the new ones so that tokenizers that
     merge spaces or emit partial UTF-8 (shown as U+FFFD) produce the same text as a
     full decode; text ending in U+FFFD is held back until the character completes.
+    The window starts inside the prompt (`seq.detok_context`, its last ids; a negative
+    `detok_prefix_offset`), as vLLM's does, so the text is the output's text after the prompt:
+    a Metaspace tokenizer (Llama-2, Mistral) keeps the space of a first "▁world", and the output
+    of a prompt that ends inside a character starts with that whole character. `flush` decodes
+    after the same context, so it agrees with the streamed text.
     """
 
     def __init__(self, tokenizer):
@@ -83,24 +96,79 @@ class IncrementalDetokenizer:
         """Append the newly decodable text of `seq` to `seq.output_text`; return the delta. Runs for every
         streamed token: it reads only the window's tokens (not a copy of the whole output)."""
         skip = seq.params.skip_special_tokens
-        start, tokens = seq.num_prompt_tokens + seq.detok_prefix_offset, seq.token_ids
-        read, end = seq.num_prompt_tokens + seq.detok_read_offset, seq.num_known_tokens
-        prefix = self._decode(tokens[start:read], skip)
-        full = self._decode(tokens[start:end], skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        context = self._context(seq, skip)
+        start, read, end = seq.detok_prefix_offset, seq.detok_read_offset, seq.num_known_tokens - seq.num_prompt_tokens
+        prefix = self._decode(_window(seq, start, read), skip) if start < read else ""
+        full = self._decode(_window(seq, start, end), skip)
+        if read == 0 and start < 0:  # the prefix is the prompt's context: it may end inside a character
+            prefix = self._context_part(context, prefix, full, skip)
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
             delta = full[len(prefix):]
-            seq.detok_prefix_offset = seq.detok_read_offset
-            seq.detok_read_offset = end - seq.num_prompt_tokens
+            if read > 0:  # the first window keeps its context: the prompt's end may be inside a character
+                seq.detok_prefix_offset = read
+            seq.detok_read_offset = end
             seq.output_text += delta
             return delta
         return ""
 
     def flush(self, seq: Sequence) -> str:
-        """At the end, emit whatever was held back (a full decode is authoritative)."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        """At the end, emit whatever was held back (a full decode, after the same context, is authoritative)."""
+        skip = seq.params.skip_special_tokens
+        context = self._context(seq, skip)
+        full = self._decode([*context, *seq.output_token_ids], skip)
+        before = self._decode(context, skip) if context else ""
+        text = full[len(self._context_part(context, before, full, skip)):]
         delta = text[len(seq.output_text):] if text.startswith(seq.output_text) else ""
         seq.output_text += delta
         return delta
+
+    def _context(self, seq: Sequence, skip: bool) -> list[int]:
+        """The prompt's last ids that `seq`'s output is decoded after, chosen on first use: at least CONTEXT_TOKENS,
+        from the latest id before those that starts a character (a Llama byte-fallback decode turns a whole run of
+        byte tokens into U+FFFDs when it starts with a character's trailing byte, a byte-level one adds a U+FFFD)."""
+        context = seq.detok_context
+        if context is None:
+            tail = seq.detok_prompt_tail
+            for s in range(len(tail) - CONTEXT_TOKENS, -1, -1):
+                if self._starts_a_character(tail[s:s + MAX_CHAR_TOKENS], skip):
+                    context = list(tail[s:])
+                    break
+            else:  # a short prompt's ids, or none of them starts a character
+                context = list(tail[-CONTEXT_TOKENS:])
+            seq.detok_context, seq.detok_prefix_offset = context, -len(context)
+        return context
+
+    def _starts_a_character(self, ids: list[int], skip: bool) -> bool:
+        """Whether the first of `ids` starts a character: the decode of it and the next few does not start with
+        U+FFFD (a trailing byte never does; a lead byte does until its character is whole)."""
+        return any(not self._decode(list(ids[:n]), skip).startswith(REPLACEMENT_CHAR) for n in range(1, len(ids) + 1))
+
+    def _context_part(self, context: list[int], text: str, full: str, skip: bool) -> str:
+        """The part of `full` (the text of `context` + output ids) that is the context's: its text `text` where
+        `full` extends it. Else the context ends inside a character the output completes (its U+FFFD became that
+        character): the longest text, with or without its trailing U+FFFD, of the context's leading ids that
+        `full` starts with, so the output's text starts with the whole character (a Llama byte-fallback decode
+        turns a whole run of byte tokens into U+FFFDs, so a shorter run's text can be the longer one). Where none
+        is, `text` (its length is cut off)."""
+        if full.startswith(text):
+            return text
+        best = None
+        for k in range(len(context), 0, -1):
+            part = text if k == len(context) else self._decode(context[:k], skip)
+            for candidate in (part, part.rstrip(REPLACEMENT_CHAR)):
+                if (best is None or len(candidate) > len(best)) and full.startswith(candidate):
+                    best = candidate
+        return text if best is None else best
+
+
+def _window(seq: Sequence, start: int, end: int) -> list[int]:
+    """The ids of `seq` from `start` to `end`, both relative to the prompt's end; a negative start reads the
+    prompt's last ids from `seq.detok_context` (a server choice holds its output ids only)."""
+    p = seq.num_prompt_tokens
+    if start >= 0:
+        return seq.token_ids[p + start:p + end]
+    context = seq.detok_context
+    return [*context[len(context) + start:], *seq.token_ids[p:p + end]]
 
 
 def _backend_decode(tokenizer):

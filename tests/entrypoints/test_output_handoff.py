@@ -130,7 +130,9 @@ def test_sends_while_a_flush_is_pending_schedule_no_second_wake_up():
         assert group.queue.qsize() == 3 and not Handle.outputs.poll() and not loop._requests
         outs = [o async for o in group.outputs()]
         assert [(o.outputs[0].text, o.finished) for o in outs] == [("abc", True)]
-        assert tokenizer.calls == 1  # the finished choice: its one full decode, no per-token decodes
+        # the finished choice: its one full decode (after the prompt's last ids) and that context's own, no
+        # per-token decodes
+        assert tokenizer.calls == 2
         assert loop.metrics.itl.count == 2 and loop.metrics.ttft.count == 1
 
     asyncio.run(run())
@@ -197,7 +199,7 @@ def test_a_non_streamed_request_is_decoded_once_at_the_end():
                 await asyncio.sleep(0)  # the consumer wakes for every step
         await asyncio.wait_for(consumer, 5)
         assert [(o.outputs[0].text, o.finished) for o in outs] == [("abcd", True)]
-        assert tokenizer.calls == 1 and loop.num_queued == 0
+        assert tokenizer.calls == 2 and loop.num_queued == 0  # the full decode after the context, the context's
 
     asyncio.run(run())
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from metainfer.engine.llm_engine import tokenize_prompt
 from metainfer.engine.request_validation import check_prompt_length
+from metainfer.engine.sequence import DETOK_PROMPT_TAIL
 from metainfer.engine.tokenizer import IncrementalDetokenizer
 from metainfer.entrypoints.openai.errors import OpenAIError, engine_dead, from_engine_error
 from metainfer.entrypoints.openai.metrics import ServerMetrics
@@ -61,20 +62,23 @@ class ServerShutdown(EngineError):
 
 class ChoiceState:
     """One choice's tokens as received, and its text as decoded so far (the attributes `IncrementalDetokenizer`
-    reads on a Sequence: the output tokens alone, so `num_prompt_tokens` is 0)."""
+    reads on a Sequence: the output tokens alone, so `num_prompt_tokens` is 0, and the prompt's last ids as
+    `detok_prompt_tail`, shared by the request's choices, so the text is the engine's)."""
 
     __slots__ = ("index", "params", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
-                 "output_text", "detok_prefix_offset", "detok_read_offset", "final_text")
+                 "output_text", "detok_prefix_offset", "detok_read_offset", "final_text", "detok_context",
+                 "detok_prompt_tail")
     num_prompt_tokens = 0
 
-    def __init__(self, index: int, params: SamplingParams):
-        self.index, self.params = index, params
+    def __init__(self, index: int, params: SamplingParams, detok_prompt_tail: list[int] | tuple = ()):
+        self.index, self.params, self.detok_prompt_tail = index, params, detok_prompt_tail
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = None
         self.finish_reason = self.stop_reason = None
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = 0
+        self.detok_context: list[int] | None = None  # chosen by the detokenizer on first use
         # the final text once known: the engine's (a request with stop strings) or decoded here, once
         self.final_text: str | None = None
 
@@ -98,7 +102,8 @@ class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  sink: asyncio.Queue | None, arrival: float):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.choices = [ChoiceState(i, params) for i in range(params.n)]
+        tail = prompt_token_ids[-DETOK_PROMPT_TAIL:]  # once a request, not a copy of the prompt per token
+        self.choices = [ChoiceState(i, params, tail) for i in range(params.n)]
         self.finished = False
         self.num_cached_tokens = 0
         self.sink = sink
