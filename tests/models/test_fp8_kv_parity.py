@@ -12,6 +12,7 @@ import torch
 from metainfer import LLM, SamplingParams
 from metainfer.kernels.kv_cache import is_token_major
 from tests.helpers.engine_checks import generate_ids
+from tests.helpers.kernel_devices import ON_GPU
 from tests.helpers.tiny_models import assert_matches_hf, hf_greedy, hf_reference
 from tools.agreement import use_fp8_kv_attention
 
@@ -78,6 +79,7 @@ def test_fp8_cache_has_four_times_the_fp32_blocks(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="a CPU engine running the Triton kernels in the interpreter")
 def test_fp8_cache_triton_kernels_in_the_engine(reference, monkeypatch):
     """The engine with the Triton kernels (the interpreter) over the fp8 cache: the GPU path's
     composition (qk prep + store, decode with its tile rule, prefill), which the tests above run through
