@@ -139,9 +139,15 @@ class IncrementalDetokenizer:
         return context
 
     def _starts_a_character(self, ids: list[int], skip: bool) -> bool:
-        """Whether the first of `ids` starts a character: the decode of it and the next few does not start with
-        U+FFFD (a trailing byte never does; a lead byte does until its character is whole)."""
-        return any(not self._decode(list(ids[:n]), skip).startswith(REPLACEMENT_CHAR) for n in range(1, len(ids) + 1))
+        """Whether the first of `ids` starts a character: the decode of it and the next few is text that does not
+        start with U+FFFD (a trailing byte never does; a lead byte does until its character is whole). An id that
+        decodes to nothing (a skipped special token) starts none: a context of those alone has no text, and the
+        output would be decoded as the start of a text again (a Metaspace decoder strips its first space)."""
+        for n in range(1, len(ids) + 1):
+            text = self._decode(list(ids[:n]), skip)
+            if text and not text.startswith(REPLACEMENT_CHAR):
+                return True
+        return False
 
     def _context_part(self, context: list[int], text: str, full: str, skip: bool) -> str:
         """The part of `full` (the text of `context` + output ids) that is the context's: its text `text` where

@@ -368,7 +368,9 @@ def paged_decode_attention_triton(
     `num_splits` (replaces the shape rule; at most max_num_splits, and a given workspace must hold it). One-pass
     launches over an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
-    at least 16; a power of two <= block_n). `plans` (a step's AttentionMetadata.launch_plans): the launch is
+    at least 16; a power of two <= block_n). bf16 q over the engine's fp8 layouts takes the fp8 tensor-core path
+    (`uses_fp8_mma`): 64-token tiles and tails, one stage, unless a tile under 64 tokens is forced. `plans` (a
+    step's AttentionMetadata.launch_plans): the launch is
     planned by the first call and replayed by the next ones through the same dict with the same q and out strides
     (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do)."""
     # keyed by what may differ between callers of one step's plans (the piecewise capture probes with the packed

@@ -10,13 +10,15 @@ cached value is widened: both products run as e4m3 x e4m3 -> fp32 tensor-core MM
 tokens as M, and O^T = V^T P^T with head_dim as M; token-major V is V^T K-major).
 
 Exactness: each query row is scaled by a power of two so its largest |value| lies in (224, 448], then split into
-two e4m3 terms hi + lo (lo = e4m3(x - hi)); a bf16 value's 8 significant bits are 4 + 4, so the pair holds it
-exactly wherever lo stays out of e4m3's subnormals (values within 2^-9 of the row's largest, scaled, lose at most
-2^-10 of the scaled row maximum: ~2^-18 of it). The probabilities (at most 1, scaled by 256) are split the same way,
-keeping ~8 significant bits: the bf16 cache path's precision for them. The two terms sit in adjacent columns of
-the products' N dimension (column 2h + t: head h, term t), so summing them is a per-thread add of neighbouring
-accumulator columns; wgmma's smallest N for 8-bit operands is 16, so up to 8 query heads share a kv head at no
-extra cost.
+two e4m3 terms hi = e4m3(x) and lo = e4m3(16 (x - hi)); a bf16 value's 8 significant bits are 4 + 4, so the pair
+holds it exactly down to 2^-6 after scaling (~2^-14 of the row's largest); below that its error is at most 2^-14 in
+scaled units (~2^-22 of the row's largest). The probabilities (at most 1, scaled by 256) are split the same way:
+~8 significant bits (the bf16 cache path's precision for them) down to p = 2^-14 and an absolute error of at most
+2^-22 below that, so the many small probabilities of a long context with a dominant token still add up. The two
+terms sit in adjacent columns of the products' N dimension (column 2h + t: head h, term t), weighted 1 and 1/16, so
+summing them is a per-thread add of neighbouring accumulator columns; wgmma's smallest N for 8-bit operands is 16,
+so up to 8 query heads share a kv head at no extra cost. Each tile's P @ V starts from zero and is added to the
+running output in fp32 (the fp8 MMA's own accumulation keeps ~14 bits).
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ from ._triton import tl, triton
 
 @triton.jit
 def _e4m3_terms(x, term):
-    """fp32 x (|x| <= 448) as its e4m3 term `term` (0 or 1, broadcast against x): hi = e4m3(x), lo = e4m3(x - hi)
-    (x - hi is exact in fp32)."""
+    """fp32 x (|x| <= 448) as its e4m3 term `term` (0 or 1, broadcast against x): hi = e4m3(x) and
+    lo = e4m3(LO_SCALE * (x - hi)), so x = hi + lo / LO_SCALE. x - hi is exact in fp32 and at most half an ulp of hi
+    (16 below 448), so LO_SCALE (16) keeps lo within e4m3's range while lifting small residuals out of its
+    subnormals."""
     hi = x.to(tl.float8e4nv)
-    lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
+    lo = ((x - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
     return tl.where(term == 0, hi, lo)
+
+
+@triton.jit
+def _term_weights(term):
+    """1 for hi columns, 1 / LO_SCALE for lo columns (see _e4m3_terms)."""
+    return tl.where(term == 0, 1.0, 0.0625)
 
 
 @triton.jit
@@ -43,7 +53,7 @@ def _pair_sum(x):
 
 
 @triton.jit
-def _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, page, k_cache_ptr, v_cache_ptr, kv_head,
+def _fp8_tile(q_terms, q_weights, term, m_i, l_i, acc, n0, end, page, k_cache_ptr, v_cache_ptr, kv_head,
               kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_h, vc_stride_d,
               d, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over tokens n0 .. n0 + BLOCK_N - 1 (page: their cache blocks). Columns c = 2h + t
@@ -58,7 +68,7 @@ def _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, page, k_cache_
     if MASKED:
         t_mask = tok < end
         vt = tl.where(t_mask[None, :], vt, 0.0)
-    s = _pair_sum(tl.dot(k, q_terms)) * inv_q_scale[None, :]  # [BLOCK_N, 2H], log2 units
+    s = _pair_sum(tl.dot(k, q_terms) * q_weights)  # [BLOCK_N, 2H], log2 units
     if MASKED:
         s = tl.where(t_mask[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -68,7 +78,9 @@ def _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, page, k_cache_
         l_i = l_i * alpha + tl.sum(p, axis=0)
     else:  # per-token partial sums, reduced over the tokens once after the loop (no cross-warp sum a tile)
         l_i = l_i * alpha[None, :] + p
-    acc = tl.dot(vt, _e4m3_terms(p * 256.0, term), acc * alpha[None, :])
+    # a tile's products summed from zero, then added in fp32: sm_90's fp8 MMA adds into its accumulator with ~14 bits
+    # kept (DeepSeek-V3's report), so a context-long chain of them would drift as the sum grows
+    acc = acc * alpha[None, :] + tl.dot(vt, _e4m3_terms(p * 256.0, term))
     return m_new, l_i, acc
 
 
@@ -86,11 +98,13 @@ def _fp8_attend(q_row, q_stride_h, k_cache_ptr, v_cache_ptr, bt_row, start, end,
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_row + (kv_head * GROUP + c // 2)[None, :] * q_stride_h + d[:, None], mask=(c // 2 < GROUP)[None, :],
                 other=0.0).to(tl.float32)
-    # a power of two per head puts its largest |q| in (224, 448] (1 for a zero row)
+    # a power of two per head puts its largest |q| in (224, 448] (1 for a zero row; at most 2^126, so a row of tiny
+    # values stays finite)
     q_max = tl.max(tl.abs(q), axis=0)
-    q_scale = tl.where(q_max > 0, tl.exp2(tl.floor(tl.log2(448.0 / tl.where(q_max > 0, q_max, 1.0)))), 1.0)
+    q_scale = tl.exp2(tl.minimum(tl.floor(tl.log2(448.0 / tl.where(q_max > 0, q_max, 448.0))), 126.0))
     q_terms = _e4m3_terms(q * q_scale[None, :], term)
-    inv_q_scale = scale_log2e / q_scale
+    # the scores' factor per column: the softmax scale in log2 units over q's scale, and the lo term's 1 / LO_SCALE
+    q_weights = (scale_log2e / q_scale)[None, :] * _term_weights(term)
     m_i = tl.full([2 * BLOCK_G], float("-inf"), tl.float32)
     l_parts = tl.zeros([BLOCK_N, 2 * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_D, 2 * BLOCK_G], tl.float32)
@@ -105,7 +119,7 @@ def _fp8_attend(q_row, q_stride_h, k_cache_ptr, v_cache_ptr, bt_row, start, end,
     for n0 in range(start, full_end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         page_next = tl.load(bt_row + tl.minimum((n0 + BLOCK_N + n) // BLOCK_SIZE, last_block)).to(tl.int64)
-        m_i, l_parts, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_parts, acc, n0, end, page, k_cache_ptr,
+        m_i, l_parts, acc = _fp8_tile(q_terms, q_weights, term, m_i, l_parts, acc, n0, end, page, k_cache_ptr,
                                       v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
                                       vc_stride_h, vc_stride_d, d, BLOCK_SIZE, BLOCK_N, False)
         page = page_next
@@ -115,12 +129,12 @@ def _fp8_attend(q_row, q_stride_h, k_cache_ptr, v_cache_ptr, bt_row, start, end,
         tok = n0 + tl.arange(0, TAIL_BLOCK_N)
         # pages clamped to the last valid block: every address is in a block of the row's own
         tail_page = tl.load(bt_row + tl.minimum(tok // BLOCK_SIZE, (end - 1) // BLOCK_SIZE)).to(tl.int64)
-        m_i, l_i, acc = _fp8_tile(q_terms, inv_q_scale, term, m_i, l_i, acc, n0, end, tail_page, k_cache_ptr,
+        m_i, l_i, acc = _fp8_tile(q_terms, q_weights, term, m_i, l_i, acc, n0, end, tail_page, k_cache_ptr,
                                   v_cache_ptr, kv_head, kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b,
                                   vc_stride_h, vc_stride_d, d, BLOCK_SIZE, TAIL_BLOCK_N, True)
     # O^T's two terms added (the pair sums of neighbouring columns), back to [heads, D]: each head's row twice,
     # the even rows are the heads
-    out_t = _pair_sum(acc) * (1.0 / 256.0)
+    out_t = _pair_sum(acc * _term_weights(term)) * (1.0 / 256.0)
     acc_h, _ = tl.split(tl.reshape(tl.trans(out_t), [BLOCK_G, 2, BLOCK_D]).permute(0, 2, 1))
     m_h, _ = tl.split(tl.reshape(m_i, [BLOCK_G, 2]))
     l_h, _ = tl.split(tl.reshape(l_i, [BLOCK_G, 2]))

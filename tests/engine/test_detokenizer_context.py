@@ -130,6 +130,15 @@ def test_a_bos_prompt_and_special_tokens(tok, skip):
     assert_all_paths(detok, tok, ids(tok, "<s>", "▁Hello"), ids(tok, "</s>", "▁world", "bar"), skip)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_at_the_prompts_end_are_not_all_of_the_context(tok, skip):
+    """Five skipped special tokens after the text: a context of them alone decodes to nothing, and the output's
+    first space would be stripped again ("world!" against " world!")."""
+    detok = IncrementalDetokenizer(tok)
+    prompt = ids(tok, "▁Hello", *["</s>"] * 5)
+    assert assert_all_paths(detok, tok, prompt, ids(tok, "▁world", "!"), skip).startswith(" world")
+
+
 def test_an_empty_prompt_decodes_the_output_alone(tok):
     detok = IncrementalDetokenizer(tok)
     out = ids(tok, "▁world", "!", "▁foo")

@@ -1,7 +1,7 @@
 """The fp8 tensor-core decode kernel (kernels/attention_decode_fp8.py): bf16 q over an fp8 cache in the engine's
 layouts, against the float64 reference over the same fp8 values. The interpreter runs it on the CPU (the kernel
-widens q to fp32 as it loads it and writes bf16 only at its store, which the interpreter handles); compiled with
-METAINFER_TEST_GPU=1.
+widens q to fp32 as it loads it and writes bf16 only at its store; tests/conftest.py makes the interpreter's e4m3
+conversions the GPU's: round to nearest even, saturating, NaN kept); compiled with METAINFER_TEST_GPU=1.
 
 The tolerance (1e-2) is a third of the bf16 attention tests': the kernel's error is the bf16 output's rounding
 plus probabilities kept to ~8 bits. Dropping either low e4m3 term (q's or the probabilities') gives 0.05-0.16."""
@@ -46,7 +46,7 @@ def _check(q, k, v, tables, lens, scale, **launch):
 @pytest.mark.parametrize("group,hk,head_dim,block_size", [(4, 2, 128, 16), (1, 2, 64, 32), (8, 1, 64, 16)],
                          ids=["gqa4-d128", "mha-d64-block32", "gqa8-d64"])
 def test_fp8_mma_decode_matches_reference(group, hk, head_dim, block_size, num_splits):
-    """Ragged contexts: empty, one token, tails inside a block and across blocks, full 128-token tiles then a
+    """Ragged contexts: empty, one token, tails inside a block and across blocks, full 64-token tiles then a
     tail (300); split launches' own tails."""
     contexts = [0, 1, 17, 70, 129, 300]
     k, v, tables, lens = _fp8_batch(contexts, block_size, hk, head_dim)
@@ -65,8 +65,31 @@ def test_fp8_mma_decode_keeps_q_exact_over_its_range():
     _check(q.to(torch.bfloat16).to(DEVICE), k, v, tables, lens, 1.0 / 64)
 
 
+@pytest.mark.parametrize("context,sink,rest", [(4096, 13.0, 0.25), (4096, 12.0, 0.5625), (8192, 8.0, 0.5)])
+def test_fp8_mma_decode_adds_up_the_small_probabilities_of_a_long_context(context, sink, rest):
+    """One token dominates (an attention sink) and thousands of others each get p ~ 2^-11 .. 2^-18 of it, together
+    1-10% of the weight: the output is their V. Probabilities split into terms that underflow e4m3 drop them
+    (0.0 against 0.0117 in the first case) while the row sum still counts them."""
+    d, block = 64, 16
+    k = torch.zeros(context // block, block, 1, d)
+    v = torch.ones(context // block, block, 1, d)
+    k[..., 0] = rest
+    k[0, 0, 0, 0], v[0, 0, 0] = sink, 0.0
+    kc, vc = fp8_cache_copy(to_cache_dtype(k, FP8_KV_DTYPE), to_cache_dtype(v, FP8_KV_DTYPE))
+    q = torch.zeros(1, 4, d, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    tables = torch.arange(context // block, dtype=torch.int32)[None, :]
+    lens = torch.tensor([context], dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (q, kc, vc, tables, lens)]
+    out = paged_decode_attention_triton(*args, 1.0, num_splits=1)
+    expected = paged_decode_attention_ref(args[0].double(), *args[1:], 1.0)
+    assert 0.01 < expected[0, 0, 0] < 0.99  # the small probabilities carry a visible share
+    torch.testing.assert_close(out.double().cpu(), expected.double().cpu(), rtol=2e-2, atol=1e-4)
+
+
 def test_fp8_mma_decode_ignores_stale_slots():
-    """Slots past a row's end hold fp8 NaN (0x7f) from a block's last owner: the tail tiles load them masked."""
+    """Slots past a row's end hold fp8 NaN (0x7f) from a block's last owner: the tail tiles read them (clamped pages,
+    unmasked loads), leave their scores out and zero their V before P @ V (0 x NaN would be NaN)."""
     contexts = [3, 70, 150]
     k, v, tables, lens = _fp8_batch(contexts, 16, 2, 64)
     q = randn(len(contexts), 8, 64, dtype=torch.float32, seed=2, device=DEVICE).to(torch.bfloat16)
