@@ -5,8 +5,9 @@ cache as the torch reference's cast; the readers (decode split / one-pass, prefi
 attend over the widened fp8 values as the torch references do, and the references themselves
 must equal a float64 softmax over the dequantised K/V. (The engine with an fp8 cache:
 tests/models/test_fp8_kv_parity.py.) On the CPU the kernels run in fp32 and fp16: the interpreter cannot
-run bf16, so bf16 q over an fp8 cache (the engine's GPU path, fp16 products) is checked only with
-METAINFER_TEST_GPU=1 (runs 25-26).
+run bf16, so bf16 q over an fp8 cache here is checked only with METAINFER_TEST_GPU=1 (runs 25-26); its fp8
+tensor-core path also runs on the CPU in tests/kernels/test_attention_decode_fp8.py. tests/conftest.py makes the
+interpreter's e4m3 conversions the GPU's (round to nearest even, saturating, NaN kept).
 """
 
 from __future__ import annotations
@@ -266,9 +267,9 @@ def _stale_slots(batch) -> torch.Tensor:
 @pytest.mark.parametrize("launch", [(1, 128), (3, 32)], ids=["one-pass-128", "split3"])
 def test_decode_ignores_nan_in_stale_slots(launch):
     """A freed block keeps what its last owner wrote, NaN included (fp8 0x7f): slots past a row's end
-    must add nothing, in the reference (the CPU engine's path) and in the kernel. The interpreter
-    widens 0x7f to 480, not NaN, so on the CPU the kernel half checks finite garbage only; on the GPU
-    it checks NaN (the token-major tails read those slots unmasked and zero them)."""
+    must add nothing, in the reference (the CPU engine's path) and in the kernel (the token-major tails read
+    those slots unmasked and zero them). tests/conftest.py makes the interpreter widen 0x7f to NaN, as the GPU
+    does."""
     num_splits, block_n = launch
     dtype = KERNEL_DTYPES[0]
     contexts = [1, 17, 70, 129, 300]

@@ -162,8 +162,8 @@ DECODE_CASES = [  # (dtype, cache dtype or None, block size, num_splits)
     (torch.float32, None, 1, 3),
     (torch.float16, FP8_KV_DTYPE, 16, 1),
     (torch.float32, FP8_KV_DTYPE, 16, 4),
-    # bf16 queries over an fp8 cache: the decode's products in fp16 (the interpreter widens e4m3 to fp16 correctly,
-    # to bf16 not: no bf16 case with a bf16 widening runs on the CPU)
+    # bf16 queries over an fp8 cache: the decode's products in fp16 (the interpreter's bf16 arithmetic is not the
+    # GPU's: no case with a bf16 widening runs on the CPU)
     (torch.bfloat16, FP8_KV_DTYPE, 16, 4),
     (torch.bfloat16, FP8_KV_DTYPE, 1, 3),
     (torch.bfloat16, FP8_KV_DTYPE, 16, 1),  # one pass over fp8: the latent tile loaded a step ahead
