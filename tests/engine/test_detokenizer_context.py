@@ -15,12 +15,12 @@ from metainfer import LLM, SamplingParams
 from metainfer.engine.sequence import Sequence
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.entrypoints.openai.engine_loop import RequestState
+from tests.helpers.detok_reference import FFFD, text_after_prompt
 from tests.helpers.tiny_models import build_tiny_model, qwen_tokenizer_dir
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-FFFD = "\ufffd"
 WORDS = ["▁Hello", "▁world", "!", "▁foo", "bar", "▁"]
 BYTES = [0xE4, 0xB8, 0xAD, 0xF0, 0x9F, 0x98, 0x80]  # 中 and 😀 as byte-fallback tokens
 
@@ -52,19 +52,6 @@ def tok(request):
 @pytest.fixture(scope="module")
 def qwen():
     return load_tokenizer(qwen_tokenizer_dir())
-
-
-def reference(tok, prompt: list[int], out: list[int], skip: bool = True) -> str:
-    """The tokenizer's decode of prompt + output past the prompt's text: the decode of the prompt where the full
-    decode extends it; else (the prompt ends inside a character that the output completes, its U+FFFD replaced)
-    the longest text of a leading part of the prompt's ids, with or without its trailing U+FFFD, that the full
-    decode starts with (the whole prompt is read here, not the detokenizer's few ids)."""
-    full = tok.decode(prompt + out, skip_special_tokens=skip)
-    before = tok.decode(prompt, skip_special_tokens=skip)
-    if not full.startswith(before):
-        texts = [tok.decode(prompt[:k], skip_special_tokens=skip) for k in range(len(prompt) + 1)]
-        before = max((t for text in texts for t in (text, text.rstrip(FFFD)) if full.startswith(t)), key=len)
-    return full[len(before):]
 
 
 def offline_texts(detok, prompt, out, skip=True) -> tuple[list[str], str, str]:
@@ -100,7 +87,7 @@ def server_texts(detok, prompt, out, skip=True) -> tuple[list[str], str, str]:
 
 
 def assert_all_paths(detok, tok, prompt, out, skip=True) -> str:
-    want = reference(tok, prompt, out, skip)
+    want = text_after_prompt(tok, prompt, out, skip)
     deltas, streamed, once = offline_texts(detok, prompt, out, skip)
     assert "".join(deltas) == streamed == once == want, (prompt, out, deltas, once, want)
     chunks, server_streamed, server_once = server_texts(detok, prompt, out, skip)
@@ -223,7 +210,8 @@ def test_the_engine_streams_the_text_in_context(tmp_path):
                             allowed_token_ids=ids(tok, "▁world", "!", "▁foo", "bar"))
     offline = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     out = list(offline.token_ids)
-    assert len(out) == 12 and offline.text == reference(tok, prompt, out) != tok.decode(out, skip_special_tokens=True)
+    want = text_after_prompt(tok, prompt, out)
+    assert len(out) == 12 and offline.text == want != tok.decode(out, skip_special_tokens=True)
     engine = llm.llm_engine
     engine.add_request("streamed", {"prompt_token_ids": prompt}, params, stream=True)
     texts = []
