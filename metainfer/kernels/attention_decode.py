@@ -19,6 +19,8 @@ resets to 0, merges the partial results (no separate reduce kernel).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
@@ -236,9 +238,18 @@ def decode_block_n(num_splits: int, cache_dtype: torch.dtype, fp8_mma: bool = Fa
     return 2 * _DECODE_BLOCK_N if cache_dtype == FP8_KV_DTYPE else _DECODE_BLOCK_N
 
 
+@functools.cache
+def _has_wgmma(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def uses_fp8_mma(q_dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether a decode launch runs attention_decode_fp8's kernel (products on fp8 tensor cores): bf16 q over an
-    fp8 cache with token-major V and a head_dim of 64, 128 or 256 (the M of its P @ V wgmma)."""
+    fp8 cache with token-major V and a head_dim of 64, 128 or 256 (the M of its P @ V wgmma), on a GPU of compute
+    capability 9.0 or later (it was written and measured for sm_90's wgmma; an sm_89 GPU keeps the widening
+    kernel) or in the CPU interpreter. A host call, once a plan."""
+    if k_cache.device.type == "cuda" and not _has_wgmma(k_cache.device.index):
+        return False
     return (q_dtype == torch.bfloat16 and k_cache.dtype == FP8_KV_DTYPE and is_token_major(v_cache)
             and k_cache.shape[-1] in (64, 128, 256))
 

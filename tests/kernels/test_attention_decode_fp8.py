@@ -8,11 +8,13 @@ plus probabilities kept to ~8 bits. Dropping either low e4m3 term (q's or the pr
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from metainfer.kernels import paged_decode_attention_ref, paged_decode_attention_triton
-from metainfer.kernels.attention_decode import decode_block_n, uses_fp8_mma
+from metainfer.kernels.attention_decode import _has_wgmma, decode_block_n, uses_fp8_mma
 from metainfer.kernels.kv_cache import (
     FP8_KV_DTYPE,
     block_major_k_cache,
@@ -104,7 +106,7 @@ def test_fp8_mma_decode_ignores_stale_slots():
     _check(q, k, v, tables, lens, 0.125)  # the reference skips stale slots (test_kv_cache_fp8.py)
 
 
-def test_fp8_mma_is_chosen_for_bf16_q_over_the_engine_fp8_layouts_only():
+def test_fp8_mma_is_chosen_for_bf16_q_over_the_engine_fp8_layouts_only(monkeypatch):
     k = block_major_k_cache(torch.empty(4, 16, 2, 128, dtype=FP8_KV_DTYPE))
     v = token_major_v_cache(torch.empty(4, 16, 2, 128, dtype=FP8_KV_DTYPE))
     assert uses_fp8_mma(torch.bfloat16, k, v)
@@ -116,6 +118,13 @@ def test_fp8_mma_is_chosen_for_bf16_q_over_the_engine_fp8_layouts_only():
     assert not uses_fp8_mma(torch.bfloat16, one, one)
     bf16 = torch.empty(4, 16, 2, 128, dtype=torch.bfloat16)
     assert not uses_fp8_mma(torch.bfloat16, bf16, bf16)
+    # on CUDA only from compute capability 9.0 (sm_90's wgmma); an sm_89 GPU keeps the widening kernel
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=k.dtype, shape=k.shape)
+    for capability, chosen in (((8, 9), False), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        _has_wgmma.cache_clear()
+        assert uses_fp8_mma(torch.bfloat16, on_gpu, v) is chosen
+    _has_wgmma.cache_clear()
     # its tiles' tokens are a wgmma's M: at least 64, split launches included
     assert decode_block_n(3, FP8_KV_DTYPE, fp8_mma=True) == 64
     assert decode_block_n(1, FP8_KV_DTYPE, fp8_mma=True) == 64
