@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from metainfer.attention.metadata import AttentionMetadata, decode_rows, get_attention_metadata
+from metainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 
 
 class AttentionBackend(ABC):
@@ -38,7 +38,9 @@ class AttentionBackend(ABC):
                                  seq_lens=seq_lens)
         if is_prefill and num_decode_rows:
             d = num_decode_rows
-            meta.decode_part = decode_rows(meta, 0, d)
+            meta.decode_part = AttentionMetadata(
+                is_prefill=False, slot_mapping=meta.slot_mapping[:d], context_lens=meta.context_lens[:d],
+                block_tables=meta.block_tables[:d], positions=positions[:d])
             meta.prefill_part = AttentionMetadata(
                 is_prefill=True, slot_mapping=meta.slot_mapping, context_lens=meta.context_lens[d:],
                 block_tables=meta.block_tables[d:], cu_seqlens_q=meta.cu_seqlens_q[d:],  # absolute offsets

@@ -38,14 +38,6 @@ class AttentionMetadata:
     launch_plans: dict = field(default_factory=dict)
 
 
-def decode_rows(meta: AttentionMetadata, start: int, stop: int) -> AttentionMetadata:
-    """The decode metadata of rows start .. stop - 1 of `meta` (one query token a row: row r is sequence r), views of
-    its tensors: a mixed step's decode part, or one half of a decode step run as two row groups."""
-    return AttentionMetadata(is_prefill=False, slot_mapping=meta.slot_mapping[start:stop],
-                             context_lens=meta.context_lens[start:stop], block_tables=meta.block_tables[start:stop],
-                             positions=None if meta.positions is None else meta.positions[start:stop])
-
-
 _CURRENT: list[AttentionMetadata | None] = [None]
 
 

@@ -134,9 +134,6 @@ class EngineConfig:
     enable_skinny_gemm: bool = True  # tensor-core skinny GEMM for 3-64-row decode GEMMs with a tuned table
     enable_fused_sampler: bool = True  # one-pass Gumbel-max sampler for greedy/temperature-only batches
     enable_custom_all_reduce: bool = True  # one-shot all-reduce over symmetric memory for small TP messages
-    # decode CUDA graphs of at least this many rows run their batch as two halves on two streams, one half's attention
-    # beside the other's GEMMs (worker/cuda_graphs.py: where it applies); 0: never
-    decode_halves_min_batch: int = 0
     # "mp": rank 0 spawns its TP workers (the default); "external_launcher": this process is one rank of a group
     # started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; worker/tp/launched.py)
     distributed_executor_backend: str = "mp"
@@ -202,8 +199,6 @@ class EngineConfig:
             raise ConfigError(f"load_format='gguf' needs a .gguf model, got {self.model!r}")
         if self.load_format == "safetensors" and self.gguf_file is not None:
             raise ConfigError(f"load_format='safetensors' needs a model folder, got {self.model!r}")
-        if self.decode_halves_min_batch < 0:
-            raise ConfigError(f"decode_halves_min_batch must be >= 0, got {self.decode_halves_min_batch}")
         if self.max_piecewise_graph_tokens < 0:
             raise ConfigError(f"max_piecewise_graph_tokens must be >= 0, got {self.max_piecewise_graph_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

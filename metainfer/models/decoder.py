@@ -7,14 +7,11 @@ stream); `hidden` is the block output; the fused add+norm hands back both.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from metainfer.attention import AttentionMetadata, forward_context
 from metainfer.config import ModelSpec
 from metainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from metainfer.layers.mlp import GatedMLP
@@ -59,44 +56,6 @@ class DecoderModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def forward_row_groups(self, input_ids: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
-        """The forward of a decode step as independent row groups: each group's rows run every layer under their
-        own metadata on their own stream (None: the current one), the groups' layers issued alternately, so one
-        group's attention (bytes) can run beside another's GEMMs (FLOPs) on the GPU. Rows are independent in
-        every layer of a dense decoder, so the result is the whole batch's (worker/cuda_graphs.py)."""
-        hidden = self.embed_tokens(input_ids)
-        out = torch.empty_like(hidden)
-        main = torch.cuda.current_stream() if any(g.stream is not None for g in groups) else None
-        for g in groups:
-            if g.stream is not None:
-                g.stream.wait_stream(main)
-        states = [(hidden[g.rows], None) for g in groups]
-        for layer in self.layers:
-            for i, g in enumerate(groups):
-                with _on_stream(g.stream), forward_context(g.meta):
-                    states[i] = layer(*states[i])
-        for g, (h, residual) in zip(groups, states):
-            with _on_stream(g.stream):
-                out[g.rows] = self.norm(h, residual)[0]
-        for g in groups:
-            if g.stream is not None:
-                main.wait_stream(g.stream)
-        return out
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """Rows of a decode step that run as one group (DecoderModel.forward_row_groups): their slice of the batch,
-    their attention metadata, and the CUDA stream they run on (None: the current one)."""
-
-    rows: slice
-    meta: AttentionMetadata
-    stream: torch.cuda.Stream | None = None
-
-
-def _on_stream(stream):
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
 
 def mlp_for_layer(spec: ModelSpec, index: int, ops, dtype) -> nn.Module:
     """The layer's feed-forward: the MoE block on the spec's sparse layers, else the dense SwiGLU MLP."""
@@ -137,9 +96,6 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
-
-    def forward_row_groups(self, input_ids: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
-        return self.model.forward_row_groups(input_ids, groups)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -14,10 +14,7 @@ import gc
 
 import torch
 
-from metainfer.attention import PagedAttentionBackend, forward_context
-from metainfer.attention.metadata import decode_rows
-from metainfer.kernels.attention_decode import decode_num_splits
-from metainfer.models.decoder import RowGroup
+from metainfer.attention import forward_context
 from metainfer.worker.step_inputs import graph_layout, pack_step
 
 MAX_GRAPH_BATCH = 512
@@ -57,8 +54,6 @@ class DecodeGraphs:
         self.max_num_seqs = runner.config.max_num_seqs
         self.max_batch = 0
         self.batch_sizes: list[int] = []
-        self.halves_min_batch = halves_min_batch(runner)
-        self._side_stream = torch.cuda.Stream(runner.device) if capture and self.halves_min_batch else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         if capture:
@@ -100,28 +95,5 @@ class DecodeGraphs:
 
     def _forward(self, bs: int, views: dict[str, torch.Tensor]) -> None:
         ids, positions = self.step_inputs(views["ids"], views["src"], views["positions"], self.sampled_ids)
-        meta = self.attn_backend.build_metadata(False, views, positions, 1)
-        if self.halves_min_batch and bs >= self.halves_min_batch:
-            half = bs // 2
-            self.hidden[bs] = self.model.forward_row_groups(ids, [
-                RowGroup(slice(0, half), decode_rows(meta, 0, half)),
-                RowGroup(slice(half, bs), decode_rows(meta, half, bs), self._side_stream)])
-            return
-        with forward_context(meta):
+        with forward_context(self.attn_backend.build_metadata(False, views, positions, 1)):
             self.hidden[bs] = self.model(ids)
-
-
-def halves_min_batch(runner) -> int:
-    """The smallest decode graph that runs as two halves (EngineConfig.decode_halves_min_batch), or 0 where the
-    halves cannot run side by side safely: under tensor parallelism (two streams' collectives on one communicator
-    could meet in different orders on different ranks), for MoE layers (a block hands its expert slots to the next
-    norm through module state, which the other half's layer would overwrite) and MLA, and where a half would split
-    its decode attention (the split partials' workspace and merge counters are the backend's one set)."""
-    want = runner.config.decode_halves_min_batch
-    backend = runner.attn_backend
-    if not want or runner.world_size > 1 or runner.spec.moe_layers or not isinstance(backend, PagedAttentionBackend):
-        return 0
-    half = max(1, want // 2)
-    if decode_num_splits(half, backend.num_kv_heads, runner.max_blocks_per_seq * runner.block_size) > 1:
-        return 0
-    return want
