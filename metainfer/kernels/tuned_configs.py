@@ -4,11 +4,8 @@ One file per GPU, named after `torch.cuda.get_device_name()` with every run of n
 replaced by "_" ("NVIDIA H200" -> NVIDIA_H200.json). Sections (each optional, a mapping of shape key ->
 launch config): `gemv` (the Triton GEMV under PDL, keys "NxK"), `gemv_no_pdl` (without PDL), `skinny`
 (the tensor-core skinny GEMM, keys "NxK/mB"), `moe` (the fused MoE's grouped GEMMs, keys "E{E}_N{N}_H{H}" ->
-{"<max tokens bucket>": config}, kernels/fused_moe.py), `gemm_rows` (not a launch config: cuBLAS's measured us of a
-weight shape "NxK" at each decode graph row count, {"<rows>": us}, from which the decode graphs' buckets are chosen:
-worker/cuda_graphs.py, decode_batch_sizes). The tuning tools (tools/tune_gemv.py, tools/tune_skinny.py,
-tools/tune_moe.py, tools/tune_gemm_rows.py) write their sections in this format. A GPU without a file gets cuBLAS
-everywhere and every bucket.
+{"<max tokens bucket>": config}, kernels/fused_moe.py). The tuning tools (tools/tune_gemv.py, tools/tune_skinny.py,
+tools/tune_moe.py) write their winners in this format. A GPU without a file gets cuBLAS everywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import os
 import re
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-SECTIONS = ("gemv", "gemv_no_pdl", "skinny", "moe", "gemm_rows")
+SECTIONS = ("gemv", "gemv_no_pdl", "skinny", "moe")
 
 
 def config_path(device_name: str) -> str:

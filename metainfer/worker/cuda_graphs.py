@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections import Counter
 
 import torch
 
 from metainfer.attention import forward_context
-from metainfer.layers.linear import LinearBase
 from metainfer.worker.step_inputs import graph_layout, pack_step
 
 MAX_GRAPH_BATCH = 512
@@ -27,47 +25,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
     return sizes if max_bs in sizes else sizes + [max_bs]
-
-
-# a bucket is left out when a larger one's GEMMs take at least this much less time (cuBLAS timings repeat within ~1%)
-SLOWER_BUCKET_MARGIN = 0.02
-
-
-def decode_batch_sizes(max_num_seqs: int, model, gemm_rows_us: dict) -> list[int]:
-    """The buckets captured: graph_batch_sizes, less each one whose GEMMs the GPU's measured `gemm_rows` table
-    (kernels/tuned_configs.py) says run slower than a larger bucket's by SLOWER_BUCKET_MARGIN: its rows replay the
-    larger graph. Why: cuBLAS's kernel choice is not monotone in the row count (run 127, H100: the Qwen3-8B decode
-    set's GEMMs take 11.05 ms at 416 rows and 9.30 at 432); the padded rows add attention over no context and a few
-    row-wise kernels. Only for the dense family, whose every GEMM in the graph is a measured linear layer (the MoE
-    and MLA kernels are not in the table); every bucket where a shape or row count is not measured."""
-    sizes = graph_batch_sizes(max_num_seqs)
-    spec = model.spec
-    if not gemm_rows_us or spec.moe_layers or spec.is_mla:
-        return sizes
-    cost = decode_gemm_us(linear_shape_counts(model.model), gemm_rows_us)
-    kept, best_above = [], None
-    for b in reversed(sizes):
-        if b in cost and best_above is not None and best_above < cost[b] * (1 - SLOWER_BUCKET_MARGIN):
-            continue
-        kept.append(b)
-        if b in cost:
-            best_above = cost[b] if best_above is None else min(best_above, cost[b])
-    return kept[::-1]
-
-
-def linear_shape_counts(decoder) -> Counter:
-    """{(N, K): how many} of the linear layers' weights under `decoder` (the LM head, outside the graph, is not)."""
-    return Counter(tuple(m.weight.shape) for m in decoder.modules() if isinstance(m, LinearBase))
-
-
-def decode_gemm_us(shape_counts: Counter, gemm_rows_us: dict) -> dict[int, float]:
-    """{rows: us} of one step's GEMMs at each row count measured for every shape; {} if a shape is not in the table."""
-    keys = {(n, k): f"{n}x{k}" for n, k in shape_counts}
-    if any(key not in gemm_rows_us for key in keys.values()):
-        return {}
-    rows = set.intersection(*(set(map(int, gemm_rows_us[key])) for key in keys.values()))
-    return {r: sum(count * gemm_rows_us[keys[shape]][str(r)] for shape, count in shape_counts.items())
-            for r in sorted(rows)}
 
 
 @contextlib.contextmanager
@@ -95,7 +52,6 @@ class DecodeGraphs:
         self.staging, self.sampled_ids = runner.staging, runner.sampled_ids
         self.block_size, self.table_width = runner.block_size, runner.max_blocks_per_seq
         self.max_num_seqs = runner.config.max_num_seqs
-        self.gemm_rows_us = runner.tuned_configs["gemm_rows"]
         self.max_batch = 0
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -113,7 +69,7 @@ class DecodeGraphs:
         return self.hidden[bucket][:n]
 
     def _capture(self) -> None:
-        self.batch_sizes = decode_batch_sizes(self.max_num_seqs, self.model, self.gemm_rows_us)
+        self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
         pool = None
         with torch.inference_mode(), no_gc_during_capture():
             for bs in reversed(self.batch_sizes):

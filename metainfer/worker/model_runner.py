@@ -20,7 +20,7 @@ import torch
 from metainfer.attention import forward_context
 from metainfer.config import ConfigError, EngineConfig
 from metainfer.engine.scheduler import PromptLogprobRows, ScheduledBatch
-from metainfer.kernels import load_tuned_configs, pdl_supported, select_ops
+from metainfer.kernels import pdl_supported, select_ops
 from metainfer.loader import load_model_weights
 from metainfer.models.registry import build_attention_backend, model_class
 from metainfer.models.shape_contract import check_param_shapes
@@ -50,7 +50,6 @@ class ModelRunner:
         lap = _Laps(self.startup_seconds)
         torch.manual_seed(config.seed)
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        self.tuned_configs = load_tuned_configs(gpu_name)  # the GPU's tables (kernels/configs), {} sections elsewhere
         self.ops = select_ops(self.device, gpu_name=gpu_name, pdl=config.enable_pdl and pdl_supported(self.device),
                               skinny_gemm=config.enable_skinny_gemm, fused_sampler=config.enable_fused_sampler)
         self.attn_backend = build_attention_backend(config, self.ops)
