@@ -120,6 +120,15 @@ def test_the_default_run_names_existing_sections():
         parse_args(["--sections", "latency,fused_decode_prep"])
 
 
+def test_gemm_rows_takes_a_list_or_a_range():
+    assert parse_args([]).gemm_rows == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert parse_args(["--gemm-rows", "3,5"]).gemm_rows == (3, 5)
+    assert parse_args(["--gemm-rows", "32-80:16"]).gemm_rows == (32, 48, 64, 80)
+    for bad in ("0,4", "a-b", "", "64-32:16"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gemm-rows", bad])
+
+
 def test_print_table_reads_the_results_file(tmp_path, monkeypatch, capsys):
     (tmp_path / "gpu_results.json").write_text(json.dumps(full_results()))
     monkeypatch.setenv("OUT", str(tmp_path))

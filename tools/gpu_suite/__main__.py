@@ -28,6 +28,22 @@ from tools.gpu_suite.sections import DEFAULT_SECTIONS, SECTIONS
 from tools.gpu_suite.table import render
 
 
+def row_counts(text: str) -> tuple[int, ...]:
+    """'1,2,4' or 'START-END:STEP' (END included) -> the row counts, each >= 1."""
+    try:
+        if "-" in text:
+            span, _, step = text.partition(":")
+            start, end = (int(v) for v in span.split("-"))
+            rows = tuple(range(start, end + 1, int(step or 1)))
+        else:
+            rows = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of ints or START-END:STEP, got {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be >= 1 and not empty, got {text!r}")
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     first, *rest = __doc__.splitlines()
     p = argparse.ArgumentParser(prog="python -m tools.gpu_suite", description=first, epilog="\n".join(rest),
@@ -68,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--throughput-1k-variants", default="bf16,fp8",
                    help="serving throughput_1k: comma list of bf16, fp8, bf16_greedy (kv_reserve_ratio 0: the KV "
                         "reserve's A/B)")
+    p.add_argument("--gemm-rows", type=row_counts, default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                   help="gemm_rows: the row counts, a comma list or START-END:STEP (e.g. 32-512:16, every decode graph "
+                        "bucket from 32: cuBLAS's time is not monotone in rows, run 127)")
     p.add_argument("--agreement-positions", type=int, default=128,
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")

@@ -22,11 +22,11 @@ def gemv(args, results) -> dict:
 
 
 def gemm_rows(args, results) -> dict:
-    """The decode set through cuBLAS at 1..256 rows (how far from the weight-streaming floor the batches
-    between the GEMV and the compute-bound ones run), the untuned skinny GEMM beside it up to 64 rows."""
+    """The decode set through cuBLAS at `--gemm-rows` rows (default 1..256: how far from the weight-streaming floor
+    the batches between the GEMV and the compute-bound ones run), the untuned skinny GEMM beside it up to 64 rows."""
     from tools.tune_gemv import cublas_by_rows
 
-    return cublas_by_rows()
+    return cublas_by_rows(rows=args.gemm_rows)
 
 
 def skinny_sweep(args, results) -> dict:
