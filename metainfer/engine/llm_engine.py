@@ -411,9 +411,9 @@ class LLMEngine:
             self.detokenizer.update(seq)
         reason = self._finish_reason(seq, token, prev_len)
         if reason is not None:
-            if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+            seq.finish_reason = reason  # before the flush: a stop token's text is left out (tokenizer.py)
+            if not isinstance(seq.stop_reason, str):
                 self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
-            seq.finish_reason = reason
             self.scheduler.finish(seq)  # also drops a later PENDING token, if one was launched
 
     def _finish_reason(self, seq: Sequence, token: int, prev_text_len: int) -> str | None:

@@ -112,13 +112,23 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self, seq: Sequence) -> str:
-        """At the end, emit whatever was held back (a full decode, after the same context, is authoritative)."""
+        """At the end, emit whatever was held back (a full decode, after the same context, is authoritative). A
+        sequence a stop token ended (an EOS or one of stop_token_ids; `seq.finish_reason` set) keeps that token's id
+        but not its text unless include_stop_str_in_output, as vLLM's detokenizer does: text decoded with it before
+        the finish was known is cut back here."""
         skip = seq.params.skip_special_tokens
         context = self._context(seq, skip)
-        full = self._decode([*context, *seq.output_token_ids], skip)
+        ids = seq.output_token_ids
+        if ids and ended_by_stop_token(seq) and not seq.params.include_stop_str_in_output:
+            ids = ids[:-1]
+        full = self._decode([*context, *ids], skip)
         before = self._decode(context, skip) if context else ""
         text = full[len(self._context_part(context, before, full, skip)):]
-        delta = text[len(seq.output_text):] if text.startswith(seq.output_text) else ""
+        if not text.startswith(seq.output_text):
+            if seq.output_text.startswith(text):  # the stop token's text, decoded before the finish was known
+                seq.output_text = text
+            return ""
+        delta = text[len(seq.output_text):]
         seq.output_text += delta
         return delta
 
@@ -165,6 +175,12 @@ class IncrementalDetokenizer:
                 if (best is None or len(candidate) > len(best)) and full.startswith(candidate):
                     best = candidate
         return text if best is None else best
+
+
+def ended_by_stop_token(seq) -> bool:
+    """Whether a stop token (an EOS, or one of stop_token_ids: `stop_reason` holds it) ended `seq`, not a stop
+    string (`stop_reason` holds it) or a length."""
+    return seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
 
 
 def _window(seq: Sequence, start: int, end: int) -> list[int]:

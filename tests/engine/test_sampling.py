@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
+from tests.helpers.detok_reference import text_after_prompt
 from tests.helpers.engine_checks import assert_drained, token_ids
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
@@ -86,6 +87,24 @@ def test_stop_token_ids_and_min_tokens(llm):
     late = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=10,
                                                    stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) >= 10 and stop_id not in late.token_ids[:10]
+
+
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(llm):
+    """vLLM's rule: a request a stop token ends (one of stop_token_ids, or an EOS: the server test forces one) keeps
+    the token's id but not its text; include_stop_str_in_output keeps the text. Reference: the tokenizer's own decode
+    after the prompt."""
+    tok = llm.get_tokenizer()
+    prompt = PROMPTS[1]["prompt_token_ids"]
+    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = next(t for t in full[2:] if tok.decode([t]).strip())  # a token with visible text
+    ids = full[:full.index(stop_id) + 1]
+    for keep in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=keep)
+        out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids and out.stop_reason == stop_id
+        assert out.text == text_after_prompt(tok, prompt, ids if keep else ids[:-1])
 
 
 def test_logprobs_are_log_softmax(llm):

@@ -107,6 +107,35 @@ def test_stop_strings_stream_equals_full(server, client, ref):
     wait_idle(server)
 
 
+def test_a_stop_tokens_text_is_left_out_streamed_or_not(server, client, ref):
+    """A stop token's id ends the request but its text is not in the output unless include_stop_str_in_output, as
+    vLLM's server answers: an EOS forced first with its text shown (skip_special_tokens false), and one of
+    stop_token_ids; streamed chunks join to the same text. Reference: the tokenizer's decode."""
+    tok = ref.get_tokenizer()
+    eos = ref.llm_engine.eos_token_ids[0]
+    eos_text = tok.decode([eos], skip_special_tokens=False)
+    assert eos_text
+    g = ref.generate("Tell me", greedy(8), use_tqdm=False)[0].outputs[0]
+    stop_id = next(t for t in g.token_ids[1:] if tok.decode([t]).strip())
+    ids = g.token_ids[:g.token_ids.index(stop_id) + 1]
+    for keep in (False, True):
+        body = {"logit_bias": {str(eos): 100}, "skip_special_tokens": False, "include_stop_str_in_output": keep}
+        full = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=5, temperature=0, extra_body=body)
+        chunks = list(client.completions.create(model=MODEL, prompt="Tell me", max_tokens=5, temperature=0,
+                                                stream=True, extra_body=body))
+        assert full.choices[0].finish_reason == "stop" and full.usage.completion_tokens == 1
+        assert full.choices[0].text == "".join(c.choices[0].text for c in chunks) == (eos_text if keep else "")
+        body = {"stop_token_ids": [stop_id], "include_stop_str_in_output": keep}
+        full = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, temperature=0, extra_body=body)
+        chunks = list(client.completions.create(model=MODEL, prompt="Tell me", max_tokens=8, temperature=0,
+                                                stream=True, extra_body=body))
+        prompt = tok.encode("Tell me")
+        expected = tok.decode(prompt + (ids if keep else ids[:-1]))[len(tok.decode(prompt)):]
+        assert full.choices[0].stop_reason == stop_id and full.usage.completion_tokens == len(ids)
+        assert full.choices[0].text == "".join(c.choices[0].text for c in chunks) == expected
+    wait_idle(server)
+
+
 def test_a_stream_whose_tokens_end_inside_a_character_keeps_its_text(server, client, ref):
     """Tokens that end inside a UTF-8 character decode to no new text; their chunks go out with empty text (one a
     step, vLLM's rule: test_output_handoff checks the rule itself; here a consumer that falls behind may carry
