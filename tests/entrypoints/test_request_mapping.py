@@ -52,6 +52,50 @@ def test_chat_messages_become_template_dicts():
                                           "max_tokens": 9}).max_new_tokens == 9
 
 
+def test_null_is_the_default_where_the_field_has_no_null():
+    """vLLM's Optional fields: a null n / stream / echo / include_usage is the default; a null max_tokens stays null
+    (no limit), and a required field's null stays an error."""
+    req = _parse(CompletionRequest, {"prompt": "x", "n": None, "stream": None, "echo": None, "min_tokens": None,
+                                     "max_tokens": None, "stream_options": None})
+    assert (req.n, req.stream, req.echo, req.min_tokens, req.max_tokens) == (1, False, False, 0, None)
+    req = _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                         "stream_options": {"include_usage": None}, "logprobs": None})
+    assert req.stream and not req.include_usage and req.logprobs is False
+    with pytest.raises(OpenAIError) as e:
+        _parse(CompletionRequest, {"prompt": None})
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("field,value", [("guided_choice", ["a", "b"]), ("guided_json", {"type": "object"}),
+                                         ("structured_outputs", {"regex": "a+"}), ("bad_words", ["x"]),
+                                         ("use_beam_search", True), ("truncate_prompt_tokens", 8),
+                                         ("return_tokens_as_token_ids", True), ("functions", [{"name": "f"}])])
+def test_vllm_options_this_server_lacks_are_refused_not_ignored(field, value):
+    for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest,
+                                                             {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(OpenAIError) as e:
+            _parse(model, {**base, field: value})
+        assert (e.value.status, e.value.param) == (400, field)
+        _parse(model, {**base, field: None})  # unset, as a client that sends nulls means it
+    assert not _parse(CompletionRequest, {"prompt": "x", "use_beam_search": False}).stream
+
+
+@pytest.mark.parametrize("model,body,param", [
+    (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CompletionRequest, {"prompt": "x", "best_of": 0}, "best_of"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream": False,
+                             "stream_options": {"include_usage": True}}, "stream_options")])
+def test_options_checked_before_the_engine(model, body, param):
+    with pytest.raises(OpenAIError) as e:
+        _parse(model, body).check_supported()
+    assert (e.value.status, e.value.param) == (400, param)
+    assert "best_of must be >= 1" in e.value.message if param == "best_of" else True
+
+
 def test_model_names():
     assert check_model(["m1", "m2"], None) == "m1" and check_model(["m1", "m2"], "m2") == "m2"
     with pytest.raises(OpenAIError) as e:

@@ -4,16 +4,18 @@ Strict mode: a string where a number belongs is an error (400), not a silent coe
 integers are still accepted for float fields. Unknown fields are ignored, as OpenAI's own
 server does. vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `allowed_token_ids`,
 `repetition_penalty`, ...) are accepted in the body. Options we parse but do not implement
-are refused with a 400 naming them (`check_supported`), never silently ignored.
+are refused with a 400 naming them (`check_supported`, and `_UNSUPPORTED_FIELDS`: vLLM's guided decoding, beam search
+and the like), never silently ignored. A null for a field with a default (n, stream, ...) is that default, as vLLM's
+Optional fields take it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from metainfer.engine.request_validation import INT64_MAX, MAX_LOGIT_BIAS
 from metainfer.entrypoints.openai.errors import bad_request, from_engine_error, from_validation_error
@@ -30,6 +32,14 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 # the optional sampling fields passed to SamplingParams only when the client set them
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty", "stop", "stop_token_ids", "allowed_token_ids")
+
+
+# vLLM request fields that change what is generated or returned and that this server does not implement: a body that
+# sets one (to anything but null, false or empty) is a 400 naming it, not an answer that silently lacks it
+_UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                       "guided_whitespace_pattern", "structured_outputs", "bad_words", "use_beam_search",
+                       "truncate_prompt_tokens", "return_tokens_as_token_ids", "logits_processors", "prompt_embeds",
+                       "functions", "function_call")
 
 
 def _clamp_bias(value):
@@ -56,6 +66,18 @@ def parse_request(body: bytes, model: type[Body]) -> Body:
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """A null for a field whose type has no null but which has a default (n, stream, echo, ...) is unset, as
+        vLLM's Optional fields read it; where null means something (max_tokens: no limit) or the field is required,
+        it stays as sent."""
+        if isinstance(data, dict):
+            defaulted = {k for k, f in cls.model_fields.items()
+                         if not f.is_required() and type(None) not in get_args(f.annotation)}
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
 
 
 class StreamOptions(_Body):
@@ -88,6 +110,20 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's body field: refused (echo + logprobs gives the prompt's logprobs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name in _UNSUPPORTED_FIELDS:
+                if data.get(name) not in (None, False, [], {}, ""):
+                    raise bad_request(f"{name} is not supported by this server", name)
+        return data
+
+    def check_stream_options(self) -> None:
+        """stream_options only with stream (vLLM's and OpenAI's rule)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -163,6 +199,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's: only "text" (the default) is served
 
     @property
     def echo_only(self) -> bool:
@@ -182,6 +219,11 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("prompt must not be empty", "prompt")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+        self.check_stream_options()
+        if self.best_of is not None and self.best_of < 1:
+            raise bad_request(f"best_of must be >= 1, got {self.best_of}", "best_of")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.logprobs is not None and not _within(self.logprobs, max_logprobs):  # no -1 here, as vLLM's
@@ -260,10 +302,17 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's chat extra (the last message's text before the reply): refused
+    tool_choice: str | dict[str, Any] | None = None
 
     def check_supported(self, max_logprobs: int = MAX_LOGPROBS, trust_request_chat_template: bool = False) -> None:
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
+        if self.echo:
+            raise bad_request("echo is not supported for chat completions", "echo")
+        if self.tool_choice not in (None, "none", "auto"):  # "auto" without tools calls nothing
+            raise bad_request("tool_choice other than none or auto is not supported (tools are not)", "tool_choice")
+        self.check_stream_options()
         # -1: the whole vocabulary (vLLM's); the engine refuses it unless the vocabulary fits under max_logprobs
         if self.top_logprobs is not None and self.top_logprobs != -1 and not _within(self.top_logprobs, max_logprobs):
             raise bad_request(f"top_logprobs must be {_bound(max_logprobs)} or -1 (the whole vocabulary), got "
