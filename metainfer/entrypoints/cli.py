@@ -1,4 +1,4 @@
-"""`metainfer` console script: generate, chat, serve, bench."""
+"""`metainfer` console script: generate, chat, serve, bench, and the knowledge package's spec, blueprint and gate."""
 
 from __future__ import annotations
 
