@@ -119,13 +119,14 @@ class IncrementalDetokenizer:
         skip = seq.params.skip_special_tokens
         context = self._context(seq, skip)
         ids = seq.output_token_ids
-        if ids and ended_by_stop_token(seq) and not seq.params.include_stop_str_in_output:
+        cut = bool(ids) and ended_by_stop_token(seq) and not seq.params.include_stop_str_in_output
+        if cut:
             ids = ids[:-1]
         full = self._decode([*context, *ids], skip)
         before = self._decode(context, skip) if context else ""
         text = full[len(self._context_part(context, before, full, skip)):]
         if not text.startswith(seq.output_text):
-            if seq.output_text.startswith(text):  # the stop token's text, decoded before the finish was known
+            if cut and seq.output_text.startswith(text):  # the stop token's text, decoded before the finish was known
                 seq.output_text = text
             return ""
         delta = text[len(seq.output_text):]

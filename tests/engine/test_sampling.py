@@ -107,6 +107,26 @@ def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(llm):
         assert out.text == text_after_prompt(tok, prompt, ids if keep else ids[:-1])
 
 
+def test_a_streamed_request_never_shows_the_stop_tokens_text(llm):
+    """Streamed (the engine decodes each token as it comes, the stop token's too, before the finish is known): no
+    step's text holds the stop token's text, and the last equals the tokenizer's decode without it."""
+    tok = llm.get_tokenizer()
+    prompt = PROMPTS[2]["prompt_token_ids"]
+    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = next(t for t in full[2:] if tok.decode([t]).strip())
+    ids = full[:full.index(stop_id) + 1]
+    engine = llm.llm_engine
+    engine.add_request("streamed-stop", PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                   stop_token_ids=[stop_id]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step() if o.request_id == "streamed-stop"]
+    expected = text_after_prompt(tok, prompt, ids[:-1])
+    assert texts[-1] == expected and all(expected.startswith(t) for t in texts)
+    assert text_after_prompt(tok, prompt, ids) != expected  # the stop token had text to leave out
+
+
 def test_logprobs_are_log_softmax(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]

@@ -116,6 +116,7 @@ def test_engine_step_failure_is_contained(server, client):
     m = wait_idle(server)
     assert m["metainfer:engine_errors_total"] - m0["metainfer:engine_errors_total"] == 2
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.head(server.url + "/health", timeout=10).status_code == 200  # load balancers probe with HEAD
 
 
 def test_queue_cap_answers_503(server, client):

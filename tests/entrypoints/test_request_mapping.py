@@ -96,6 +96,24 @@ def test_options_checked_before_the_engine(model, body, param):
     assert "best_of must be >= 1" in e.value.message if param == "best_of" else True
 
 
+@pytest.mark.parametrize("model,body", [
+    (CompletionRequest, {"prompt": "x", "response_format": {"type": "text"}}),
+    (CompletionRequest, {"prompt": "x", "stream_options": {}}),  # vLLM: an empty object passes without stream
+    (CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": False, "tool_choice": "none"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
+                             "function_call": "auto"})])
+def test_the_same_options_at_values_this_server_serves_pass(model, body):
+    _parse(model, body).check_supported()
+
+
+def test_a_non_text_content_part_is_refused_by_its_type():
+    with pytest.raises(OpenAIError) as e:
+        _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert (e.value.status, e.value.param) == (400, "messages") and "image_url" in e.value.message
+
+
 def test_model_names():
     assert check_model(["m1", "m2"], None) == "m1" and check_model(["m1", "m2"], "m2") == "m2"
     with pytest.raises(OpenAIError) as e:

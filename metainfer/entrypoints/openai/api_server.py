@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], POST /tokenize, /detokenize
 (vLLM's), GET /docs, /redoc, /openapi.json (all behind the optional bearer key; the docs can be turned off),
-GET /health (503 once the engine is gone), GET /metrics (Prometheus), GET /version; those three stay open, as
+GET (or HEAD) /health (503 once the engine is gone), GET /metrics (Prometheus), GET /version; those three stay open, as
 in vLLM.
 POST bodies must be `application/json` (415 otherwise: a text/plain body is a CORS "simple request" a
 web page could send to a key-less loopback server). All live requests share one continuously batched
@@ -175,7 +175,7 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
     app.add_api_route("/tokenize", server.tokenization.tokenize, methods=["POST"], dependencies=post)
     app.add_api_route("/detokenize", server.tokenization.detokenize, methods=["POST"], dependencies=post)
-    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     if docs:

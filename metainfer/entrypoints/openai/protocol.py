@@ -116,13 +116,15 @@ class _SamplingFields(_Body):
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
             for name in _UNSUPPORTED_FIELDS:
-                if data.get(name) not in (None, False, [], {}, ""):
+                value = data.get(name)
+                served = name == "function_call" and value in ("none", "auto")  # as tool_choice: nothing to call
+                if value not in (None, False, [], {}, "") and not served:
                     raise bad_request(f"{name} is not supported by this server", name)
         return data
 
     def check_stream_options(self) -> None:
-        """stream_options only with stream (vLLM's and OpenAI's rule)."""
-        if self.stream_options is not None and not self.stream:
+        """stream_options only with stream (vLLM's rule: an empty object passes)."""
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
     @property
@@ -241,6 +243,17 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        """An image or audio part is a 400 that says so (a text model), not a type error about strings."""
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict) and p.get("type") != "text"})
+            if kinds:
+                raise bad_request(f"message content parts of type {kinds} are not supported: text only", "messages")
+        return data
 
 
 class ChatTemplateFields(_Body):
