@@ -175,7 +175,8 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], dependencies=auth)
     app.add_api_route("/tokenize", server.tokenization.tokenize, methods=["POST"], dependencies=post)
     app.add_api_route("/detokenize", server.tokenization.detokenize, methods=["POST"], dependencies=post)
-    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.prometheus, methods=["GET"])
     if docs:
