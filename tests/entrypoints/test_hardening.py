@@ -275,6 +275,36 @@ def test_prompt_list_fan_out_is_bounded_and_a_neighbour_is_not_delayed(small_ser
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}
 
 
+def test_a_long_request_is_tokenized_on_a_lane_of_its_own(server):
+    """A request body over LONG_REQUEST_BYTES (a megabyte prompt costs seconds of encoding) is tokenized on the
+    second lane. While that lane is busy, short requests to every endpoint are answered, and the long ones wait
+    for it (each endpoint passes its body's size); once it is free they are answered too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from metainfer.entrypoints.openai.engine_loop import LONG_REQUEST_BYTES
+
+    bodies = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+              "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 1},
+              "/tokenize": {"model": MODEL, "prompt": "hi"},
+              "/detokenize": {"model": MODEL, "tokens": [1, 2]}}
+    pad = "u" * LONG_REQUEST_BYTES  # `user` (ignored where unknown) makes the body long, not the prompt
+    release = threading.Event()
+    busy = server.state.engine_loop.lanes[1].executor.submit(release.wait, 60)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        try:
+            longs = {path: pool.submit(post, server, path, {**body, "user": pad}) for path, body in bodies.items()}
+            for path, body in bodies.items():
+                assert post(server, path, body).status_code == 200, path
+            time.sleep(0.3)
+            assert not [path for path, f in longs.items() if f.done()]
+        finally:
+            release.set()
+        assert busy.result(5)
+        for path, f in longs.items():
+            assert f.result(60).status_code == 200, path
+
+
 def test_request_chat_templates_are_refused_by_default(server):
     for kwargs in ({"chat_template": "{{ messages[0].content }}"},
                    {"chat_template": "{% for i in range(10**9) %}a{% endfor %}"}):

@@ -348,8 +348,32 @@ def test_a_slow_prompt_is_tokenized_off_the_event_loop():
         await task
         assert info.value.status == 400 and info.value.param == "prompt"
         assert len(gaps) >= 20 and max(gaps) < 0.25, f"the event loop stalled {max(gaps):.2f} s"
-        assert loop.prompt_tokenizer is not tokenizer and not hasattr(tokenizer, "thread")
-        assert loop.prompt_tokenizer.thread.startswith("metainfer-tokenize")
+        lane = loop.lanes[0]
+        assert lane.tokenizer is not tokenizer and not hasattr(tokenizer, "thread")
+        assert lane.tokenizer.thread.startswith("metainfer-tokenize")
+
+    asyncio.run(run())
+
+
+def test_a_long_request_does_not_hold_up_short_ones():
+    """A request body over LONG_REQUEST_BYTES tokenizes on the long lane, with a tokenizer of its own: a short
+    request sent while it encodes (here 1 s) is added first; requests on one lane keep their arrival order."""
+    from metainfer.entrypoints.openai.engine_loop import LONG_REQUEST_BYTES
+
+    async def run():
+        loop = _live_loop(_SlowTokenizer(0.0))
+        loop.lanes[1].tokenizer.delay = 1.0
+        sent = []
+        loop._send = lambda msg: (sent.append(msg[2][0][0]), loop._adds.pop(msg[1]).set_result(None))
+        long = asyncio.create_task(loop.submit([("long", "text", SamplingParams(max_tokens=2))],
+                                               LONG_REQUEST_BYTES + 1))
+        await asyncio.sleep(0.05)
+        for rid in ("a", "b"):
+            await asyncio.wait_for(loop.submit([(rid, "text", SamplingParams(max_tokens=2))], 100), 0.5)
+        assert sent == ["a", "b"] and not long.done()
+        await long
+        assert sent == ["a", "b", "long"]
+        assert len({id(lane.tokenizer) for lane in loop.lanes}) == 2
 
     asyncio.run(run())
 
@@ -412,7 +436,7 @@ def test_a_submit_queued_behind_tokenizing_gets_a_503_when_the_engine_stops():
         queued = asyncio.create_task(loop.submit([("b", "text", SamplingParams(max_tokens=2))]))
         await asyncio.sleep(0.05)
         loop._dead = "the server stopped"  # what stop() records, then it shuts the tokenizing thread down
-        loop._tokenizing.shutdown(wait=False, cancel_futures=True)
+        loop.lanes[0].executor.shutdown(wait=False, cancel_futures=True)
         for task in (first, queued):
             with pytest.raises(OpenAIError) as info:
                 await task

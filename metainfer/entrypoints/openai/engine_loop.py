@@ -4,7 +4,8 @@ The engine runs in its own process (`engine_core.py`: `EngineCore` over two pipe
 for the GIL held by JSON, SSE framing or detokenizing. `EngineLoop` lives on the asyncio loop: `submit`
 tokenizes a request's prompts (text prompts and chat templates stay in this process) on a worker thread with a
 tokenizer of its own (a long prompt or a slow template must not hold up every stream's SSE events; a Rust
-tokenizer is not safe to share across threads), sends them as one "add"
+tokenizer is not safe to share across threads), a request body over `LONG_REQUEST_BYTES` on a second one (so a
+megabyte prompt, seconds of encoding, does not hold up every short request behind it), sends them as one "add"
 (all or none; a ValueError in the engine comes back as a 400) and returns a `RequestGroup`. One reader
 callback on the output pipe (`loop.add_reader`, no thread) takes each step's message: the new token ids of every
 request it changed. It appends them to the request's `RequestState` and hands the state to its group's queue;
@@ -46,6 +47,18 @@ log = logging.getLogger("metainfer.server")
 
 # (request id, prompt (text, token ids, a dict) or a callable that returns one, sampling params)
 Item = tuple[str, Any, SamplingParams]
+
+# A request body over this many bytes (~16k tokens of text, tens of ms to encode) is tokenized on the long lane
+LONG_REQUEST_BYTES = 64 * 1024
+
+
+class TokenizingLane:
+    """One thread and a tokenizer of its own (a Rust tokenizer is not safe to share across threads); requests on a
+    lane are tokenized in arrival order."""
+
+    def __init__(self, tokenizer, name: str):
+        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
 
 
 class EngineError(RuntimeError):
@@ -160,9 +173,9 @@ class EngineLoop:
         self.max_model_len = max_model_len  # checked here too: a too long prompt is not shipped to be refused
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        # prompts are tokenized on one thread of their own (in arrival order) with a tokenizer of its own
-        self.prompt_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="metainfer-tokenize")
+        # prompts are tokenized off the event loop: short requests on one lane, long ones on another
+        self.lanes = (TokenizingLane(tokenizer, "metainfer-tokenize"),
+                      TokenizingLane(tokenizer, "metainfer-tokenize-long"))
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.num_queued = 0  # requests without a first output yet
@@ -209,7 +222,8 @@ class EngineLoop:
             sender.join(5)
         else:
             self.handle.stop(timeout)
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        for lane in self.lanes:
+            lane.executor.shutdown(wait=False, cancel_futures=True)
 
     def _send_loop(self) -> None:
         while (msg := self._outbox.get()) is not None:
@@ -258,13 +272,19 @@ class EngineLoop:
                                           f"{timeout:g} s"))
 
     # requests -----------------------------------------------------------------------------------
-    async def submit(self, items: list[Item]) -> RequestGroup:
-        """Add one HTTP request's engine requests; 503 when the engine is down or the queue is full, 400 when
-        a prompt or a value is refused (here or by the engine)."""
+    def lane(self, request_bytes: int) -> TokenizingLane:
+        """The lane for a request body of `request_bytes`."""
+        return self.lanes[request_bytes > LONG_REQUEST_BYTES]
+
+    async def submit(self, items: list[Item], request_bytes: int = 0) -> RequestGroup:
+        """Add one HTTP request's engine requests (its body `request_bytes` long: it picks the tokenizing lane);
+        503 when the engine is down or the queue is full, 400 when a prompt or a value is refused (here or by the
+        engine)."""
         self._check_admissible(len(items))
         self.num_admitting += len(items)  # held against the queue cap and waited for by drain while tokenizing
+        lane = self.lane(request_bytes)
         try:
-            prepared = await self._loop.run_in_executor(self._tokenizing, self._tokenize, items)
+            prepared = await self._loop.run_in_executor(lane.executor, self._tokenize, lane.tokenizer, items)
         except asyncio.CancelledError:
             if self._dead is not None and not asyncio.current_task().cancelling():
                 raise engine_dead() from None  # stop() cancelled the queued tokenizing, not the client
@@ -300,16 +320,19 @@ class EngineLoop:
             raise OpenAIError(500, f"internal error: {message}", "server_error", None, "internal_error")
         return group
 
-    async def run_tokenizer(self, fn: Callable):
-        """fn(tokenizer) on the tokenizing thread, in order with the prompts, with that thread's tokenizer (/tokenize,
-        /detokenize: a long text must not hold the event loop); any error it raises is a 400 (from_engine_error)."""
+    async def run_tokenizer(self, fn: Callable, request_bytes: int = 0):
+        """fn(tokenizer) on the lane for `request_bytes`, in order with its prompts, with that lane's tokenizer
+        (/tokenize, /detokenize: a long text must not hold the event loop); any error it raises is a 400
+        (from_engine_error)."""
+        lane = self.lane(request_bytes)
+
         def call():
             try:
-                return fn(self.prompt_tokenizer)
+                return fn(lane.tokenizer)
             except Exception as exc:
                 raise from_engine_error(exc) from None
 
-        return await self._loop.run_in_executor(self._tokenizing, call)
+        return await self._loop.run_in_executor(lane.executor, call)
 
     def _check_admissible(self, num_requests: int) -> None:
         """503 when the engine is gone, the server drains, or `num_requests` more would overfill the queue."""
@@ -322,10 +345,10 @@ class EngineLoop:
             raise OpenAIError(503, f"the server's request queue is full ({cap} queued); retry later",
                               "server_error", None, "queue_full")
 
-    def _tokenize(self, items: list[Item]) -> list[tuple[str, str | None, list[int], SamplingParams]]:
-        """On the tokenizing thread: each item's (request id, text, ids, params); a callable prompt (a chat
-        template) is given this thread's tokenizer. The first refused prompt raises its 400."""
-        tokenizer, prepared = self.prompt_tokenizer, []
+    def _tokenize(self, tokenizer, items: list[Item]) -> list[tuple[str, str | None, list[int], SamplingParams]]:
+        """On a tokenizing lane's thread, with its `tokenizer`: each item's (request id, text, ids, params); a
+        callable prompt (a chat template) is given that tokenizer. The first refused prompt raises its 400."""
+        prepared = []
         for request_id, prompt, params in items:
             try:  # the engine process gets ids
                 text, ids = tokenize_prompt(tokenizer, prompt(tokenizer) if callable(prompt) else prompt)

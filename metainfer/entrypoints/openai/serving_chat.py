@@ -48,7 +48,8 @@ class OpenAIServingChat(OpenAIServing):
     trust_request_chat_template = False  # a request may set chat_template_kwargs.chat_template (build_app)
 
     async def create(self, request: Request) -> Response:
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        body = await request.body()
+        req = parse_request(body, ChatCompletionRequest)
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs, self.trust_request_chat_template)
         top_k = req.top_logprobs or 0
@@ -56,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = chat_prompt(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            group = await self.engine_loop.submit([(base, prompt, params)])
+            group = await self.engine_loop.submit([(base, prompt, params)], len(body))
         except OpenAIError as err:  # the engine names its own fields: the prompt is the messages here
             field = req.body_field(err.param)
             if field != err.param and err.message.startswith(f"{err.param}="):  # "logprobs=-1 ..." as sent here

@@ -15,7 +15,8 @@ from metainfer.sampling_params import SamplingParams
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: Request) -> Response:
-        req = parse_request(await request.body(), CompletionRequest)
+        body = await request.body()
+        req = parse_request(body, CompletionRequest)
         model = self.check_model(req.model)
         req.check_supported(self.max_logprobs)
         params = req.sampling_params(1 if req.echo_only else req.max_tokens, req.logprobs, self.vocab_size)
@@ -25,7 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
         base = f"cmpl-{uuid.uuid4().hex}"
         items = [(f"{base}-{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, params)
                  for i, p in enumerate(req.prompts())]
-        group = await self.engine_loop.submit(items)
+        group = await self.engine_loop.submit(items, len(body))
         return await self.respond(
             request, req, group, base=base, model=model, obj="text_completion", chunk_obj="text_completion",
             chunks=lambda head, finals: self._chunks(group, req, params, head, finals),

@@ -22,7 +22,8 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """-> {"count", "max_model_len", "tokens", "token_strs" (null unless return_token_strs)}."""
-        req = parse_request(await request.body(), TokenizeRequest)
+        body = await request.body()
+        req = parse_request(body, TokenizeRequest)
         self.check_model(req.model)
         req.check_supported(self.trust_request_chat_template)
         if req.messages is not None:
@@ -41,14 +42,15 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = ids_of(tokenizer)
             return ids, tokenizer.convert_ids_to_tokens(ids) if return_strs else None
 
-        ids, strs = await self.engine_loop.run_tokenizer(tokenize)
+        ids, strs = await self.engine_loop.run_tokenizer(tokenize, len(body))
         return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                              "token_strs": strs})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         """{"tokens": [ids]} -> {"prompt": text}; an id neither the model nor the tokenizer can name is a 400 naming
         `tokens` (the model's padded vocabulary ids past the tokenizer's, which it may output, decode to nothing)."""
-        req = parse_request(await request.body(), DetokenizeRequest)
+        body = await request.body()
+        req = parse_request(body, DetokenizeRequest)
         self.check_model(req.model)
         tokens, model_vocab = req.tokens, self.model_vocab_size
 
@@ -59,4 +61,4 @@ class OpenAIServingTokenization(OpenAIServing):
                 raise InvalidRequestError("tokens", f"tokens must be in [0, {size}), got {bad}")
             return tokenizer.decode(tokens)
 
-        return JSONResponse({"prompt": await self.engine_loop.run_tokenizer(detokenize)})
+        return JSONResponse({"prompt": await self.engine_loop.run_tokenizer(detokenize, len(body))})
