@@ -114,6 +114,22 @@ def test_a_non_text_content_part_is_refused_by_its_type():
     assert (e.value.status, e.value.param) == (400, "messages") and "image_url" in e.value.message
 
 
+@pytest.mark.parametrize("model, body, message", [
+    (CompletionRequest, {"prompt": None},
+     "field 'prompt': expected str | list[str] | list[int] | list[list[int]], got null"),
+    (CompletionRequest, {"prompt": {"text": "x"}},
+     "field 'prompt': expected str | list[str] | list[int] | list[list[int]], got an object"),
+    (CompletionRequest, {"prompt": "x", "stop": 5}, "field 'stop': expected str | list[str], got a number"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": True}]},
+     "field 'messages.0.content': expected str | list[TextPart], got a boolean"),
+])
+def test_a_value_of_no_type_a_field_takes_names_the_field_and_its_types(model, body, message):
+    """Not the first union member's complaint ("field 'prompt.str': Input should be a valid string")."""
+    with pytest.raises(OpenAIError) as e:
+        _parse(model, body)
+    assert (e.value.status, e.value.param, e.value.message) == (400, message.split("'")[1].split(".")[0], message)
+
+
 def test_model_names():
     assert check_model(["m1", "m2"], None) == "m1" and check_model(["m1", "m2"], "m2") == "m2"
     with pytest.raises(OpenAIError) as e:

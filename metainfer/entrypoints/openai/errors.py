@@ -72,10 +72,34 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     first = errors[0] if errors else {"loc": (), "msg": str(exc)}
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first['msg']}", None)
+    union = _union_failure(errors)
+    if union is not None:
+        return union
     loc = [str(x) for x in first.get("loc", ())]
     param = loc[0] if loc else None
     where = f"field '{'.'.join(loc)}': " if loc else "request body: "
     return bad_request(f"{where}{first['msg']}", param)
+
+
+def _union_failure(errors: list[dict]) -> OpenAIError | None:
+    """A value that matches no member of its field's union (prompt: str | list[str] | list[int] | ...): pydantic
+    reports one error per member, tagged with the member's type after the field's path; name the field, the types
+    it takes and what came, instead of the first member's complaint ("field 'prompt.str': a valid string")."""
+    locs = [tuple(e.get("loc", ())) for e in errors]
+    n = 0
+    while all(len(loc) > n + 1 and loc[n] == locs[0][n] for loc in locs):
+        n += 1
+    if len(errors) < 2 or n == 0 or not all(len(loc) == n + 1 and isinstance(loc[n], str) for loc in locs):
+        return None  # a member that got further (a list with one bad item) says more: its own error stands
+    tags = " | ".join(dict.fromkeys(loc[n] for loc in locs))
+    path = ".".join(str(x) for x in locs[0][:n])
+    return bad_request(f"field '{path}': expected {tags}, got {_json_kind(errors[0].get('input'))}", str(locs[0][0]))
+
+
+def _json_kind(value) -> str:
+    kinds = ((type(None), "null"), (bool, "a boolean"), (str, "a string"), ((int, float), "a number"),
+             (list, "an array"), (dict, "an object"))
+    return next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
 
 
 def add_exception_handlers(app: FastAPI) -> None:
