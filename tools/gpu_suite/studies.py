@@ -125,7 +125,7 @@ def attn_kv_dtype(args, results) -> dict:
     from metainfer.kernels.kv_cache import fp8_cache_copy, to_cache_dtype
 
     dev, bf16, res = torch.device("cuda"), torch.bfloat16, {}
-    # the GQA group probe (session 19's hypothesis, PERFORMANCE "Pending on the GPU" item 3): the same KV bytes
+    # the GQA group probe (session 19's hypothesis; PERFORMANCE "Experiments that lost", run 73): the same KV bytes
     # read by groups of 1, 2 and 4 q heads a kv head; the default launch only
     probe = [(256, [600] * 256, {c: COMMON[:1] for c in ("bf16", "fp8")}, hq) for hq in (HK, 2 * HK)]
     for batch, ctxs, case_variants, hq in [(*case, HQ) for case in _kv_dtype_cases()] + probe:
