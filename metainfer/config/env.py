@@ -1,8 +1,8 @@
 """The one registry of environment overrides, read once when an engine is configured.
 
 Each override maps onto an `EngineConfig` field (the kill switches that protect users: PDL off, the
-skinny GEMM off, the torch sampler, the custom all-reduce off; and the opt-in to a max_model_len past the
-model's positions). The field is the interface; the variable
+skinny GEMM off, the torch sampler, cuBLAS instead of cuBLASLt, the custom all-reduce off; and the opt-in to a
+max_model_len past the model's positions). The field is the interface; the variable
 only lets a benchmark script or a user flip it without code. A value outside the accepted ones is a
 ConfigError naming the variable, so a typo cannot silently measure the default.
 """
@@ -19,6 +19,7 @@ ENV_OVERRIDES: dict[str, tuple[str, dict[str, bool]]] = {
     "METAINFER_DISABLE_PDL": ("enable_pdl", {"0": True, "1": False}),
     "METAINFER_SKINNY_GEMM": ("enable_skinny_gemm", {"0": False, "1": True}),
     "METAINFER_FUSED_SAMPLER": ("enable_fused_sampler", {"0": False, "1": True}),
+    "METAINFER_CUBLASLT": ("enable_cublaslt", {"0": False, "1": True}),
     "METAINFER_ALLOW_LONG_MAX_MODEL_LEN": ("allow_long_max_model_len", {"0": False, "1": True}),
     # this one kept its older, lenient spelling (it predates the registry)
     "METAINFER_DISABLE_CUSTOM_ALL_REDUCE": ("enable_custom_all_reduce", {

@@ -9,11 +9,13 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 import metainfer.worker.model_runner as model_runner
-from metainfer import LLM
+from metainfer import LLM, SamplingParams
 from metainfer.config import ConfigError
 from metainfer.config.env import ENV_OVERRIDES, env_overrides
+from tests.helpers.kernel_devices import ON_GPU
 from tests.helpers.tiny_models import build_tiny_model
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
@@ -59,6 +61,36 @@ def test_fields_and_overrides_reach_select_ops(folder, recorded, monkeypatch, kw
     assert len(recorded) == 1 and {k: recorded[0][k] for k in expected} == expected
 
 
+@pytest.mark.parametrize("kwargs, env, expected", [
+    ({}, {}, True), ({"enable_cublaslt": False}, {}, False), ({}, {"METAINFER_CUBLASLT": "0"}, False),
+    ({"enable_cublaslt": False}, {"METAINFER_CUBLASLT": "1"}, True)])
+def test_the_cublaslt_switch_and_its_override_reach_the_config(folder, monkeypatch, kwargs, env, expected):
+    """The engine's config carries it (the GPU test below checks what a CUDA build does with it)."""
+    for name in ENV_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    llm = LLM(folder, **ENGINE, **kwargs)
+    assert llm.llm_engine.config.enable_cublaslt is expected
+    llm.close()
+
+
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
+def test_a_cuda_engine_sets_the_blas_library_its_switch_names(folder, monkeypatch):
+    for name in ENV_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    backend = torch._C._BlasBackend
+    try:
+        for enabled, want in ((False, backend.Cublas), (True, backend.Cublaslt)):
+            llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=64, enable_cublaslt=enabled)
+            assert torch.backends.cuda.preferred_blas_library() == want
+            out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))
+            assert len(out[0].outputs[0].token_ids) == 4
+            llm.close()
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def test_overrides_parse_only_their_values():
     assert env_overrides({}) == {}
     # the custom all-reduce's variable keeps its older lenient spelling
@@ -71,7 +103,7 @@ def test_overrides_parse_only_their_values():
 
 
 @pytest.mark.parametrize("name, value", [("METAINFER_SKINNY_GEMM", "2"), ("METAINFER_DISABLE_PDL", "true"),
-                                         ("METAINFER_FUSED_SAMPLER", "no"),
+                                         ("METAINFER_FUSED_SAMPLER", "no"), ("METAINFER_CUBLASLT", "on"),
                                          ("METAINFER_DISABLE_CUSTOM_ALL_REDUCE", "maybe")])
 @pytest.mark.parametrize("engine", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
 def test_unknown_values_are_rejected_before_anything_is_built(folder, monkeypatch, name, value, engine):
