@@ -134,8 +134,10 @@ class EngineConfig:
     enable_skinny_gemm: bool = True  # tensor-core skinny GEMM for 3-64-row decode GEMMs with a tuned table
     enable_fused_sampler: bool = True  # one-pass Gumbel-max sampler for greedy/temperature-only batches
     enable_custom_all_reduce: bool = True  # one-shot all-reduce over symmetric memory for small TP messages
-    # cuBLAS GEMMs (17+ rows, prefill) through cuBLASLt's heuristics: torch.backends.cuda.preferred_blas_library,
-    # process-wide, set when a CUDA engine builds (docs/PERFORMANCE.md, run 129); False: cuBLAS, torch's default
+    # every GEMM the engine leaves to torch (F.linear where no Triton kernel takes the shape, MLA's bmm above 16
+    # rows) through cuBLASLt's heuristics: torch.backends.cuda.preferred_blas_library("cublaslt"), process-wide, set
+    # when a CUDA engine builds and put back when it closes (docs/PERFORMANCE.md, runs 129-130); False: the process's
+    # own setting (torch's default: cuBLAS)
     enable_cublaslt: bool = True
     # "mp": rank 0 spawns its TP workers (the default); "external_launcher": this process is one rank of a group
     # started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; worker/tp/launched.py)

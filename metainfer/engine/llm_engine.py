@@ -87,6 +87,9 @@ class LaunchedStep:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # the process's BLAS preference before this engine's runner may set cuBLASLt (EngineConfig.enable_cublaslt):
+        # close() puts it back, so code run after the engine (a peer's model, a benchmark) gets what it had
+        self._blas_before = torch.backends.cuda.preferred_blas_library()
         with share_gguf_readers():  # a GGUF is parsed once: its config here, rank 0's weights in the runner
             spec = resolve_config(config)
             self.spec = spec
@@ -473,6 +476,7 @@ class LLMEngine:
         return self.block_manager.usage()
 
     def close(self) -> None:
+        torch.backends.cuda.preferred_blas_library(self._blas_before)
         if self.tp_driver is not None:
             self.tp_driver.close()
         if self.launcher is not None:

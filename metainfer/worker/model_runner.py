@@ -50,8 +50,9 @@ class ModelRunner:
         lap = _Laps(self.startup_seconds)
         torch.manual_seed(config.seed)
         gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        if self.device.type == "cuda":  # before any GEMM runs or is captured: graphs keep the kernels chosen then
-            torch.backends.cuda.preferred_blas_library("cublaslt" if config.enable_cublaslt else "cublas")
+        # before any GEMM runs or is captured (graphs keep the kernels chosen then); LLMEngine.close undoes it
+        if self.device.type == "cuda" and config.enable_cublaslt:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         self.ops = select_ops(self.device, gpu_name=gpu_name, pdl=config.enable_pdl and pdl_supported(self.device),
                               skinny_gemm=config.enable_skinny_gemm, fused_sampler=config.enable_fused_sampler)
         self.attn_backend = build_attention_backend(config, self.ops)

@@ -76,17 +76,21 @@ def test_the_cublaslt_switch_and_its_override_reach_the_config(folder, monkeypat
 
 
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
-def test_a_cuda_engine_sets_the_blas_library_its_switch_names(folder, monkeypatch):
+def test_a_cuda_engine_sets_cublaslt_while_it_lives_and_puts_the_setting_back(folder, monkeypatch):
+    """On: cuBLASLt from the build (the graphs are captured with it) until close() restores the process's own
+    setting; off: the process's setting is left alone."""
     for name in ENV_OVERRIDES:
         monkeypatch.delenv(name, raising=False)
     backend = torch._C._BlasBackend
+    torch.backends.cuda.preferred_blas_library("cublas")
     try:
-        for enabled, want in ((False, backend.Cublas), (True, backend.Cublaslt)):
+        for enabled, during in ((False, backend.Cublas), (True, backend.Cublaslt)):
             llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=64, enable_cublaslt=enabled)
-            assert torch.backends.cuda.preferred_blas_library() == want
+            assert torch.backends.cuda.preferred_blas_library() == during
             out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))
             assert len(out[0].outputs[0].token_ids) == 4
             llm.close()
+            assert torch.backends.cuda.preferred_blas_library() == backend.Cublas
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")
 

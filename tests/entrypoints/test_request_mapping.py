@@ -114,20 +114,36 @@ def test_a_non_text_content_part_is_refused_by_its_type():
     assert (e.value.status, e.value.param) == (400, "messages") and "image_url" in e.value.message
 
 
-@pytest.mark.parametrize("model, body, message", [
-    (CompletionRequest, {"prompt": None},
-     "field 'prompt': expected str | list[str] | list[int] | list[list[int]], got null"),
-    (CompletionRequest, {"prompt": {"text": "x"}},
-     "field 'prompt': expected str | list[str] | list[int] | list[list[int]], got an object"),
-    (CompletionRequest, {"prompt": "x", "stop": 5}, "field 'stop': expected str | list[str], got a number"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": True}]},
-     "field 'messages.0.content': expected str | list[TextPart], got a boolean"),
+UNION = "expected str | list[str] | list[int] | list[list[int]]"
+
+
+@pytest.mark.parametrize("model, body, param, message", [
+    (CompletionRequest, {"prompt": None}, "prompt", f"field 'prompt': {UNION}, got null"),
+    (CompletionRequest, {"prompt": {"text": "x"}}, "prompt", f"field 'prompt': {UNION}, got an object"),
+    (CompletionRequest, {"prompt": [1, "a"]}, "prompt",
+     f"field 'prompt': {UNION}, got an array (prompt[1] as list[int]: Input should be a valid integer)"),
+    (CompletionRequest, {"prompt": "x", "stop": 5}, "stop", "field 'stop': expected str | list[str], got a number"),
+    (CompletionRequest, {"prompt": "x", "stop": [1]}, "stop",
+     "field 'stop': expected str | list[str], got an array (stop[0] as list[str]: Input should be a valid string)"),
+    # not unions: a mapping with two bad values, a plain field; each keeps pydantic's own message at its path
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"1": "x", "2": "x"}}, "logit_bias",
+     "field 'logit_bias.1': Input should be a valid number"),
+    (CompletionRequest, {"prompt": "x", "n": "a"}, "n", "field 'n': Input should be a valid integer"),
 ])
-def test_a_value_of_no_type_a_field_takes_names_the_field_and_its_types(model, body, message):
+def test_a_value_of_no_type_a_union_field_takes_names_the_field_and_its_types(model, body, param, message):
     """Not the first union member's complaint ("field 'prompt.str': Input should be a valid string")."""
     with pytest.raises(OpenAIError) as e:
         _parse(model, body)
-    assert (e.value.status, e.value.param, e.value.message) == (400, message.split("'")[1].split(".")[0], message)
+    assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
+
+
+def test_a_validation_error_without_errors_is_a_plain_400():
+    from pydantic import ValidationError
+
+    from metainfer.entrypoints.openai.errors import from_validation_error
+
+    err = from_validation_error(ValidationError.from_exception_data("X", []), CompletionRequest)
+    assert err.status == 400 and err.param is None
 
 
 def test_model_names():

@@ -7,6 +7,8 @@ endpoints, the health check and the streaming error event answer alike.
 from __future__ import annotations
 
 import logging
+import types
+from typing import Union, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -66,13 +68,13 @@ def from_engine_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
 
 
-def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """A body that fails its pydantic model: 400 naming the top-level field, as OpenAI reports it."""
+def from_validation_error(exc: ValidationError, model: type | None = None) -> OpenAIError:
+    """A body that fails its pydantic `model`: 400 naming the top-level field, as OpenAI reports it."""
     errors = exc.errors(include_url=False)
     first = errors[0] if errors else {"loc": (), "msg": str(exc)}
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first['msg']}", None)
-    union = _union_failure(errors)
+    union = _union_failure(errors, model)
     if union is not None:
         return union
     loc = [str(x) for x in first.get("loc", ())]
@@ -81,19 +83,29 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     return bad_request(f"{where}{first['msg']}", param)
 
 
-def _union_failure(errors: list[dict]) -> OpenAIError | None:
-    """A value that matches no member of its field's union (prompt: str | list[str] | list[int] | ...): pydantic
-    reports one error per member, tagged with the member's type after the field's path; name the field, the types
-    it takes and what came, instead of the first member's complaint ("field 'prompt.str': a valid string")."""
+def _union_failure(errors: list[dict], model: type | None) -> OpenAIError | None:
+    """A top-level field whose type is a union (prompt: str | list[str] | list[int] | list[list[int]]) and a value
+    that fits no member: pydantic reports one error per member, its path tagged with the member's type. Name the
+    field, the types it takes and what came, and where the member that got furthest failed, instead of the first
+    member's complaint ("field 'prompt.str': Input should be a valid string")."""
     locs = [tuple(e.get("loc", ())) for e in errors]
-    n = 0
-    while all(len(loc) > n + 1 and loc[n] == locs[0][n] for loc in locs):
-        n += 1
-    if len(errors) < 2 or n == 0 or not all(len(loc) == n + 1 and isinstance(loc[n], str) for loc in locs):
-        return None  # a member that got further (a list with one bad item) says more: its own error stands
-    tags = " | ".join(dict.fromkeys(loc[n] for loc in locs))
-    path = ".".join(str(x) for x in locs[0][:n])
-    return bad_request(f"field '{path}': expected {tags}, got {_json_kind(errors[0].get('input'))}", str(locs[0][0]))
+    name = locs[0][0] if locs and locs[0] else None
+    fields = getattr(model, "model_fields", {})
+    if len(errors) < 2 or name not in fields or not _is_union(fields[name].annotation):
+        return None
+    if not all(len(loc) >= 2 and loc[0] == name for loc in locs):
+        return None
+    tags = " | ".join(dict.fromkeys(str(loc[1]) for loc in locs))
+    whole = next((e["input"] for e, loc in zip(errors, locs) if len(loc) == 2 and "input" in e), errors[0])
+    got = "a value that fits none of them" if whole is errors[0] else _json_kind(whole)
+    loc, err = max(zip(locs, errors), key=lambda p: (len(p[0]), [x for x in p[0][2:] if isinstance(x, int)]))
+    detail = f" ({name}{''.join(f'[{x}]' for x in loc[2:])} as {loc[1]}: {err['msg']})" if len(loc) > 2 else ""
+    return bad_request(f"field '{name}': expected {tags}, got {got}{detail}", name)
+
+
+def _is_union(annotation) -> bool:
+    members = [a for a in get_args(annotation) if a is not type(None)]
+    return get_origin(annotation) in (Union, types.UnionType) and len(members) >= 2
 
 
 def _json_kind(value) -> str:

@@ -61,7 +61,7 @@ def parse_request(body: bytes, model: type[Body]) -> Body:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, model) from None
 
 
 class _Body(BaseModel):
