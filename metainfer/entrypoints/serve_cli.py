@@ -31,6 +31,9 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
                    help="name(s) clients use as `model` (default: the model folder's or .gguf file's name)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 503 when this many requests are waiting for their first token (default: no cap)")
+    p.add_argument("--max-request-mb", type=float, default=32.0,
+                   help="answer 413 to a POST body over this many MiB, before it is parsed (default 32; a "
+                        "128k-token prompt is ~1 MB)")
     p.add_argument("--no-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a request bring its own chat template (chat_template_kwargs.chat_template); off by "
@@ -74,6 +77,8 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     args.model = args.model or args.model_tag
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         usage_error(f"--max-queued-requests: must be >= 1 (default: no cap), got {args.max_queued_requests}")
+    if not 0 < args.max_request_mb < math.inf:
+        usage_error(f"--max-request-mb: must be > 0 and finite, got {args.max_request_mb}")
     if not 0 <= args.shutdown_timeout < math.inf:
         usage_error(f"--shutdown-timeout: must be >= 0 and finite, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
@@ -88,7 +93,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs) -> int:
     options = dict(served_model_names=names, host=args.host, port=args.port, api_key=args.api_key,
                    max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                    access_log=not args.no_access_log, docs=not args.no_docs, shutdown_timeout=args.shutdown_timeout,
-                   trust_request_chat_template=args.trust_request_chat_template)
+                   trust_request_chat_template=args.trust_request_chat_template, max_request_mb=args.max_request_mb)
     if kwargs.get("distributed_executor_backend") != "external_launcher":
         from metainfer.entrypoints.openai.engine_core import EngineStartError
 

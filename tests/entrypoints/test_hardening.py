@@ -305,6 +305,28 @@ def test_a_long_request_is_tokenized_on_a_lane_of_its_own(server):
             assert f.result(60).status_code == 200, path
 
 
+def test_a_body_over_the_cap_is_a_413_before_it_is_parsed(server):
+    """By its Content-Length, or counted as its chunks arrive when it has none; a body under the cap is served,
+    and so is the next request."""
+    state = server.state
+    cap, state.max_request_bytes = state.max_request_bytes, 2000
+    try:
+        big = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u" * 3000}
+        err = assert_error(post(server, "/v1/completions", big), 413, code="request_too_large")
+        assert "--max-request-mb" in err["message"]
+        raw = json.dumps(big).encode()
+        chunked = httpx.post(server.url + "/v1/chat/completions", content=(raw[i:i + 500] for i in range(0, 4000, 500)),
+                             headers={"Content-Type": "application/json", **auth()}, timeout=30)
+        assert_error(chunked, 413, code="request_too_large")
+        small = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+        ok = httpx.post(server.url + "/v1/completions", content=iter([small[:10], small[10:]]),
+                        headers={"Content-Type": "application/json", **auth()}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    finally:
+        state.max_request_bytes = cap
+    assert post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_request_chat_templates_are_refused_by_default(server):
     for kwargs in ({"chat_template": "{{ messages[0].content }}"},
                    {"chat_template": "{% for i in range(10**9) %}a{% endfor %}"}):

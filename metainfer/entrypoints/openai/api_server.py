@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 from contextlib import asynccontextmanager
@@ -44,14 +45,18 @@ from metainfer.entrypoints.openai.serving_tokenize import OpenAIServingTokenizat
 
 log = logging.getLogger("metainfer.server")
 
+# A POST body over this many MiB is a 413 (a 128k-token prompt is ~0.5 MB of text, ~1 MB as token ids)
+DEFAULT_MAX_REQUEST_MB = 32.0
+
 
 class OpenAIServer:
     """Everything one app serves from: the engine (its process or thread handle), this process's tokenizer,
     the engine loop, the metrics and the two endpoints."""
 
     def __init__(self, handle, served_model_names: list[str], api_key: str | None = None,
-                 max_queued_requests: int | None = None):
+                 max_queued_requests: int | None = None, max_request_mb: float = DEFAULT_MAX_REQUEST_MB):
         self.handle = handle
+        self.max_request_bytes = int(max_request_mb * 2**20)
         self.engine = handle.engine  # the LLMEngine where it runs in this process (a caller's LLM), else None
         info = handle.ready_info
         self.max_model_len, self.max_logprobs = info["max_model_len"], info["max_logprobs"]
@@ -90,6 +95,24 @@ class OpenAIServer:
             raise OpenAIError(415, f"Content-Type must be application/json, got {media_type or 'none'!r}",
                               "invalid_request_error", None, "unsupported_media_type")
 
+    async def limit_body(self, request: Request) -> None:
+        """A POST body over max_request_bytes is a 413 before it is parsed or tokenized: by its Content-Length
+        before it is read, or, sent in chunks without one, as soon as the chunks pass the cap (what was read is
+        kept for the endpoint: Starlette's Request caches its body)."""
+        cap = self.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit():
+            if int(length) > cap:
+                raise _too_large(cap)
+            return
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise _too_large(cap)
+            chunks.append(chunk)
+        request._body = b"".join(chunks)
+
     def model_card(self, name: str) -> dict:
         # root is the served name too: the model's filesystem path is not the clients' business
         return {"id": name, "object": "model", "created": self.created, "owned_by": "metainfer",
@@ -120,18 +143,26 @@ def default_served_name(model: str) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def _too_large(cap: int) -> OpenAIError:
+    return OpenAIError(413, f"request body is larger than the server's limit of {cap / 2**20:g} MiB "
+                            "(metainfer serve --max-request-mb)", "invalid_request_error", None, "request_too_large")
+
+
 def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = None, api_key: str | None = None,
               max_queued_requests: int | None = None, docs: bool = True,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> FastAPI:
     """The ASGI app. `llm_or_kwargs`: a dict of `LLM` keyword arguments (the server's way: the engine is built
     in its own process, started here; this returns once it is ready, CUDA graphs and warm-up done, and raises
     its build error: a ConfigError stays one; the process ends with the app), an `LLM` the caller built and
     keeps (its engine core runs in a thread of this process: same messages, shared GIL), or an `EngineProcess`
     already started and ready (its `ready_info` set). `docs=False` drops
     /docs, /redoc and /openapi.json (with an API key they need it, like /v1/*). `trust_request_chat_template`
-    lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise)."""
+    lets a request bring its own chat template (chat_template_kwargs.chat_template; refused otherwise). A POST body
+    over `max_request_mb` MiB is a 413, before it is parsed."""
     if max_queued_requests is not None and max_queued_requests < 1:  # 0 would refuse every request
         raise ValueError(f"max_queued_requests must be >= 1 (None: no cap), got {max_queued_requests}")
+    if not 0 < max_request_mb < math.inf:
+        raise ValueError(f"max_request_mb must be > 0 and finite, got {max_request_mb}")
     engine = getattr(llm_or_kwargs, "llm_engine", None)
     skip = (llm_or_kwargs.get("skip_tokenizer_init") if isinstance(llm_or_kwargs, dict)
             else engine is not None and engine.config.skip_tokenizer_init)
@@ -148,7 +179,7 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
         served_model_names = [served_model_names]
     names = list(served_model_names or [default_served_name(handle.ready_info["model"])])
     try:
-        server = OpenAIServer(handle, names, api_key, max_queued_requests)
+        server = OpenAIServer(handle, names, api_key, max_queued_requests, max_request_mb)
     except BaseException:
         handle.stop(timeout=10)
         raise
@@ -168,7 +199,7 @@ def build_app(llm_or_kwargs, *, served_model_names: list[str] | str | None = Non
                   openapi_url=None)
     app.state.server = server
     auth = [Depends(server.check_auth)]
-    post = [*auth, Depends(server.require_json)]
+    post = [*auth, Depends(server.require_json), Depends(server.limit_body)]
     app.add_api_route("/v1/completions", server.completion.create, methods=["POST"], dependencies=post)
     app.add_api_route("/v1/chat/completions", server.chat.create, methods=["POST"], dependencies=post)
     app.add_api_route("/v1/models", server.models, methods=["GET"], dependencies=auth)
@@ -221,7 +252,8 @@ class _Server(uvicorn.Server):
 
 def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int, api_key: str | None = None,
           max_queued_requests: int | None = None, log_level: str = "info", access_log: bool = True,
-          docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False) -> int | None:
+          docs: bool = True, shutdown_timeout: float = 5.0, trust_request_chat_template: bool = False,
+          max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> int | None:
     """Serve under uvicorn until SIGTERM / SIGINT: `llm_or_kwargs` as `build_app` takes it (engine keyword
     arguments: the engine process, ended here; an `LLM`: the caller keeps it). At the signal, requests in
     flight may finish for `shutdown_timeout` seconds; the rest end with a final error event (code
@@ -229,7 +261,7 @@ def serve(llm_or_kwargs, *, served_model_names: list[str], host: str, port: int,
     `LLM`)."""
     app = build_app(llm_or_kwargs, served_model_names=served_model_names, api_key=api_key,
                     max_queued_requests=max_queued_requests, docs=docs,
-                    trust_request_chat_template=trust_request_chat_template)
+                    trust_request_chat_template=trust_request_chat_template, max_request_mb=max_request_mb)
     engine_loop = app.state.server.engine_loop
     freeze_startup_heap()  # this process is the server from here on (engine_core.freeze_startup_heap says why)
 
