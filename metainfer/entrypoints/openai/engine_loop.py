@@ -164,8 +164,9 @@ class EngineLoop:
     """The server's end of the engine core's pipes, on the asyncio loop: submit, abort, deliver, drain.
 
     `handle` is the `engine_core.EngineProcess` (process or thread) whose pipes this serves; `tokenizer` is this
-    process's own tokenizer: the loop detokenizes with it, and a copy of it on the tokenizing thread encodes the
-    prompts and renders the chat templates."""
+    process's own tokenizer: the loop detokenizes with it, and each tokenizing lane's copy of it encodes the prompts
+    and renders the chat templates on that lane's thread (a body over LONG_REQUEST_BYTES on the second lane, so
+    requests under it do not queue behind it; a short body that is slow to encode still holds its own lane)."""
 
     def __init__(self, handle, tokenizer, metrics: ServerMetrics, max_queued_requests: int | None = None,
                  max_model_len: int | None = None):
