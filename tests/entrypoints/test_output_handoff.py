@@ -378,6 +378,22 @@ def test_a_long_request_does_not_hold_up_short_ones():
     asyncio.run(run())
 
 
+def test_stop_shuts_both_tokenizing_lanes_down():
+    """Nothing queued on either lane runs after stop(), and neither lane takes new work."""
+    class Handle:
+        alive = True
+
+        def stop(self, timeout, send_stop=True):
+            self.stopped = True
+
+    loop = EngineLoop(Handle(), _Tokenizer(), ServerMetrics())
+    loop.stop()
+    assert loop.handle.stopped
+    for lane in loop.lanes:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            lane.executor.submit(print)
+
+
 def test_the_queue_cap_holds_for_requests_that_were_tokenizing_together():
     """Two requests arrive together while tokenizing is slow (off the loop): the first one's slot is held while it
     tokenizes, so with a cap of 1 the second is refused (503 queue_full) instead of overfilling the queue."""
