@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 
 import torch
 
@@ -25,8 +24,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The buckets: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (<= 512)."""
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
-    skip = {int(x) for x in os.environ.get("METAINFER_PROBE_SKIP_BUCKETS", "").split(",") if x}  # probe: A/B only
-    sizes = [b for b in sizes if b not in skip or b == max_bs]
     return sizes if max_bs in sizes else sizes + [max_bs]
 
 
