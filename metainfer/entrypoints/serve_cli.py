@@ -25,8 +25,8 @@ def register(subparsers, add_engine_args, engine_kwargs) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("METAINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and the API docs; /health and /metrics stay "
-                        "open (default: $METAINFER_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and the API docs; "
+                        "/health, /version and /metrics stay open (default: $METAINFER_API_KEY, else none)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model` (default: the model folder's or .gguf file's name)")
     p.add_argument("--max-queued-requests", type=int, default=None,

@@ -75,6 +75,7 @@ def test_the_cublaslt_switch_and_its_override_reach_the_config(folder, monkeypat
     llm.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
 def test_a_cuda_engine_sets_cublaslt_while_it_lives_and_puts_the_setting_back(folder, monkeypatch):
     """On: cuBLASLt from the build (the graphs are captured with it) until close() restores the process's own

@@ -309,7 +309,8 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_parsed(server):
     """By its Content-Length, or counted as its chunks arrive when it has none; a body under the cap is served,
     and so is the next request."""
     state = server.state
-    cap, state.max_request_bytes = state.max_request_bytes, 2000
+    cap, state.max_request_bytes, mb = state.max_request_bytes, 2000, state.max_request_mb
+    state.max_request_mb = 2000 / 2**20
     try:
         big = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u" * 3000}
         err = assert_error(post(server, "/v1/completions", big), 413, code="request_too_large")
@@ -323,7 +324,7 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_parsed(server):
                         headers={"Content-Type": "application/json", **auth()}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
     finally:
-        state.max_request_bytes = cap
+        state.max_request_bytes, state.max_request_mb = cap, mb
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}).status_code == 200
 
 

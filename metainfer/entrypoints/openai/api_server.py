@@ -56,7 +56,7 @@ class OpenAIServer:
     def __init__(self, handle, served_model_names: list[str], api_key: str | None = None,
                  max_queued_requests: int | None = None, max_request_mb: float = DEFAULT_MAX_REQUEST_MB):
         self.handle = handle
-        self.max_request_bytes = int(max_request_mb * 2**20)
+        self.max_request_mb, self.max_request_bytes = max_request_mb, int(max_request_mb * 2**20)
         self.engine = handle.engine  # the LLMEngine where it runs in this process (a caller's LLM), else None
         info = handle.ready_info
         self.max_model_len, self.max_logprobs = info["max_model_len"], info["max_logprobs"]
@@ -103,13 +103,13 @@ class OpenAIServer:
         length = request.headers.get("content-length", "")
         if length.isdigit():
             if int(length) > cap:
-                raise _too_large(cap)
+                raise _too_large(self.max_request_mb)
             return
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
-                raise _too_large(cap)
+                raise _too_large(self.max_request_mb)
             chunks.append(chunk)
         request._body = b"".join(chunks)
 
@@ -143,8 +143,8 @@ def default_served_name(model: str) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-def _too_large(cap: int) -> OpenAIError:
-    return OpenAIError(413, f"request body is larger than the server's limit of {cap / 2**20:g} MiB "
+def _too_large(cap_mb: float) -> OpenAIError:
+    return OpenAIError(413, f"request body is larger than the server's limit of {cap_mb:g} MiB "
                             "(metainfer serve --max-request-mb)", "invalid_request_error", None, "request_too_large")
 
 
