@@ -111,6 +111,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # the decode batch sizes captured as CUDA graphs (vLLM's cuda_graph_sizes); those at or above max_num_seqs (or
+    # 512) give way to that count itself, so every row count has a graph. None: 1, 2, 4, 8 and every multiple of 16
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs around eager attention
     # (worker/piecewise_graphs.py; capped at max_num_batched_tokens); 0: they run eagerly
     max_piecewise_graph_tokens: int = 2048
@@ -164,6 +167,11 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
+                raise ConfigError(f"cuda_graph_sizes must be integers >= 1 (None: the default buckets), got {sizes}")
+            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_logprobs < -1:

@@ -211,6 +211,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="allocate exactly this many KV blocks (default: sized from the memory budget)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs; max-num-seqs (at most 512) is always one "
+                        "(default: 1 2 4 8 and every multiple of 16)")
     p.add_argument("--load-format", default="auto",
                    help="auto, safetensors, gguf or dummy (random weights at the real dims)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
@@ -247,6 +250,7 @@ def engine_kwargs(args) -> dict:
                 kv_reserve_ratio=getattr(args, "kv_reserve_ratio", None),
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
                 load_format=args.load_format, seed=args.seed, async_scheduling=args.async_scheduling,
                 max_n=getattr(args, "max_n", 128), max_logprobs=getattr(args, "max_logprobs", 20),
                 tokenizer=getattr(args, "tokenizer", None),

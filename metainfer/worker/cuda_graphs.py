@@ -20,11 +20,13 @@ from metainfer.worker.step_inputs import graph_layout, pack_step
 MAX_GRAPH_BATCH = 512
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The buckets: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (<= 512)."""
+def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The buckets: `sizes` (EngineConfig.cuda_graph_sizes) or by default 1, 2, 4, 8, then every multiple of 16,
+    those below max_num_seqs (<= 512) and that count itself, so every decode row count has a graph."""
     max_bs = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
-    return sizes if max_bs in sizes else sizes + [max_bs]
+    if sizes is None:
+        sizes = (1, 2, 4, 8, *range(16, max_bs + 1, 16))
+    return sorted({b for b in sizes if b < max_bs} | {max_bs})
 
 
 @contextlib.contextmanager
@@ -51,7 +53,7 @@ class DecodeGraphs:
         self.model, self.step_inputs, self.attn_backend = runner.model, runner.ops.step_inputs, runner.attn_backend
         self.staging, self.sampled_ids = runner.staging, runner.sampled_ids
         self.block_size, self.table_width = runner.block_size, runner.max_blocks_per_seq
-        self.max_num_seqs = runner.config.max_num_seqs
+        self.max_num_seqs, self.sizes = runner.config.max_num_seqs, runner.config.cuda_graph_sizes
         self.max_batch = 0
         self.batch_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -69,7 +71,7 @@ class DecodeGraphs:
         return self.hidden[bucket][:n]
 
     def _capture(self) -> None:
-        self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
+        self.batch_sizes = graph_batch_sizes(self.max_num_seqs, self.sizes)
         pool = None
         with torch.inference_mode(), no_gc_during_capture():
             for bs in reversed(self.batch_sizes):

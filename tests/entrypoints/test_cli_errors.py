@@ -61,6 +61,7 @@ def test_bad_engine_option_is_one_line(capsys, model_dir):
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: gpu_memory_utilization"),
     (["--max-piecewise-graph-tokens", "-1"], "--max-piecewise-graph-tokens: max_piecewise_graph_tokens"),
     (["--kv-reserve-ratio", "1.5"], "--kv-reserve-ratio: kv_reserve_ratio"),
+    (["--cuda-graph-sizes", "8", "0"], "--cuda-graph-sizes: cuda_graph_sizes"),
 ])
 def test_engine_option_errors_name_the_cli_option(capsys, model_dir, argv, option):
     line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", *argv])

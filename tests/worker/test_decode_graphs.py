@@ -6,10 +6,13 @@ expert; Qwen3-MoE: the fused MoE beside a dense layer), the tiny checkpoints of 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from metainfer import LLM, SamplingParams
-from metainfer.worker.cuda_graphs import DecodeGraphs
+from metainfer.config import ConfigError
+from metainfer.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tests.helpers.engine_checks import assert_drained, token_ids
+from tests.helpers.kernel_devices import ON_GPU
 from tests.helpers.tiny_models import assert_matches_hf, hf_reference
 
 NEW_TOKENS = 24
@@ -59,3 +62,38 @@ def test_graph_inputs_read_in_place_give_hf_greedy(reference):
     assert len(graphs.replays) >= NEW_TOKENS - 1, "every decode step must take the graph path"
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_drained(llm)
+
+
+def test_the_buckets_by_default_and_as_configured():
+    """Written out by hand: 1, 2, 4, 8 and the multiples of 16 below max_num_seqs (at most 512), then that count;
+    a configured list keeps its sizes below that count and adds it (every row count has a graph)."""
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(512) == [1, 2, 4, 8] + [16 * i for i in range(1, 33)]
+    assert graph_batch_sizes(600) == graph_batch_sizes(512)
+    assert graph_batch_sizes(256, (300, 1, 8, 100)) == [1, 8, 100, 256]
+    assert graph_batch_sizes(64, (64, 32)) == [32, 64]
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 8], [8, -1], ["8"], [True]])
+def test_cuda_graph_sizes_other_than_positive_integers_are_refused(reference, sizes):
+    folder = reference[0]
+    with pytest.raises(ConfigError, match="cuda_graph_sizes must be integers >= 1"):
+        LLM(folder, device="cpu", dtype="float32", cuda_graph_sizes=sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
+def test_configured_buckets_are_the_ones_captured_on_cuda(reference):
+    """cuda_graph_sizes (1, 4) with 8 sequences: graphs at 1, 4 and 8 rows; 6 rows replay the 8-row graph and
+    greedy output still equals the eager engine's."""
+    folder, prompts = reference[0], reference[1]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager,
+                  cuda_graph_sizes=(4, 1))
+        if not eager:
+            assert llm.llm_engine.runner.graph_batch_sizes == [1, 4, 8]
+        outs[eager] = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], GREEDY, use_tqdm=False))
+        llm.close()
+    assert outs[True] == outs[False]
