@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -111,8 +112,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # the decode batch sizes captured as CUDA graphs (vLLM's cuda_graph_sizes); those at or above max_num_seqs (or
-    # 512) give way to that count itself, so every row count has a graph. None: 1, 2, 4, 8 and every multiple of 16
+    # the decode batch sizes captured as CUDA graphs, two or more (vLLM's cuda_graph_sizes as a list; its one-value
+    # pattern form is refused); those at or above min(max_num_seqs, 512) give way to that count itself, so every row
+    # count has a graph. None: 1, 2, 4, 8 and every multiple of 16
     cuda_graph_sizes: tuple[int, ...] | None = None
     # prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs around eager attention
     # (worker/piecewise_graphs.py; capped at max_num_batched_tokens); 0: they run eagerly
@@ -168,10 +170,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.cuda_graph_sizes is not None:
-            sizes = self.cuda_graph_sizes
-            if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
-                raise ConfigError(f"cuda_graph_sizes must be integers >= 1 (None: the default buckets), got {sizes}")
-            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
+            self.cuda_graph_sizes = _graph_sizes(self.cuda_graph_sizes)
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         if self.max_logprobs < -1:
@@ -270,3 +269,17 @@ def locate_model(model: str) -> tuple[str, str | None]:
     if not os.path.exists(os.path.join(model, "config.json")):
         raise ConfigError(f"model folder {model!r} has no config.json")
     return model, None
+
+
+def _graph_sizes(value) -> tuple[int, ...]:
+    """EngineConfig.cuda_graph_sizes as a sorted tuple of distinct ints, or a ConfigError naming the field."""
+    try:
+        sizes = tuple(value)
+    except TypeError:
+        raise ConfigError(f"cuda_graph_sizes must be a list of batch sizes, got {value!r}") from None
+    if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1 for b in sizes):
+        raise ConfigError(f"cuda_graph_sizes must be integers >= 1, got {value!r}")
+    if len(set(sizes)) < 2:
+        raise ConfigError(f"cuda_graph_sizes must list two or more batch sizes, got {value!r} (vLLM reads one "
+                          "value N as a pattern up to N; give the sizes themselves)")
+    return tuple(sorted({int(b) for b in sizes}))

@@ -212,8 +212,8 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="decode batch sizes captured as CUDA graphs; max-num-seqs (at most 512) is always one "
-                        "(default: 1 2 4 8 and every multiple of 16)")
+                   help="decode batch sizes captured as CUDA graphs, two or more (not vLLM's one-value pattern); "
+                        "min(max-num-seqs, 512) is always one (default: 1 2 4 8 and every multiple of 16)")
     p.add_argument("--load-format", default="auto",
                    help="auto, safetensors, gguf or dummy (random weights at the real dims)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")

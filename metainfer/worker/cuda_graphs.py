@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 
 import torch
 
 from metainfer.attention import forward_context
 from metainfer.worker.step_inputs import graph_layout, pack_step
+
+log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
 
@@ -72,6 +75,11 @@ class DecodeGraphs:
 
     def _capture(self) -> None:
         self.batch_sizes = graph_batch_sizes(self.max_num_seqs, self.sizes)
+        dropped = [b for b in self.sizes or () if b > self.batch_sizes[-1]]
+        if dropped:  # asked for, but above the largest batch (max_num_seqs, at most 512): that one takes their rows
+            log.warning("cuda_graph_sizes %s are above the largest decode batch %d: not captured", dropped,
+                        self.batch_sizes[-1])
+        log.info("decode CUDA graphs at batch sizes %s", self.batch_sizes)
         pool = None
         with torch.inference_mode(), no_gc_during_capture():
             for bs in reversed(self.batch_sizes):

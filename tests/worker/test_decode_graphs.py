@@ -75,25 +75,44 @@ def test_the_buckets_by_default_and_as_configured():
     assert graph_batch_sizes(64, (64, 32)) == [32, 64]
 
 
-@pytest.mark.parametrize("sizes", [[], [0, 8], [8, -1], ["8"], [True]])
-def test_cuda_graph_sizes_other_than_positive_integers_are_refused(reference, sizes):
-    folder = reference[0]
-    with pytest.raises(ConfigError, match="cuda_graph_sizes must be integers >= 1"):
-        LLM(folder, device="cpu", dtype="float32", cuda_graph_sizes=sizes)
+@pytest.mark.parametrize("sizes, message", [
+    ([], "two or more"), ([8], "two or more"), ([8, 8], "two or more"), (8, "a list of batch sizes"),
+    ([0, 8], "integers >= 1"), ([8, -1], "integers >= 1"), (["8", "16"], "integers >= 1"), ([True, 4], "integers >= 1"),
+    ([8.0, 16], "integers >= 1")])
+def test_cuda_graph_sizes_other_than_two_or_more_positive_integers_are_refused(tmp_path, sizes, message):
+    """One value is refused too: vLLM reads it as a pattern up to N, this engine would capture it as given."""
+    from tests.helpers.tiny_models import build_tiny_model
+
+    build_tiny_model(str(tmp_path), "qwen3")
+    with pytest.raises(ConfigError, match=f"cuda_graph_sizes must .*{message}"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", cuda_graph_sizes=sizes)
+
+
+def test_cuda_graph_sizes_are_taken_from_any_iterable_of_integers():
+    import numpy as np
+
+    from metainfer.config.engine_config import _graph_sizes
+
+    assert _graph_sizes(iter([16, 4, 16])) == (4, 16) and _graph_sizes(range(1, 4)) == (1, 2, 3)
+    assert _graph_sizes(np.array([8, 2])) == (2, 8) and all(type(b) is int for b in _graph_sizes([np.int64(3), 1]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
-def test_configured_buckets_are_the_ones_captured_on_cuda(reference):
-    """cuda_graph_sizes (1, 4) with 8 sequences: graphs at 1, 4 and 8 rows; 5 rows replay the 8-row graph and
-    greedy output still equals the eager engine's."""
-    folder, prompts = reference[0], reference[1]
-    outs = {}
-    for eager in (True, False):
-        llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager,
-                  cuda_graph_sizes=(4, 1))
-        if not eager:
-            assert llm.llm_engine.runner.graph_batch_sizes == [1, 4, 8]
-        outs[eager] = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+def test_configured_buckets_are_the_ones_captured_and_replayed_on_cuda(reference):
+    """cuda_graph_sizes (1, 4) with 8 sequences: graphs at 1, 4 and 8 rows. Outputs of 5 lengths make the decode
+    rows go 5 -> 4 -> 3 -> 2 -> 1, so the 8-, 4- and 1-row graphs all replay; greedy output equals HF's."""
+    folder, prompts, expected, model = reference
+    lengths = [4, 8, 12, 16, NEW_TOKENS]
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=8, cuda_graph_sizes=(4, 1))
+    try:
+        graphs = llm.llm_engine.runner.graphs
+        assert graphs.batch_sizes == [1, 4, 8]
+        replayed, replay = [], graphs.replay
+        graphs.replay = lambda batch: replayed.append(graphs._bucket_of[len(batch.seqs)]) or replay(batch)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
         llm.close()
-    assert outs[True] == outs[False]
+    assert {1, 4, 8} <= set(replayed)
+    assert_matches_hf(model, prompts, token_ids(outs), [e[:n] for e, n in zip(expected, lengths)])

@@ -46,14 +46,20 @@ def test_warmup_lengths_cover_every_int_class_and_power_of_two_bucket(budget):
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 64, 256, 600])
-def test_decode_row_counts_cover_each_graph_bucket_and_the_rows_after_it(max_num_seqs):
-    sizes = graph_batch_sizes(max_num_seqs)
+@pytest.mark.parametrize("configured", [None, (1, 100), (1, 5, 12), (3, 7, 300)])
+def test_decode_row_counts_cover_each_graph_bucket_and_the_rows_after_it(max_num_seqs, configured):
+    """Every bucket is replayed (its graph's kernels run at the bucket's rows) and every row count's (skinny
+    BLOCK_M bucket, int class) is seen (the LM head and the sampler run outside the graph at the batch's own
+    rows), for the default buckets and configured ones (EngineConfig.cuda_graph_sizes)."""
+    sizes = graph_batch_sizes(max_num_seqs, configured)
     counts = decode_row_counts(max_num_seqs, sizes)
-    assert max(counts) == max_num_seqs and min(counts) == 1
-    # every row count a decode step can have maps to a (graph bucket, skinny BLOCK_M bucket, int class) seen
-    bucket_of = {n: next((b for b in sizes if b >= n), None) for n in range(1, max_num_seqs + 1)}
-    want = {(bucket_of[n], _pow2_bucket(n), _class(n)) for n in range(1, max_num_seqs + 1)}
-    assert {(bucket_of[n], _pow2_bucket(n), _class(n)) for n in counts} == want
+    assert max(counts) == max_num_seqs and min(counts) == 1 and set(sizes) <= set(counts)
+    rows = range(1, max_num_seqs + 1)
+    assert {(_pow2_bucket(n), _class(n)) for n in counts} == {(_pow2_bucket(n), _class(n)) for n in rows}
+    if configured is None:  # the default buckets also meet every (graph bucket, BLOCK_M bucket, class) triple
+        bucket_of = {n: next((b for b in sizes if b >= n), None) for n in rows}
+        want = {(bucket_of[n], _pow2_bucket(n), _class(n)) for n in rows}
+        assert {(bucket_of[n], _pow2_bucket(n), _class(n)) for n in counts} == want
 
 
 def test_the_plan_has_every_step_kind_within_the_engine_limits():
@@ -171,12 +177,13 @@ def test_the_check_catches_a_warm_up_that_misses_a_query_length(tmp_path, monkey
 @pytest.mark.slow
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "qwen3_moe"])
-@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")])
-def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dtype, tmp_path):
+@pytest.mark.parametrize("dtype, kv_cache_dtype, graph_sizes", [
+    ("bfloat16", "auto", None), ("float32", "auto", None), ("bfloat16", "fp8", None), ("bfloat16", "auto", (1, 5, 12))])
+def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dtype, graph_sizes, tmp_path):
     build_tiny_model(str(tmp_path), arch)
     start = time.perf_counter()
     llm = LLM(str(tmp_path), device="cuda", dtype=dtype, max_num_batched_tokens=256, max_model_len=512,
-              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype)
+              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype, cuda_graph_sizes=graph_sizes)
     cold_start = time.perf_counter() - start
     print(f"\n{arch} {dtype} kv {kv_cache_dtype}: start-up {cold_start:.1f} s "
           f"(warm-up {llm.llm_engine.warmup_seconds:.1f} s, "

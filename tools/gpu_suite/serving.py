@@ -280,16 +280,18 @@ def throughput_1k(args) -> dict:
                               progress=False)
         return {**{k: full[k] for k in ("output_tok_s", "total_tok_s", "elapsed_s", "preemptions", "kv_reserve_ratio")},
                 "decode_seconds": full["timeline"]["decode_seconds"], "prefill": full["timeline"]["prefill"],
-                "num_kv_blocks": llm.llm_engine.block_manager.num_blocks}
+                "num_kv_blocks": llm.llm_engine.block_manager.num_blocks,
+                "graph_batch_sizes": llm.llm_engine.runner.graph_batch_sizes}
 
     res = {}
     for name in args.throughput_1k_variants.split(","):
         kw = THROUGHPUT_1K_VARIANTS[name]
+        key = next(k for k in (name, *(f"{name}#{i}" for i in range(2, 99))) if k not in res)  # A/B/A: fp8, fp8#2
         try:
-            res[name] = on_engine(args, brief, max_num_seqs=512, **kw)
+            res[key] = on_engine(args, brief, max_num_seqs=512, **kw)
         except Exception as exc:
-            res[name] = error_of(exc)
-        show(f"throughput_1k {name}", res[name])
+            res[key] = error_of(exc)
+        show(f"throughput_1k {key}", res[key])
     return res
 
 
