@@ -90,6 +90,14 @@ class LLMEngine:
         # the process's BLAS preference before this engine's runner may set cuBLASLt (EngineConfig.enable_cublaslt):
         # close() puts it back, so code run after the engine (a peer's model, a benchmark) gets what it had
         self._blas_before = torch.backends.cuda.preferred_blas_library()
+        self.tp_driver = self.launcher = None
+        try:
+            self._build(config)
+        except BaseException:
+            self._release()  # a caller that catches a failed build gets its BLAS setting back and leaks no workers
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         with share_gguf_readers():  # a GGUF is parsed once: its config here, rank 0's weights in the runner
             spec = resolve_config(config)
             self.spec = spec
@@ -116,11 +124,7 @@ class LLMEngine:
         # every Triton kernel variant compiled before the engine takes requests (worker/warmup.py); under an
         # external launcher rank 0 runs the steps and the other ranks replay them (LaunchedRank.warm_up)
         warm_up = self.launcher.warm_up if self.launcher is not None else getattr(self.runner, "warm_up", None)
-        try:
-            self.warmup_seconds = warm_up() if warm_up is not None else 0.0
-        except BaseException:
-            self.close()  # the TP workers / the launched group: a caller that catches the error leaks nothing
-            raise
+        self.warmup_seconds = warm_up() if warm_up is not None else 0.0
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -475,12 +479,17 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
 
-    def close(self) -> None:
+    def _release(self) -> None:
+        """What a built engine holds beyond its memory, given back (close(), or __init__ when the build fails): the
+        process's BLAS preference as it was, the TP workers, the launched group."""
         torch.backends.cuda.preferred_blas_library(self._blas_before)
         if self.tp_driver is not None:
             self.tp_driver.close()
         if self.launcher is not None:
             self.launcher.close()
+
+    def close(self) -> None:
+        self._release()
         if self.config.step_trace_path and self.step_trace is not None:  # last: a failed write leaks no workers
             trace, self.step_trace = self.step_trace, None
             try:

@@ -96,6 +96,40 @@ def test_a_cuda_engine_sets_cublaslt_while_it_lives_and_puts_the_setting_back(fo
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
+@pytest.mark.parametrize("failing_step", ["the runner's weights", "the engine's KV block manager"])
+def test_a_build_that_fails_after_the_runner_set_the_blas_library_puts_it_back(folder, monkeypatch, failing_step):
+    """The CUDA runner sets cuBLASLt before select_ops; a CPU build of torch refuses cuBLASLt, so here the runner's
+    select_ops sets "ck" in its place (another process-wide value the getter reports). A later build step then
+    raises, in the runner (its weights) or after it (the engine's block manager): the error reaches the caller
+    and the process's setting is what it was before the engine."""
+    import metainfer.engine.llm_engine as llm_engine
+
+    for name in ENV_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    backend = torch._C._BlasBackend
+    real = model_runner.select_ops
+
+    def select_ops_after_setting_blas(device, **kwargs):
+        torch.backends.cuda.preferred_blas_library("ck")
+        return real(device, **kwargs)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"{failing_step} failed")
+
+    monkeypatch.setattr(model_runner, "select_ops", select_ops_after_setting_blas)
+    if failing_step == "the runner's weights":
+        monkeypatch.setattr(model_runner, "load_model_weights", fail)
+    else:
+        monkeypatch.setattr(llm_engine, "BlockManager", fail)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    try:
+        with pytest.raises(RuntimeError, match=f"{failing_step} failed"):
+            LLM(folder, **ENGINE)
+        assert torch.backends.cuda.preferred_blas_library() == backend.Cublas
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def test_overrides_parse_only_their_values():
     assert env_overrides({}) == {}
     # the custom all-reduce's variable keeps its older lenient spelling
