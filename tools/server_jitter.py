@@ -79,7 +79,9 @@ def _quantiles(values: list[float]) -> dict:
     return {"count": len(values), **{f"p{q}_ms": round(quantile(values, q / 100) * 1e3, 3) for q in (50, 90, 99)}}
 
 
-def measure(args, model: str) -> dict:
+def measure(args, model: str, detailed: dict | None = None) -> dict:
+    """The figures of one run; `detailed`, where given, receives the client's per-request lists (`bench serve
+    --save-detailed`: output_lens, itls, generated_texts, ...; the requests in the order they were made)."""
     import httpx
     import uvicorn
 
@@ -112,6 +114,8 @@ def measure(args, model: str) -> dict:
                             "--json"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             with open(record_path) as f:
                 record = json.load(f)
+            if detailed is not None:
+                detailed.update({key: value for key, value in record.items() if isinstance(value, list)})
         http_cpu_s = time.process_time() - cpu_before
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:

@@ -44,6 +44,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     start: float = 0.0
+    generated_text: str = ""  # the streamed text, joined (a chunk may carry several tokens' text, or none)
     error: str = ""
 
 
@@ -75,6 +76,7 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
     start = last = time.perf_counter()
     result.start = start
     chunks = 0
+    pieces: list[str] = []
     try:
         async with session.post(url, json=payload, headers=headers) as resp:
             if resp.status != 200:
@@ -99,6 +101,7 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
                 for choice in obj.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if "text" in choice or ("content" in delta and "role" not in delta):  # tokens, maybe no text
+                        pieces.append((choice.get("text") if "text" in choice else delta["content"]) or "")
                         if chunks == 0:
                             result.ttft = now - start
                         else:
@@ -106,6 +109,7 @@ async def send_request(session, url: str, payload: dict, headers: dict) -> Reque
                         last = now
                         chunks += 1
         result.latency = time.perf_counter() - start
+        result.generated_text = "".join(pieces)
         if chunks == 0:
             result.error = "no tokens were streamed"
             return result
@@ -175,7 +179,7 @@ async def run_benchmark(args) -> dict:
     if args.save_detailed:
         record.update({"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
                        "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-                       "errors": [r.error for r in results]})
+                       "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results]})
     return record
 
 
@@ -281,7 +285,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-percentiles", type=_percentiles, default="99",
                    help="comma-separated, each in [0, 100], e.g. 50,90,99 (default 99)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one untimed request before the run")
-    p.add_argument("--save-detailed", action="store_true", help="add per-request lists to the JSON")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="add per-request lists to the JSON (as vLLM's: input_lens, output_lens, ttfts, itls, "
+                        "generated_texts, errors)")
     p.add_argument("--output-json", "--result-file", dest="output_json", default=None, help="write the record here")
     p.add_argument("--json", dest="print_json", action="store_true", help="print the JSON record instead of the table")
 
