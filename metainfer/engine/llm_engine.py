@@ -411,26 +411,42 @@ class LLMEngine:
             entry = {**logprob[1], token: logprob[0]}
             if seq.decode_logprobs:
                 index = seq.num_known_tokens - 1  # this token's (pending ones are read back in order)
-                self.token_texts.fill(entry, seq.token_ids[max(0, index - MAX_CONTEXT):index])
+                start = max(0, index - MAX_CONTEXT)
+                self.token_texts.fill(entry, seq.token_ids[start:index],  # the outputs' ids of them are its text's
+                                      own=index - max(start, seq.num_prompt_tokens))
             seq.output_logprobs.append(entry)
         prev_len = len(seq.output_text)
-        if seq.incremental_detokenize:
-            self.detokenizer.update(seq)
-        reason = self._finish_reason(seq, token, prev_len)
+        # a stop token is known before its text is decoded: its text (or the character it completes) is never shown,
+        # so the streamed text is the text decoded once (flush leaves the stop token out), as vLLM's detokenizer skips
+        # a stop-terminated request's last id
+        reason = self._stop_token_reason(seq, token)
+        if reason is None:
+            if seq.incremental_detokenize:
+                self.detokenizer.update(seq)
+            reason = self._finish_reason(seq, prev_len)
         if reason is not None:
             seq.finish_reason = reason  # before the flush: a stop token's text is left out (tokenizer.py)
             if not isinstance(seq.stop_reason, str):
                 self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
             self.scheduler.finish(seq)  # also drops a later PENDING token, if one was launched
 
-    def _finish_reason(self, seq: Sequence, token: int, prev_text_len: int) -> str | None:
-        p, num_output = seq.params, seq.num_known_output_tokens
-        if num_output >= p.min_tokens:
+    def _stop_token_reason(self, seq: Sequence, token: int) -> str | None:
+        """"stop" where `token` is an EOS (unless ignore_eos) or one of stop_token_ids (its id becomes stop_reason),
+        once min_tokens are out."""
+        p = seq.params
+        if seq.num_known_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
+        return None
+
+    def _finish_reason(self, seq: Sequence, prev_text_len: int) -> str | None:
+        """The finish reason of a sequence whose last token is not a stop token (_stop_token_reason): a stop string in
+        its new text, or a length."""
+        p, num_output = seq.params, seq.num_known_output_tokens
+        if num_output >= p.min_tokens:
             if p.stop_strings and self._cut_at_stop_string(seq, prev_text_len):
                 return "stop"
         if p.max_tokens is not None and num_output >= p.max_tokens:

@@ -114,8 +114,9 @@ class IncrementalDetokenizer:
     def flush(self, seq: Sequence) -> str:
         """At the end, emit whatever was held back (a full decode, after the same context, is authoritative). A
         sequence a stop token ended (an EOS or one of stop_token_ids; `seq.finish_reason` set) keeps that token's id
-        but not its text unless include_stop_str_in_output, as vLLM's detokenizer does: text decoded with it before
-        the finish was known is cut back here."""
+        but not its text unless include_stop_str_in_output, as vLLM's detokenizer does (the engine and the server
+        flush such a sequence without decoding the stop token first; text a caller decoded with it before the finish
+        was known is cut back here)."""
         skip = seq.params.skip_special_tokens
         context = self._context(seq, skip)
         ids = seq.output_token_ids

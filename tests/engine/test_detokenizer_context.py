@@ -13,9 +13,10 @@ import pytest
 
 from metainfer import LLM, SamplingParams
 from metainfer.engine.sequence import Sequence
+from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.entrypoints.openai.engine_loop import RequestState
-from tests.helpers.detok_reference import FFFD, text_after_prompt
+from tests.helpers.detok_reference import FFFD, text_after_prompt, token_pieces
 from tests.helpers.tiny_models import build_tiny_model, qwen_tokenizer_dir
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -218,3 +219,37 @@ def test_the_engine_streams_the_text_in_context(tmp_path):
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step()]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == offline.text
+
+
+def test_byte_fallback_token_texts_settle_unfinished_characters():
+    """Llama-2's byte-fallback decoder gives one U+FFFD per byte token of a run that is not valid UTF-8: the token
+    after a character cut short (bytes that nothing completes) carries all of them, the one that completes a
+    character the character, the last one those the text ends with; so the output tokens' texts are their slices of
+    the output's text (token_pieces: from the tokenizer's decode) and join to it. Texts are words each followed by
+    at most one character or cut-short character (a run of byte tokens that holds a whole character and then a
+    cut-short one turns the whole character into U+FFFDs once more: TokenTexts' known limit); the words have no
+    "▁" (the decode of a "▁" word alone has no space: its own decode, as vLLM's decode([id]), is not its slice)."""
+    tok = metaspace_tokenizer("llama")
+    byte_tokens = lambda data: ids(tok, *(f"<0x{b:02X}>" for b in data))  # noqa: E731
+    chars = [byte_tokens(c.encode()) for c in "中😀"]
+    cut_short = [byte_tokens(c.encode()[:k]) for c in "中😀" for k in range(1, len(c.encode()))]
+    texts, rng, checked = TokenTexts(tok), random.Random(0), []
+    while len(checked) < 150:
+        units = []
+        for _ in range(rng.randrange(1, 6)):
+            units.append(ids(tok, rng.choice(["!", "bar"])))
+            if rng.random() < 0.7:
+                units.append(rng.choice(chars + cut_short))
+        seq = [t for unit in units for t in unit]
+        if len(seq) < 2:
+            continue
+        cut = rng.randrange(1, len(seq))
+        prompt, out = seq[:cut], seq[cut:]
+        text, want, _ = token_pieces(tok, prompt, out)
+        got = []
+        for i, t in enumerate(out):
+            context = (prompt + out[:i])[-MAX_CONTEXT:]
+            got.append(texts.text(t, context, {}, own=min(i, len(context)), final=i == len(out) - 1))
+        assert got == want, (tok.decode(prompt), text, want)
+        checked.append(text)
+    assert sum(FFFD * 2 in t.rstrip(FFFD) for t in checked) > 10 and sum(t.endswith(FFFD) for t in checked) > 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import LLM, SamplingParams
-from tests.helpers.detok_reference import text_after_prompt
+from tests.helpers.detok_reference import byte_ids, text_after_prompt
 from tests.helpers.engine_checks import assert_drained, token_ids
 from tests.helpers.tiny_models import build_tiny_model, make_prompts
 
@@ -191,3 +191,31 @@ def test_a_sample_is_finished_exactly_when_it_has_a_finish_reason(llm):
         seen += [c for out in engine.step() for c in out.outputs]
     assert [c.finished for c in seen] == [c.finish_reason is not None for c in seen]
     assert seen[-1].finished and seen[-1].finish_reason == "length"
+
+
+def test_a_stop_token_that_completes_a_character_leaves_it_unfinished_streamed_or_not(llm):
+    """"é" as byte tokens C3 A9 and A9 a stop token: the text leaves the stop token's byte out, so its C3s are
+    unfinished characters (U+FFFD, the tokenizer's decode of the ids without the stop token), whether decoded once,
+    streamed (each step decoded as it comes: the stop token, known as one before its text is decoded, never shows the
+    é it would complete) or decoded as it grows for a stop string; include_stop_str_in_output keeps the é."""
+    tok = llm.get_tokenizer()
+    lead, trail = byte_ids(tok, "é".encode())
+    prompt = PROMPTS[0]["prompt_token_ids"]
+    base = dict(temperature=1.0, max_tokens=8, ignore_eos=True, allowed_token_ids=[lead, trail], stop_token_ids=[trail])
+    seeds = [SamplingParams(seed=s, **base) for s in range(40)]
+    outs = llm.generate([PROMPTS[0]] * len(seeds), seeds, use_tqdm=False)
+    seed, ids = next((p.seed, list(o.outputs[0].token_ids)) for p, o in zip(seeds, outs)
+                     if len(o.outputs[0].token_ids) > 1 and o.outputs[0].token_ids[-1] == trail)
+    expected = text_after_prompt(tok, prompt, ids[:-1])
+    assert expected == "\ufffd" * (len(ids) - 1)
+    for keep, stop in ((False, []), (False, ["zz"]), (True, [])):
+        params = SamplingParams(seed=seed, stop=stop, include_stop_str_in_output=keep, **base)
+        once = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        engine = llm.llm_engine
+        engine.add_request("streamed", PROMPTS[0], params, stream=True)
+        texts = []
+        while engine.has_unfinished_requests():
+            texts += [o.outputs[0].text for o in engine.step() if o.request_id == "streamed"]
+        want = text_after_prompt(tok, prompt, ids) if keep else expected
+        assert once.token_ids == ids and once.text == texts[-1] == want, (keep, stop, once.text, texts)
+        assert all(want.startswith(t) for t in texts)

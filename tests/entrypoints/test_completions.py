@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from metainfer import SamplingParams
+from tests.helpers.detok_reference import text_after_prompt, token_pieces
 from tests.helpers.server import MODEL, greedy, metrics, wait_idle
 from tests.helpers.tiny_models import make_prompts
 
@@ -316,4 +317,53 @@ def test_logprob_tokens_of_multibyte_characters_join_to_the_text(server, client,
         assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
         assert [{a.token for a in c.top_logprobs} for c in content] == [
             {lp.decoded_token for t, lp in e.items() if lp.rank <= 2} for e in exp.logprobs]
+    wait_idle(server)
+
+
+def test_logprob_tokens_and_offsets_follow_the_text_after_an_unfinished_character(server, client, ref):
+    """Sampled among byte pieces (데's lead byte and the trailing bytes + 이터 that complete it, the pieces of " 🦜")
+    and " ok", so some characters never complete: each logprobs token is its slice of the returned text and its
+    text_offset where that slice starts (token_pieces, from the tokenizer's decode: the token after an unfinished
+    character carries its U+FFFD, the last token the ones the text ends with); the text is the decode after the
+    prompt (which ends with a lead byte of its own), streamed or not, and echoed the tokens join to the prompt's
+    text + the text. A stop token that completes a character leaves it unfinished (U+FFFD) in the text, streamed or
+    not, and with a stop string (the engine then gives the text)."""
+    tok = ref.get_tokenizer()
+    lead, rest = tok.encode("请데이터")[-2:]
+    allowed = [lead, rest, *tok.encode(" 🦜"), *tok.encode(" ok")]
+    prompt = tok.encode("> 请") + [lead]
+    base = dict(temperature=1.0, max_tokens=10, logprobs=1, allowed_token_ids=allowed, ignore_eos=True)
+    seeds = [SamplingParams(seed=s, **base) for s in range(30)]
+    outs = [o.outputs[0] for o in ref.generate([{"prompt_token_ids": prompt}] * 30, seeds, use_tqdm=False)]
+    settled = next(s for s, o in enumerate(outs) if "\ufffd" in o.text.rstrip("\ufffd"))
+    ends_open = next(s for s, o in enumerate(outs) if o.text.endswith("\ufffd"))
+    body = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, logprobs=1)
+    for seed in (settled, ends_open):
+        ids = list(outs[seed].token_ids)
+        text, tokens, offsets = token_pieces(tok, prompt, ids)
+        kw = dict(body, seed=seed, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        assert full.text == text and full.logprobs.tokens == tokens and full.logprobs.text_offset == offsets
+        chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+        assert "".join(c.text for c in chunks) == text
+        assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == tokens
+        assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == offsets
+        echoed = client.completions.create(**kw, echo=True).choices[0]
+        assert echoed.text == tok.decode(prompt) + text and "".join(echoed.logprobs.tokens) == echoed.text
+        assert echoed.logprobs.text_offset == [len("".join(echoed.logprobs.tokens[:i]))
+                                               for i in range(len(echoed.logprobs.tokens))]
+
+    # rest as a stop token after lead bytes of the output's (it would complete 데)
+    stops = dict(temperature=1.0, max_tokens=10, allowed_token_ids=[lead, rest], stop_token_ids=[rest])
+    seeds = [SamplingParams(seed=s, **stops) for s in range(30)]
+    outs = [o.outputs[0] for o in ref.generate([{"prompt_token_ids": prompt}] * 30, seeds, use_tqdm=False)]
+    seed, ids = next((s, list(o.token_ids)) for s, o in enumerate(outs) if len(o.token_ids) > 1 and o.stop_reason)
+    expected = text_after_prompt(tok, prompt, ids[:-1])
+    assert expected == "\ufffd" * (len(ids) - 1) and text_after_prompt(tok, prompt, ids).endswith("데이터")
+    for stop in ([], ["zz"]):
+        kw = dict(body, seed=seed, stop=stop, extra_body={"allowed_token_ids": [lead, rest], "stop_token_ids": [rest]})
+        full = client.completions.create(**kw).choices[0]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+        assert full.finish_reason == "stop" and full.stop_reason == rest
+        assert full.text == streamed == expected, (stop, full.text, streamed)
     wait_idle(server)

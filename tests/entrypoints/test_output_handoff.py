@@ -483,9 +483,10 @@ def test_pieces_yield_every_output_with_new_tokens_even_without_new_text():
     serving = OpenAIServing.__new__(OpenAIServing)
 
     async def collect():
-        return [(text, ids, ctx) async for _, _, text, ids, _, ctx in serving.pieces(Group(), 1, SamplingParams(),
-                                                                                       False, {})]
+        return [(text, ids, ctx, own) async for _, _, text, ids, _, ctx, own
+                in serving.pieces(Group(), 1, SamplingParams(), False, {})]
 
-    # each piece also names the ids before its new ones (the prompt's, then earlier outputs'): its token texts' context
-    assert asyncio.run(collect()) == [("a", [1], [9]), ("", [2], [9, 1]), ("\u00e9", [3], [9, 1, 2]),
-                                      ("b", [4], [9, 1, 2, 3])]
+    # each piece also names the ids before its new ones (the prompt's, then earlier outputs'): its token texts'
+    # context, and how many of them are outputs
+    assert asyncio.run(collect()) == [("a", [1], [9], 0), ("", [2], [9, 1], 1), ("\u00e9", [3], [9, 1, 2], 2),
+                                      ("b", [4], [9, 1, 2, 3], 3)]

@@ -25,8 +25,9 @@ from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 Finals = dict[str, RequestOutput]
-# (choice, index, text, new token ids, their logprob dicts or None, the ids before them)
-Piece = tuple[CompletionOutput, int, str, list[int], list | None, list[int]]
+# (choice, index, text, new token ids, their logprob dicts or None, the ids before them, how many of those are the
+# choice's own outputs: the rest are the prompt's)
+Piece = tuple[CompletionOutput, int, str, list[int], list | None, list[int], int]
 
 
 def check_model(served_model_names: list[str], model: str | None) -> str:
@@ -55,18 +56,26 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> str:
         return check_model(self.served_model_names, model)
 
-    def token_texts_at(self, token_ids: list[int], dicts: list, context) -> list[tuple[str, dict[int, str]]]:
+    def token_texts_at(self, token_ids: list[int], dicts: list, context, own: int | None = None,
+                       final: bool = False) -> list[tuple[str, dict[int, str]]]:
         """(the text of each id, {listed id: its text}) per position, as LLMEngine's Logprob.decoded_token gives
         them (engine/token_texts.py: a byte-level piece of a character gets what it adds after the ids before it, so
         the pieces join to the text); `context`: the ids before the first position (the prompt's and earlier
-        outputs' last ones). A None dict (a prompt's first token) gives an empty listing."""
+        outputs' last ones), of which the last `own` are the same text's (None: all; 0: the prompt's alone, whose
+        partial character the output does not complete stays the prompt's); `final`: the last id ends the text (it
+        keeps the U+FFFDs of a character left unfinished, as the full decode does). A None dict (a prompt's first
+        token) gives an empty listing."""
         texts, ctx = [], list(context)[-MAX_CONTEXT:]
-        for tid, d in zip(token_ids, dicts):
-            befores: dict[int, str] = {}
-            text = self.token_texts.text(tid, ctx, befores)
-            listed = {t: (text if t == tid else self.token_texts.text(t, ctx, befores)) for t in d} if d else {}
+        own = None if own is None else min(own, len(ctx))
+        for i, (tid, d) in enumerate(zip(token_ids, dicts)):
+            befores: dict = {}
+            last = final and i == len(token_ids) - 1
+            text = self.token_texts.text(tid, ctx, befores, own, last)
+            listed = ({t: (text if t == tid else self.token_texts.text(t, ctx, befores, own, last)) for t in d}
+                      if d else {})
             texts.append((text, listed))
             ctx = (ctx + [tid])[-MAX_CONTEXT:]
+            own = None if own is None else min(own + 1, len(ctx))
         return texts
 
     def prompt_text(self, out: RequestOutput) -> str:
@@ -96,7 +105,8 @@ class OpenAIServing:
     async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool,
                      finals: Finals) -> AsyncIterator[Piece]:
         """What is new per choice since its last yield: (choice, index, text, new token ids, their logprob dicts
-        or None, the last MAX_CONTEXT ids before the new ones: the context of their token texts).
+        or None, the last MAX_CONTEXT ids before the new ones: the context of their token texts, how many of those
+        are outputs).
 
         The new tokens are sliced when the output arrives: a choice's token lists are the engine loop's own and
         grow while this generator waits for its consumer, so they must not be read after a yield.
@@ -129,7 +139,7 @@ class OpenAIServing:
                 new_logprobs = c.logprobs[first:length] if c.logprobs is not None else None
                 before = c.token_ids[max(0, first - MAX_CONTEXT):first]
                 context = (list(out.prompt_token_ids or ())[-MAX_CONTEXT:] + before)[-MAX_CONTEXT:]
-                yield c, index, text, c.token_ids[first:length], new_logprobs, context
+                yield c, index, text, c.token_ids[first:length], new_logprobs, context, min(first, len(context))
 
     @staticmethod
     def _event_stream(group: RequestGroup, chunks, head: dict, finals: Finals, include_usage: bool) -> _EventStream:

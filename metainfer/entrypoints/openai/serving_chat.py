@@ -80,21 +80,22 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(req.n):
             yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        async for c, index, text, ids, dicts, context in self.pieces(group, req.n, params, False, finals):
+        async for c, index, text, ids, dicts, context, own in self.pieces(group, req.n, params, False, finals):
             logprobs = None
             if req.logprobs:
-                logprobs = {"content": self.logprobs(ids, dicts or [], top_k, context)}
+                logprobs = {"content": self.logprobs(ids, dicts or [], top_k, context, own)}
             choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             yield {**head, "choices": [choice]}
 
-    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int, context) -> list[dict]:
-        """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens after the ids `context`
-        (the texts and their bytes as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int, context,
+                 own: int = 0) -> list[dict]:
+        """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens after the ids `context`, the
+        last `own` of them outputs (the texts and their bytes as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
         content = []
-        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context)):
+        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context, own)):
             ranked = sorted(d.items(), key=lambda kv: -kv[1])
             ranked = ranked if k == -1 else ranked[:k]  # top_logprobs=-1: the whole vocabulary
             content.append({"token": text, "logprob": d.get(tid), "bytes": list(text.encode()),

@@ -7,6 +7,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from metainfer.engine.tokenizer import ended_by_stop_token
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
 from metainfer.entrypoints.openai.protocol import CompletionRequest, parse_request
 from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
@@ -30,9 +31,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.respond(
             request, req, group, base=base, model=model, obj="text_completion", chunk_obj="text_completion",
             chunks=lambda head, finals: self._chunks(group, req, params, head, finals),
-            choices=lambda finals: self._choices(group, req, finals))
+            choices=lambda finals: self._choices(group, req, params, finals))
 
-    def _choices(self, group: RequestGroup, req: CompletionRequest, finals: Finals) -> list[dict]:
+    def _choices(self, group: RequestGroup, req: CompletionRequest, params: SamplingParams,
+                 finals: Finals) -> list[dict]:
         choices = []
         for rid in group.ids:
             out = finals[rid]
@@ -41,7 +43,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids, text = ([], "") if req.echo_only else (c.token_ids, c.text)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self.logprobs(ids, c.logprobs or [], len(prefix), out.prompt_token_ids)
+                    logprobs = self.logprobs(ids, c.logprobs or [], len(prefix), out.prompt_token_ids, 0,
+                                             _ends_text(c, params))
                     if req.echo:
                         logprobs = self._with_prompt(out, logprobs)
                 choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + text,
@@ -53,19 +56,20 @@ class OpenAIServingCompletion(OpenAIServing):
                       finals: Finals):
         offsets: dict[int, int] = {}
         want_logprobs = req.logprobs is not None
-        async for c, index, text, ids, dicts, context in self.pieces(group, req.n, params, req.echo, finals):
+        async for c, index, text, ids, dicts, context, own in self.pieces(group, req.n, params, req.echo, finals):
             if req.echo_only:  # the prompt alone (its text is this first piece's head)
                 out = finals[group.ids[index // req.n]]
                 text, ids = self.prompt_text(out), []
             logprobs = None
             first = index not in offsets
             if want_logprobs:
+                final = _ends_text(c, params)
                 if req.echo and first:  # the chunk that echoes the prompt carries its tokens' logprobs first
                     out = finals[group.ids[index // req.n]]
                     logprobs = self._with_prompt(out, self.logprobs(ids, dicts or [], len(self.prompt_text(out)),
-                                                                    context))
+                                                                    context, own, final))
                 else:
-                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context)
+                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context, own, final)
             # the next chunk's first text_offset: past this chunk's token texts, as the whole body counts them (the
             # streamed text may hold some back: a partial character, a possible stop string)
             offsets[index] = (_offset_after(logprobs, offsets.get(index, 0)) if logprobs
@@ -74,15 +78,21 @@ class OpenAIServingCompletion(OpenAIServing):
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
     def _with_prompt(self, out, output_logprobs: dict) -> dict:
-        """`output_logprobs` after the echoed prompt's own (its first token has none: null, as vLLM and OpenAI)."""
-        prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0, ())
+        """`output_logprobs` after the echoed prompt's own (its first token has none: null, as vLLM and OpenAI). The
+        echoed text is the prompt's whole decode, so its last token keeps a partial character's U+FFFDs."""
+        prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0, (),
+                               None, True)
         return {key: prompt[key] + output_logprobs[key] for key in prompt}
 
-    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int, context) -> dict:
+    def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int, context,
+                 own: int | None = 0, final: bool = False) -> dict:
         """Completions-style logprobs for some tokens after the ids `context` (a None dict: a prompt's first token,
-        which has none; the texts as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
+        which has none; the texts as vLLM's: LLMEngine's decoded_token, token_texts_at, with `own` and `final`).
+        The token texts join to the choice's text (each text_offset is the length of those before it), a partial
+        character's U+FFFDs included, except where the text leaves a stop token's or a stop string's out."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context)):
+        texts = self.token_texts_at(token_ids, dicts, context, own, final)
+        for tid, d, (text, listed) in zip(token_ids, dicts, texts):
             tokens.append(text)
             if d is None:
                 token_logprobs.append(None)
@@ -98,6 +108,14 @@ class OpenAIServingCompletion(OpenAIServing):
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _ends_text(c, params: SamplingParams) -> bool:
+    """Whether the choice `c` has finished with a text that is the decode of all its tokens (a length, or a stop token
+    whose text is kept): its last token then keeps a partial character's U+FFFDs, as that decode does."""
+    if c.finish_reason == "length":
+        return True
+    return ended_by_stop_token(c) and params.include_stop_str_in_output
 
 
 def _offset_after(logprobs: dict, offset: int) -> int:
