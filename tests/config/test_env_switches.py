@@ -88,7 +88,7 @@ def test_a_cuda_engine_sets_cublaslt_while_it_lives_and_puts_the_setting_back(fo
         for enabled, during in ((False, backend.Cublas), (True, backend.Cublaslt)):
             llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=64, enable_cublaslt=enabled)
             assert torch.backends.cuda.preferred_blas_library() == during
-            out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))
+            out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0))  # ids in the tiny vocab
             assert len(out[0].outputs[0].token_ids) == 4
             llm.close()
             assert torch.backends.cuda.preferred_blas_library() == backend.Cublas
