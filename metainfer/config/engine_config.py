@@ -141,9 +141,10 @@ class EngineConfig:
     enable_custom_all_reduce: bool = True  # one-shot all-reduce over symmetric memory for small TP messages
     # every GEMM the engine leaves to torch (F.linear where no Triton kernel takes the shape, MLA's bmm above 16
     # rows) through cuBLASLt's heuristics: torch.backends.cuda.preferred_blas_library("cublaslt"), process-wide, set
-    # when a CUDA engine builds and put back when it closes (docs/PERFORMANCE.md, runs 129-130); False: the process's
-    # own setting (torch's default: cuBLAS)
-    enable_cublaslt: bool = True
+    # when a CUDA engine builds and put back when it closes; False: the process's own setting (torch's default:
+    # cuBLAS). None: on, except for MLA models (docs/PERFORMANCE.md, H100: Qwen3-8B +0.6-1.1%, runs 129-130;
+    # Qwen3-30B-A3B +-0.1%, run 135; DeepSeek-V2-Lite -1.5%, runs 132-133)
+    enable_cublaslt: bool | None = None
     # "mp": rank 0 spawns its TP workers (the default); "external_launcher": this process is one rank of a group
     # started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; worker/tp/launched.py)
     distributed_executor_backend: str = "mp"
@@ -226,6 +227,8 @@ class EngineConfig:
         if self.device == "mlx":
             self._check_mlx(spec)
         self.torch_kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device)
+        if self.enable_cublaslt is None:
+            self.enable_cublaslt = not spec.is_mla
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
         elif self.async_scheduling and self.tensor_parallel_size > 1:

@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "against the one offline run (the first is the reported figure; '' = defaults)")
     p.add_argument("--throughput-1k-variants", default="bf16,fp8",
                    help="serving throughput_1k: comma list of bf16, fp8, bf16_greedy (kv_reserve_ratio 0: the KV "
-                        "reserve's A/B), fp8_no416_448 (decode graphs without those buckets: Pending 6's A/B)")
+                        "reserve's A/B); a name repeated is kept as name#2 (A/B/A)")
     p.add_argument("--gemm-rows", type=row_counts, default=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                    help="gemm_rows: the row counts, a comma list or START-END:STEP (e.g. 32-512:16, every decode graph "
                         "bucket from 32: cuBLAS's time is not monotone in rows, run 127)")

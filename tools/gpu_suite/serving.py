@@ -265,11 +265,7 @@ def histogram_quantiles(text: str, name: str, quantiles=(0.5, 0.9, 0.99)) -> dic
 
 # the 1,000 x 1,000 runs: bf16 and fp8 KV with the engine's defaults; bf16_greedy: vLLM's greedy admission
 # (kv_reserve_ratio 0: prompts admitted while they fit, preempted and recomputed later), the KV reserve's A/B
-# fp8_no416_448: the decode graphs without the 416- and 448-row buckets, whose cuBLAS GEMMs ran slower than the next
-# bucket's on two of three H100s (PERFORMANCE Pending 6, run 129); their rows run the 432- and 464-row graphs
-NO_416_448 = tuple(b for b in (1, 2, 4, 8, *range(16, 513, 16)) if b not in (416, 448))
-THROUGHPUT_1K_VARIANTS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "bf16_greedy": {"kv_reserve_ratio": 0.0},
-                          "fp8_no416_448": {"kv_cache_dtype": "fp8", "cuda_graph_sizes": NO_416_448}}
+THROUGHPUT_1K_VARIANTS = {"bf16": {}, "fp8": {"kv_cache_dtype": "fp8"}, "bf16_greedy": {"kv_reserve_ratio": 0.0}}
 
 
 def throughput_1k(args) -> dict:
