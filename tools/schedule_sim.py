@@ -6,7 +6,8 @@ a priced timeline for each admission rule, from a config.json and a KV pool size
 
 Why: `tools.throughput_floor` schedules ideally (an unbounded pool), so it cannot show what the pool costs. This
 drives `metainfer.engine.scheduler.Scheduler` and `BlockManager` (the engine's, unchanged) through the protocol's
-own requests (the bench's seed), every sampled token read back at once, and prices each step as the floor does
+own requests (the bench's seed; whether the config routes experts passed on as the engine does, for the KV
+reserve's rule below its threshold), every sampled token read back at once, and prices each step as the floor does
 (`throughput_floor.model_costs`): max(weight bytes, GEMM FLOPs) + max(KV bytes, attention FLOPs). The
 prices are a floor's, not the GPU's; what the tool measures is the schedule (steps, rows, recomputation) and
 the difference between rules at those prices (`--step-overhead-ms` adds a fixed cost a step, to see how a rule
@@ -39,7 +40,7 @@ def simulate(config: dict, protocol: str, num_kv_blocks: int, kv_reserve_ratio: 
     num_seqs = num_prompts or num_seqs
     costs = model_costs(config, kv_elem_bytes)
     sched = Scheduler(BlockManager(num_kv_blocks, block_size), max_num_seqs or default_seqs, max_batched_tokens,
-                      max_model_len, kv_reserve_ratio=kv_reserve_ratio,
+                      max_model_len, kv_reserve_ratio=kv_reserve_ratio, routed_experts=costs.moe_layers > 0,
                       **({} if kv_reserve_min_running is None else {"kv_reserve_min_running": kv_reserve_min_running}))
     prompts, params = make_requests(num_seqs, min_in, max_in, min_out, max_out, vocab=config["vocab_size"])
     rng = random.Random(1)

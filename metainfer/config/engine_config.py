@@ -104,8 +104,9 @@ class EngineConfig:
     # SGLang's new-token ratio); None: learned from finished requests, apart for requests with and without a
     # max_tokens (1.0 and 0.7 until one finishes); 0: none (vLLM's greedy admission)
     kv_reserve_ratio: float | None = None
-    # the reserve applies from this many running sequences; below it admission is greedy (a decode step below the
-    # GPU's ridge, ~184-200 rows of bf16 GEMM on an H100 / H200, costs the same with more rows: engine/kv_reserve.py)
+    # the reserve applies from this many running sequences; below it only while their remaining lengths are spread,
+    # and never for a model with routed experts: greedy admission otherwise (a decode step below the GPU's ridge,
+    # ~184-200 rows of bf16 GEMM on an H100 / H200, costs the same with more rows: engine/kv_reserve.py)
     kv_reserve_min_running: int = 192
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

@@ -16,14 +16,24 @@ max_tokens are then not preempted (checked with prefix sharing, n samples and ch
 tests/engine/test_kv_reserve.py); a chat whose replies stop early is estimated by what its replies take.
 Preemption stays the fallback when an estimate is short.
 
-The reserve applies only while MIN_RUNNING or more sequences run; below that, admission is greedy. A decode
-step's GEMMs cost the same at any row count below the GPU's ridge (bf16 FLOPs over copy rate: ~184 rows on an
-H200, ~200 on an H100), so there a fuller batch pays for the recompute its preemptions cost, and a reserve
-that admits requests in waves of what fits at their full length loses: at pools far smaller than the demand
-`tools/schedule_sim` gave -19.5% (Qwen3-30B-A3B, 1,000 x 1,000, the H100's 8,222 blocks) and -6.5% (Qwen3-8B,
-4,096 blocks) with the reserve from the first running sequence; from 192 no case of 13 loses more than 0.1%
-and the large pools keep their gain (1,000 x 1,000 at the H200's / H100's bf16 pools +9.0% / +8.7%, a chat-like
-load +3.5%). Above the ridge each row adds its own time, and a preemption's recompute is pure loss.
+The reserve always applies while MIN_RUNNING or more sequences run. A decode step's GEMMs cost the same at any
+row count below the GPU's ridge (bf16 FLOPs over copy rate: ~184 rows on an H200, ~200 on an H100), so there a
+fuller batch pays for the recompute its preemptions cost, and a reserve that admits requests in waves of what
+fits at their full length loses: at pools far smaller than the demand `tools/schedule_sim` gave -19.5%
+(Qwen3-30B-A3B, 1,000 x 1,000, the H100's 8,222 blocks) and -6.5% (Qwen3-8B, 4,096 blocks) with the reserve from
+the first running sequence. Above the ridge each row adds its own time, and a preemption's recompute is pure loss.
+Below MIN_RUNNING the reserve applies only while the running sequences' remaining lengths are spread (the
+coefficient of variation of their steps left, ReservePlan.spread, at least MIN_SPREAD): sequences that end at
+different steps free their blocks for the rest, so the reserve admits about what greedy admission would hold
+and saves its preemptions; sequences that end together (a wave) would be held to what fits at their full
+length, so admission is greedy then. Not for a model with routed experts (ModelSpec.moe_layers): its decode
+step reads every expert from a few dozen rows while a recomputed token computes top_k of them (at the floor's
+prices a 64-row step costs what ~1,800 prompt tokens cost on Qwen3-30B-A3B, ~1,160 on DeepSeek-V2-Lite, 184 on
+Qwen3-8B), so the rows greedy admission keeps are worth its recompute, and it admits greedily below MIN_RUNNING
+(the spread rule cost it 1-2% on nano-vllm, 9% on 1,000 x 1,000 at 16,384 blocks). Simulated against greedy
+admission below MIN_RUNNING (`docs/results/schedule_sim_spread_cpu.json`, 19 cases and 28 more): Qwen3-8B
+nano-vllm at 6,192 blocks +7.7%, 1,000 x 1,000 at 12,385 / 4,096 blocks +5.8% / +4.1%, the large pools and the
+MoE models unchanged, worst -0.1%.
 """
 
 from __future__ import annotations
@@ -38,7 +48,12 @@ WINDOW = 256  # finished sequences each learned ratio averages over
 # Learned ratios start here: a request with max_tokens (at most CLIP_TOKENS) is assumed to use all of it, as
 # benchmark clients and chat clients that set it do; one without starts at SGLang's initial new-token ratio
 INITIAL_RATIO = {True: 1.0, False: 0.7}
-MIN_RUNNING = 192  # below this many running sequences prompts are admitted greedily (module docstring)
+MIN_RUNNING = 192  # from this many running sequences the reserve always applies (module docstring)
+# below MIN_RUNNING the reserve applies while the running sequences' steps left have at least this coefficient of
+# variation: ends uniform over [0, R] give 0.58 (outputs uniform over [100, 1,024], the nano-vllm protocol's, 0.47), a
+# wave admitted over a few steps ~0.01; in between, a wave part-preempted and recomputed. 0.15-0.25 simulate
+# alike (schedule_sim_spread_cpu.json's scan); 0.1 and below lose up to 7% where requests end together
+MIN_SPREAD = 0.2
 
 
 class KVReserve:
@@ -47,7 +62,7 @@ class KVReserve:
     chat's early stops do not shrink the estimate of requests that run to their max_tokens."""
 
     def __init__(self, block_size: int, max_model_len: int, ratio: float | None = None,
-                 min_running: int = MIN_RUNNING):
+                 min_running: int = MIN_RUNNING, routed_experts: bool = False):
         if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {ratio}")
         if min_running < 1:
@@ -56,6 +71,7 @@ class KVReserve:
         self.max_model_len = max_model_len
         self.fixed_ratio = ratio
         self.min_running = min_running
+        self.routed_experts = routed_experts  # the model has routed experts: greedy below min_running
         self._finished = {bounded: deque(maxlen=WINDOW) for bounded in (True, False)}  # (generated, allowed)
         self._sums = {bounded: [0, 0] for bounded in (True, False)}
 
@@ -93,6 +109,11 @@ class KVReserve:
     def estimate(self, seq: Sequence) -> int:
         """Tokens the sequence is expected to generate still: its ratio x its allowed tokens."""
         return math.ceil(self.ratio_of(self.bounded(seq)) * self.allowed_tokens(seq))
+
+    def applies(self, plan: ReservePlan, num_running: int) -> bool:
+        """Whether admission checks the plan (module docstring): from min_running running sequences, or below
+        while their remaining lengths are spread (a model without routed experts); greedy otherwise."""
+        return num_running >= self.min_running or (not self.routed_experts and plan.spread >= MIN_SPREAD)
 
     def plan(self, running, waiting_with_blocks, block_manager, prompt_budget: int) -> ReservePlan:
         """The demand of the running sequences (and of a waiting one that already holds blocks: a chunked
@@ -169,10 +190,24 @@ class ReservePlan:
             capacity += own
         self.capacity = capacity
         self.final_total = sum(base + left / bs for left, base in self.entries)
+        # the planned sequences' steps left: count, sum and sum of squares (ReservePlan.spread)
+        self._steps = [len(self.entries), sum(e[0] for e in self.entries), sum(e[0] ** 2 for e in self.entries)]
 
-    def admit(self, seq: Sequence, hits: list[int]) -> bool:
+    @property
+    def spread(self) -> float:
+        """How spread the planned sequences' ends are: the coefficient of variation (population standard
+        deviation over mean) of their steps left, the prompts admitted so far included; 0 for no sequence, for
+        one, or when all end now."""
+        n, total, squares = self._steps
+        if not n or total <= 0:
+            return 0.0
+        mean = total / n
+        return math.sqrt(max(0.0, squares / n - mean * mean)) / mean
+
+    def admit(self, seq: Sequence, hits: list[int], check: bool = True) -> bool:
         """Whether the pool holds the planned sequences and this one (its prefix-cache `hits`, as
-        BlockManager.cached_prefix found them) at every step until they finish; if so it joins the plan."""
+        BlockManager.cached_prefix found them) at every step until they finish; if so it joins the plan.
+        check=False: it joins unchecked (a prompt admitted greedily, for the admissions after it)."""
         bs, blocks = self.block_size, self.block_manager.blocks
         # hits another sequence holds alone become shared: held to the end, out of that one's base and the capacity
         taken_over = [b for b in hits if blocks[b].ref_count == 1]
@@ -188,7 +223,7 @@ class ReservePlan:
         if owner is not None:
             owner[1] -= shift
         self.entries.append(entry)
-        if final_total > capacity:  # the quick check: fits even if every sequence ran to its end
+        if check and final_total > capacity:  # the quick check: fits even if every sequence ran to its end
             self.entries.sort(key=lambda e: e[0], reverse=True)
             held, count, per_step = 0.0, 0, 1.0 / bs
             for left, base in self.entries:
@@ -205,4 +240,7 @@ class ReservePlan:
         if revived is not None:
             self.owner_of[revived] = entry
         self.capacity, self.final_total = capacity, final_total
+        self._steps[0] += 1
+        self._steps[1] += entry[0]
+        self._steps[2] += entry[0] ** 2
         return True

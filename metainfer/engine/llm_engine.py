@@ -133,7 +133,8 @@ class LLMEngine:
             config.max_model_len = capacity
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_mixed_prefill_tokens, config.kv_reserve_ratio,
-                                   config.kv_reserve_min_running)
+                                   config.kv_reserve_min_running,
+                                   routed_experts=bool(config.spec is not None and config.spec.moe_layers))
         self.lookahead = 1 if config.async_scheduling else 0  # steps left in flight after step()
         self.in_flight: deque[LaunchedStep] = deque()
         self.detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else NoText()

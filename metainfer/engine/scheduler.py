@@ -10,7 +10,8 @@ When blocks run out for a decode row, the most recently admitted running sequenc
 preempted (blocks freed, recomputed later from its tokens), so nothing is lost and greedy output is unchanged;
 a step that preempted (and still has decode rows) admits no waiting prompt. A prompt is admitted only if the
 pool keeps room for what the running sequences may still generate (engine/kv_reserve.py), so requests that run
-to their max_tokens are not preempted and recomputed over and over (vLLM admits greedily). The samples of an
+to their max_tokens are not preempted and recomputed over and over (vLLM admits greedily); below
+kv_reserve_min_running running sequences only while their remaining lengths are spread. The samples of an
 n > 1 request after the first wait until the first has computed (and the prefix cache registered) their common
 prompt, so it is prefilled once. Three step kinds come out (`ScheduledBatch`): pure decode (rows longest
 context first; the decode kernels and CUDA graphs), pure prefill, and mixed (decode rows first, then prefill
@@ -94,9 +95,12 @@ def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_mixed_prefill_tokens: int | None = None,
-                 kv_reserve_ratio: float | None = None, kv_reserve_min_running: int = MIN_RUNNING):
+                 kv_reserve_ratio: float | None = None, kv_reserve_min_running: int = MIN_RUNNING,
+                 routed_experts: bool = False):
         self.block_manager = block_manager
-        self.kv_reserve = KVReserve(block_manager.block_size, max_model_len, kv_reserve_ratio, kv_reserve_min_running)
+        # routed_experts: the model's (ModelSpec.moe_layers): below kv_reserve_min_running it admits greedily
+        self.kv_reserve = KVReserve(block_manager.block_size, max_model_len, kv_reserve_ratio, kv_reserve_min_running,
+                                    routed_experts)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -140,15 +144,19 @@ class Scheduler:
                 hits = bm.cached_prefix(seq)
                 if bm.blocks_to_allocate(seq, hits) > bm.num_free_blocks:
                     break
-                # greedy admission (vLLM's) below kv_reserve_min_running running sequences and at ratio 0; an idle
-                # engine admits whatever fits (a reserve larger than the pool waits on nothing)
-                if len(self.running) >= self.kv_reserve.min_running and self.kv_reserve.enabled:
+                # the reserve from kv_reserve_min_running running sequences, and below while their remaining
+                # lengths are spread (KVReserve.applies; no plan below for a model with routed experts); greedy
+                # admission (vLLM's) otherwise and at ratio 0; an idle engine admits whatever fits (a reserve larger
+                # than the pool waits on nothing). A prompt admitted greedily joins the plan unchecked, so the
+                # spread and the admissions checked after it count it.
+                if self.running and self.kv_reserve.enabled and (
+                        not self.kv_reserve.routed_experts or len(self.running) >= self.kv_reserve.min_running):
                     if reserve is None:
                         prompt_budget = min(self.max_num_batched_tokens - len(self.running),
                                             self.max_mixed_prefill_tokens)
                         reserve = self.kv_reserve.plan(self.running, [s for s in self.waiting if s.block_table],
                                                        bm, prompt_budget)
-                    if not reserve.admit(seq, hits):
+                    if not reserve.admit(seq, hits, check=self.kv_reserve.applies(reserve, len(self.running))):
                         break
                 bm.allocate(seq, hits)
                 if seq.num_preemptions == 0 and seq.num_output_tokens == 0:

@@ -199,8 +199,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="share of each running request's remaining max_tokens (at most 4,096) whose KV blocks stay "
                         "free when a prompt is admitted, in [0, 1]; 0: admit whatever fits and preempt later "
                         "(vLLM); default: learned from finished requests (1 for requests with max_tokens, 0.7 for "
-                        "those without, until one finishes); applies only while 192 or more sequences run "
-                        "(EngineConfig.kv_reserve_min_running), greedy admission below")
+                        "those without, until one finishes); applies while 192 or more sequences run "
+                        "(EngineConfig.kv_reserve_min_running), below only while their remaining lengths are "
+                        "spread (models without routed experts), greedy admission otherwise")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=2048,
                    help="prefill and mixed steps of up to this many tokens run as per-layer CUDA graphs; "
                         "0: eagerly (default 2048)")

@@ -4,7 +4,9 @@ ignored); the plan's peak against a step-by-step walk of the same model; and the
 drives it: a pool that greedy admission (ratio 0, vLLM's) fills and then preempts is admitted so that every
 request that runs to its max_tokens finishes without a preemption, with prefix caching (shared prompt blocks,
 n samples), chunked prompts and the server's mixed-step cap; an idle engine still admits a request larger than
-its reserve; a preempted sequence never blocks a prompt part-way through its chunks."""
+its reserve; a preempted sequence never blocks a prompt part-way through its chunks. Below the threshold
+(kv_reserve_min_running) the reserve applies while the running sequences' steps left are spread (hand-computed
+coefficients of variation and peaks), greedy admission when they end together and for a model with routed experts."""
 
 from __future__ import annotations
 
@@ -171,13 +173,87 @@ def test_requests_that_run_to_max_tokens_are_not_preempted():
 
 def test_below_min_running_prompts_are_admitted_greedily():
     # the same 8 prompts and pool as above: from 3 running sequences on the reserve applies, so 3 run together
-    # (admitted greedily while fewer ran) where the reserve from the first sequence runs 2 and greedy admission
-    # 8; three do not fit at their full 8 blocks each, so one is preempted when the pool runs out
+    # (admitted greedily while fewer ran: they end together) where the reserve from the first sequence runs 2 and
+    # greedy admission 8; three do not fit at their full 8 blocks each, so one is preempted when the pool runs out
     at_three = _scheduler(20, kv_reserve_min_running=3)
     assert _drive(at_three, {0: [_seq(8, 24, f"t{i}") for i in range(8)]}) == 3
     assert at_three.num_preemptions > 0
     with pytest.raises(ValueError, match="kv_reserve_min_running"):
         KVReserve(4, 256, None, 0)
+
+
+def _after_one_step(pool, running_max_tokens, **kw):
+    """Block size 1, the engine's threshold (192): the running sequences (10-token prompts, these max_tokens) after
+    their prefill step, each with its first token sampled: 11 tokens, 10 computed, 11 blocks once the next step's
+    decode slot is taken. In the plan each holds base 11 + 1 (its model's partial block) = 12 blocks and has
+    max_tokens - 1 steps left; a waiting 10-token prompt holds 10 + 1 = 11 and has its max_tokens left."""
+    sched = Scheduler(BlockManager(pool, 1, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_model_len=400, **kw)
+    running = [_seq(range(100 * i + 1, 100 * i + 11), m, f"run{i}") for i, m in enumerate(running_max_tokens)]
+    for seq in running:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == running
+    sched.after_step(batch)
+    for seq in running:
+        seq.token_ids.append(7)
+    return sched
+
+
+def _admitted(sched, *prompts):
+    """The waiting prompts the next step admits (its decode rows are the running sequences)."""
+    for seq in prompts:
+        sched.add(seq)
+    return [seq.request_id for seq in sched.schedule().seqs if seq.num_output_tokens == 0]
+
+
+def test_below_min_running_the_reserve_applies_while_remaining_lengths_are_spread():
+    # steps left (a, b) of the two running sequences; N: 10 tokens, 10 to go. Coefficient of variation of two
+    # values: |a - b| / (a + b); the reserve applies below 192 running sequences from 0.2.
+    # (2, 20): 18 / 22 = 0.82, spread. Peak (block counts above): before A ends (step 2) 14 + 14 + 13 = 41, before
+    # N ends (step 10) B 22 + N 21 = 43, then B alone 32: 43 > a pool of 42, so N waits (it needs 10 of the 20 free
+    # blocks: greedy admission took it); a pool of 43 holds it.
+    sched = _after_one_step(42, (3, 21))
+    plan = sched.kv_reserve.plan(sched.running, [], sched.block_manager, prompt_budget=62)
+    assert plan.spread == pytest.approx(18 / 22)
+    assert _admitted(sched, _seq(range(1001, 1011), 10, "N")) == []
+    assert sched.num_preemptions == 0
+    assert _admitted(_after_one_step(43, (3, 21)), _seq(range(1001, 1011), 10, "N")) == ["N"]
+    # (6, 10): 4 / 16 = 0.25, spread: peak before A ends (step 6) 18 + 18 + 17 = 53 > 52, N waits.
+    assert _admitted(_after_one_step(52, (7, 11)), _seq(range(1001, 1011), 10, "N")) == []
+    # (7, 10): 3 / 17 = 0.18, about to end together: greedy, N is admitted though its peak (step 7: 19 + 19 + 18
+    # = 56) passes the pool of 52.
+    assert _admitted(_after_one_step(52, (8, 11)), _seq(range(1001, 1011), 10, "N")) == ["N"]
+    # (10, 11): 0.05, a wave: greedy; N1 (30 to go) is admitted and joins the plan, which makes the steps left
+    # (10, 11, 30) spread: mean 17, standard deviation sqrt((49 + 36 + 169) / 3) = 9.2, 0.54. N2 (30 to go) is then
+    # checked with N1 in the plan: peak before A ends (step 10) 22 + 22 + 21 + 21 = 86 > 70 (without N1 65: it
+    # would fit), so N2 waits, where greedy admission took both (20 of 48 free blocks).
+    sched = _after_one_step(70, (11, 12))
+    assert _admitted(sched, _seq(range(1001, 1011), 30, "N1"), _seq(range(2001, 2011), 30, "N2")) == ["N1"]
+
+
+def test_a_model_with_routed_experts_admits_greedily_below_min_running():
+    # the first case above (steps left 2 and 20, spread; N's peak 43 against 42 blocks): an MoE model admits N
+    # below min_running, and from min_running (here 2) the reserve applies as for any model
+    moe = _after_one_step(42, (3, 21), routed_experts=True)
+    assert _admitted(moe, _seq(range(1001, 1011), 10, "N")) == ["N"]
+    at_two = _after_one_step(42, (3, 21), routed_experts=True, kv_reserve_min_running=2)
+    assert _admitted(at_two, _seq(range(1001, 1011), 10, "N")) == []
+
+
+@pytest.mark.parametrize("arch, routed", [("qwen3", False), ("qwen3_moe", True)])
+def test_the_engine_tells_the_scheduler_whether_the_model_routes_experts(tmp_path, arch, routed):
+    from metainfer import LLM
+    from tests.helpers.tiny_models import build_tiny_model
+
+    folder = str(tmp_path / arch)
+    hf = build_tiny_model(folder, arch)
+    assert bool(getattr(hf.config, "num_experts", 0)) is routed  # the checkpoint's own config
+    llm = LLM(folder, device="cpu", dtype="float32", num_kv_blocks=32)
+    try:
+        assert llm.llm_engine.scheduler.kv_reserve.routed_experts is routed
+    finally:
+        llm.close()
 
 
 def test_the_engine_default_threshold_is_the_reserves(tmp_path):

@@ -1,7 +1,9 @@
 """tools/schedule_sim: the engine's scheduler on a protocol with no model. At a pool that greedy admission
 oversubscribes, the KV reserve finishes every request without a preemption or a recomputed token while ratio 0
-preempts and recomputes; with the engine's threshold (greedy below 192 running sequences) it never runs slower
-than greedy admission where the reserve from the first sequence did (pools far below the demand); at an unbounded
+preempts and recomputes; with the engine's threshold (below 192 running sequences the reserve only while the
+running requests' remaining lengths are spread) it never runs slower than greedy admission where the reserve from
+the first sequence did (pools far below the demand, requests that end together), and keeps the reserve's win where
+lengths are spread (the nano-vllm protocol) for a dense model, while an MoE model admits greedily; at an unbounded
 pool the priced schedule agrees with tools/throughput_floor's own idealised scheduler (an independent
 walk of the same requests)."""
 
@@ -58,6 +60,21 @@ def test_below_the_threshold_admission_is_greedy_and_no_slower(protocol, blocks,
     greedy = simulate(CONFIG, protocol, blocks, 0.0, **kw)
     assert first["output_tok_s"] < 0.95 * greedy["output_tok_s"]  # what the threshold is for
     assert default["output_tok_s"] >= 0.999 * greedy["output_tok_s"]
+
+
+def test_spread_lengths_keep_the_reserve_below_the_threshold_for_a_dense_model():
+    # nano-vllm at 6,192 blocks: at most ~75 rows, below the threshold, with outputs spread over 100-1,024 tokens;
+    # greedy admission preempts 139 times there, the reserve from the first sequence none
+    default = simulate(CONFIG, "nano-vllm", 6192, None)
+    greedy = simulate(CONFIG, "nano-vllm", 6192, 0.0)
+    assert greedy["preemptions"] > 100 and default["preemptions"] == 0
+    assert default["output_tok_s"] > 1.05 * greedy["output_tok_s"]
+    # Qwen3-30B-A3B's step reads every expert, so greedy admission (its recompute cheap) is kept below 192 rows:
+    # the same pool's schedule as greedy admission's
+    moe = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/configs/qwen3-30b-a3b.json").read_text())
+    moe_default, moe_greedy = simulate(moe, "nano-vllm", 6192, None), simulate(moe, "nano-vllm", 6192, 0.0)
+    assert moe_default["preemptions"] == moe_greedy["preemptions"] > 100
+    assert moe_default["output_tok_s"] == moe_greedy["output_tok_s"]
 
 
 def test_above_the_threshold_the_reserve_removes_the_preemptions_and_wins():

@@ -157,7 +157,8 @@ class ServerMetrics:
                 scalar(name, kind, value, text)
             head("metainfer:kv_reserve_ratio", "gauge", "Share of its allowed tokens a request is expected to "
                  "generate, learned from finished requests, by whether they set max_tokens (0: ratio fixed at 0; "
-                 "the reserve applies only from kv_reserve_min_running running sequences).")
+                 "the reserve applies from kv_reserve_min_running running sequences, below only while their "
+                 "remaining lengths are spread).")
             for requests, ratio in zip(("bounded", "open"), self.kv_reserve_ratios):
                 out.append(f'metainfer:kv_reserve_ratio{{{label},requests="{requests}"}} {_num(ratio)}')
             head("metainfer:request_success_total", "counter", "Requests finished, by finish reason.")
