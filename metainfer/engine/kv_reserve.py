@@ -22,15 +22,18 @@ fuller batch pays for the recompute its preemptions cost, and a reserve that adm
 fits at their full length loses: at pools far smaller than the demand `tools/schedule_sim` gave -19.5%
 (Qwen3-30B-A3B, 1,000 x 1,000, the H100's 8,222 blocks) and -6.5% (Qwen3-8B, 4,096 blocks) with the reserve from
 the first running sequence. Above the ridge each row adds its own time, and a preemption's recompute is pure loss.
-Below MIN_RUNNING the reserve applies only while the running sequences' remaining lengths are spread (the
-coefficient of variation of their steps left, ReservePlan.spread, at least MIN_SPREAD): sequences that end at
-different steps free their blocks for the rest, so the reserve admits about what greedy admission would hold
-and saves its preemptions; sequences that end together (a wave) would be held to what fits at their full
-length, so admission is greedy then. Not for a model with routed experts (ModelSpec.moe_layers): its decode
-step reads every expert from a few dozen rows while a recomputed token computes top_k of them (at the floor's
-prices a 64-row step costs what ~1,800 prompt tokens cost on Qwen3-30B-A3B, ~1,160 on DeepSeek-V2-Lite, 184 on
-Qwen3-8B), so the rows greedy admission keeps are worth its recompute, and it admits greedily below MIN_RUNNING
-(the spread rule cost it 1-2% on nano-vllm, 9% on 1,000 x 1,000 at 16,384 blocks). Simulated against greedy
+Below MIN_RUNNING the reserve applies only while the running sequences' estimated remaining lengths are spread
+(the coefficient of variation of their estimated steps left, ReservePlan.spread, at least MIN_SPREAD): sequences
+that end at different steps free their blocks for the rest, so the reserve admits about what greedy admission
+would hold and saves its preemptions; sequences that end together (a wave) would be held to what fits at their
+full length, so admission is greedy then. The spread is the estimates', not the lengths the requests will reach: a
+request without max_tokens is estimated at ratio x CLIP_TOKENS while more context than that is left, so two
+open-ended requests look alike, and typical chat serving without max_tokens stays greedy below MIN_RUNNING.
+Not for a model with routed experts (ModelSpec.moe_layers): its decode step reads every expert from a few dozen
+rows while a recomputed token computes top_k of them (at the floor's prices a 64-row step costs what ~1,800 prompt
+tokens cost on Qwen3-30B-A3B, ~1,160 on DeepSeek-V2-Lite, 184 on Qwen3-8B), so the rows greedy admission keeps
+are worth its recompute, and it admits greedily below MIN_RUNNING (the spread rule cost it 1-2% on nano-vllm, 9%
+on 1,000 x 1,000 at 16,384 blocks). Simulated against greedy
 admission below MIN_RUNNING (`docs/results/schedule_sim_spread_cpu.json`, 19 cases and 28 more): Qwen3-8B
 nano-vllm at 6,192 blocks +7.7%, 1,000 x 1,000 at 12,385 / 4,096 blocks +5.8% / +4.1%, the large pools and the
 MoE models unchanged, worst -0.1%.
@@ -96,7 +99,8 @@ class KVReserve:
 
     def reported_ratios(self) -> tuple[float, float]:
         """(bounded, open) as the metrics report them: both 0 when the ratio is fixed at 0; otherwise the ratios the
-        reserve would use, also while fewer than min_running sequences run (admission is greedy then)."""
+        reserve would use, also while fewer than min_running sequences run (where it applies only while their
+        remaining lengths are spread, `applies`)."""
         return (self.ratio_of(True), self.ratio_of(False)) if self.enabled else (0.0, 0.0)
 
     def allowed_tokens(self, seq: Sequence) -> int:
@@ -163,7 +167,9 @@ class ReservePlan:
         self.prompt_budget = max(1, prompt_budget)
         blocks = block_manager.blocks
         self.entries: list[list[float]] = []  # [steps left, base blocks] a sequence
-        self.owner_of: dict[int, list[float]] = {}  # a sequence's first block held alone -> its entry
+        # a sequence's first block held alone (the one after its leading run of shared blocks) -> (its entry, its
+        # block table, that block's index): a prompt of this call that takes it over extends the run (admit)
+        self.owner_of: dict[int, tuple[list[float], list[int], int]] = {}
         capacity = block_manager.num_free_blocks
         # reserve.estimate and _prefill_steps_left inlined: this loop runs every step a prompt waits
         ratio = {True: reserve.ratio_of(True), False: reserve.ratio_of(False)}
@@ -186,7 +192,7 @@ class ReservePlan:
             entry = [left, own + tokens / bs + 1 - len(table)]
             self.entries.append(entry)
             if own:
-                self.owner_of[table[shared]] = entry
+                self.owner_of[table[shared]] = (entry, table, shared)
             capacity += own
         self.capacity = capacity
         self.final_total = sum(base + left / bs for left, base in self.entries)
@@ -207,21 +213,34 @@ class ReservePlan:
     def admit(self, seq: Sequence, hits: list[int], check: bool = True) -> bool:
         """Whether the pool holds the planned sequences and this one (its prefix-cache `hits`, as
         BlockManager.cached_prefix found them) at every step until they finish; if so it joins the plan.
-        check=False: it joins unchecked (a prompt admitted greedily, for the admissions after it)."""
+        check=False: it joins unchecked (a prompt admitted greedily, for the admissions after it). The plan
+        after it equals one built anew once it is allocated (the blocks it shares counted as in __init__)."""
         bs, blocks = self.block_size, self.block_manager.blocks
-        # hits another sequence holds alone become shared: held to the end, out of that one's base and the capacity
-        taken_over = [b for b in hits if blocks[b].ref_count == 1]
-        owner = self.owner_of.get(taken_over[0]) if taken_over else None
-        fresh = self.block_manager.blocks_needed(seq.num_tokens) - sum(1 for b in hits if blocks[b].ref_count > 0)
+        # its leading run of hits other sequences hold: shared once it is allocated; the rest of its blocks are its
+        # own (the revived cached ones and the fresh ones), as __init__ counts them
+        lead = 0
+        while lead < len(hits) and blocks[hits[lead]].ref_count:
+            lead += 1
+        in_use = lead + sum(1 for b in hits[lead:] if blocks[b].ref_count)  # not taken from the free list
+        # a sequence whose first block held alone it hits: its leading shared run now runs on over every block
+        # held by another too (a later prompt of this call that hits its next blocks finds it by the new first)
+        moves, shift, taken = [], 0, None
+        for b in hits:
+            if blocks[b].ref_count == 1 and b in self.owner_of:
+                if taken is None:
+                    taken = set(hits)
+                owner, table, first = self.owner_of[b]
+                end = first + 1
+                while end < len(table) and (blocks[table[end]].ref_count > 1 or table[end] in taken):
+                    end += 1
+                moves.append((b, owner, table, first, end))
+                owner[1] -= end - first
+                shift += end - first
         computed = len(hits) * bs  # after allocation
         chunks_left = max(0, -(-(seq.num_tokens - computed) // self.prompt_budget) - 1)
-        entry = [self.reserve.estimate(seq) + chunks_left, fresh + seq.num_tokens / bs + 1
-                 - self.block_manager.blocks_needed(seq.num_tokens)]
-        shift = len(taken_over) if owner is not None else 0
-        capacity = self.capacity - shift
+        entry = [self.reserve.estimate(seq) + chunks_left, seq.num_tokens / bs + 1 - lead]
+        capacity = self.capacity + in_use - lead - shift
         final_total = self.final_total + entry[1] + entry[0] / bs - shift
-        if owner is not None:
-            owner[1] -= shift
         self.entries.append(entry)
         if check and final_total > capacity:  # the quick check: fits even if every sequence ran to its end
             self.entries.sort(key=lambda e: e[0], reverse=True)
@@ -230,15 +249,19 @@ class ReservePlan:
                 held += base
                 count += 1
                 if held + count * left * per_step > capacity:
-                    self.entries.remove(entry)
-                    if owner is not None:
-                        owner[1] += shift
+                    # by identity: another sequence's entry may hold the same values
+                    del self.entries[next(i for i, e in enumerate(self.entries) if e is entry)]
+                    for _, owner, _, first, end in moves:
+                        owner[1] += end - first
                     return False
+        for b, owner, table, _, end in moves:
+            del self.owner_of[b]
+            if end < len(table):
+                self.owner_of[table[end]] = (owner, table, end)
         # its first block held alone after allocation, if another prompt of this call may hit it: a cached block it
         # revives (fresh blocks are not hashed before the step is read back)
-        revived = next((b for b in hits if blocks[b].ref_count == 0), None)
-        if revived is not None:
-            self.owner_of[revived] = entry
+        if lead < len(hits):
+            self.owner_of[hits[lead]] = (entry, hits, lead)
         self.capacity, self.final_total = capacity, final_total
         self._steps[0] += 1
         self._steps[1] += entry[0]

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from metainfer.engine.block_manager import BlockManager
-from metainfer.engine.kv_reserve import CLIP_TOKENS, INITIAL_RATIO, MIN_RUNNING, WINDOW, KVReserve
+from metainfer.engine.kv_reserve import CLIP_TOKENS, INITIAL_RATIO, MIN_RUNNING, WINDOW, KVReserve, ReservePlan
 from metainfer.engine.scheduler import Scheduler
 from metainfer.engine.sequence import Sequence
 from metainfer.sampling_params import SamplingParams
@@ -121,7 +121,8 @@ def test_a_sequence_that_ends_early_makes_room_the_sum_of_final_sizes_would_not(
 
 def _drive(sched, arrivals, stop_after=None):
     """The engine's loop, tokens read back at once: arrivals {step: [seqs]}; the full blocks hashed on read-back
-    (prefix caching); a sequence stops ("stop") after stop_after tokens if given, else at its max_tokens.
+    (prefix caching); a sequence stops ("stop") after stop_after tokens if given (a number, or a function of the
+    sequence), else at its max_tokens.
     Returns the most sequences that ran together; fails if the scheduler stops making progress."""
     seqs, step, most = [], 0, 0
     bm = sched.block_manager
@@ -144,7 +145,8 @@ def _drive(sched, arrivals, stop_after=None):
         for seq in batch.seqs:
             bm.register_full_blocks(seq)
         for seq in sampling:
-            if seq.num_output_tokens >= (stop_after or seq.params.max_tokens):
+            limit = stop_after(seq) if callable(stop_after) else stop_after or seq.params.max_tokens
+            if seq.num_output_tokens >= limit:
                 seq.finish_reason = "stop" if stop_after else "length"
                 sched.finish(seq)
     assert all(s.is_finished for s in seqs), "a request never ran: the scheduler stalled"
@@ -171,7 +173,7 @@ def test_requests_that_run_to_max_tokens_are_not_preempted():
     assert reserved.kv_reserve.ratio == 1.0
 
 
-def test_below_min_running_prompts_are_admitted_greedily():
+def test_below_min_running_prompts_that_end_together_are_admitted_greedily():
     # the same 8 prompts and pool as above: from 3 running sequences on the reserve applies, so 3 run together
     # (admitted greedily while fewer ran: they end together) where the reserve from the first sequence runs 2 and
     # greedy admission 8; three do not fit at their full 8 blocks each, so one is preempted when the pool runs out
@@ -241,14 +243,19 @@ def test_a_model_with_routed_experts_admits_greedily_below_min_running():
     assert _admitted(at_two, _seq(range(1001, 1011), 10, "N")) == []
 
 
-@pytest.mark.parametrize("arch, routed", [("qwen3", False), ("qwen3_moe", True)])
+@pytest.mark.parametrize("arch, routed", [("qwen3", False), ("qwen3_moe", True), ("deepseek_v2", True)])
 def test_the_engine_tells_the_scheduler_whether_the_model_routes_experts(tmp_path, arch, routed):
     from metainfer import LLM
     from tests.helpers.tiny_models import build_tiny_model
 
     folder = str(tmp_path / arch)
     hf = build_tiny_model(folder, arch)
-    assert bool(getattr(hf.config, "num_experts", 0)) is routed  # the checkpoint's own config
+    # the checkpoint's own config: Qwen3-MoE names its experts num_experts, DeepSeek-V2 n_routed_experts (its
+    # first layer dense: first_k_dense_replace)
+    config = hf.config
+    assert bool(getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)) is routed
+    if arch == "deepseek_v2":
+        assert config.first_k_dense_replace == 1 < config.num_hidden_layers
     llm = LLM(folder, device="cpu", dtype="float32", num_kv_blocks=32)
     try:
         assert llm.llm_engine.scheduler.kv_reserve.routed_experts is routed
@@ -314,6 +321,98 @@ def test_shared_prefix_blocks_stay_counted_until_their_last_holder_ends():
                            max_num_batched_tokens=rng.choice([8, 1024]), max_model_len=pool * bs)
         _drive(sched, arrivals)
         assert sched.num_preemptions == 0
+
+
+def _check_plans_against_rebuilt(sched):
+    """After every allocation of a schedule call that built a plan, the plan as its admissions left it must equal
+    one built anew from the block manager (the running sequences, the prompt just allocated, the waiting ones
+    holding blocks): the same capacity, entries and spread. Returns a counter of the comparisons and of the
+    admissions that took over blocks a single sequence held (a hit with reference count 1)."""
+    bm, reserve = sched.block_manager, sched.kv_reserve
+    state = {"plan": None, "budget": None}
+    counts = {"compared": 0, "took_over": 0}
+    schedule, plan, allocate = sched.schedule, reserve.plan, bm.allocate
+
+    def traced_schedule():
+        state["plan"] = None
+        return schedule()
+
+    def traced_plan(running, waiting_with_blocks, block_manager, prompt_budget):
+        state["plan"], state["budget"] = plan(running, waiting_with_blocks, block_manager, prompt_budget), prompt_budget
+        return state["plan"]
+
+    def traced_allocate(seq, hits=None):
+        counts["took_over"] += any(bm.blocks[b].ref_count == 1 for b in hits or [])
+        allocate(seq, hits)
+        if state["plan"] is None:
+            return
+        now = state["plan"]
+        waiting = [s for s in sched.waiting if s.block_table and s is not seq]
+        rebuilt = ReservePlan(reserve, [*sched.running, seq], waiting, bm, state["budget"])
+        assert now.capacity == rebuilt.capacity
+        assert now.final_total == pytest.approx(rebuilt.final_total, abs=1e-9)
+        flat = [[value for entry in sorted(map(tuple, p.entries)) for value in entry] for p in (now, rebuilt)]
+        assert flat[0] == pytest.approx(flat[1], abs=1e-9)
+        assert now.spread == pytest.approx(rebuilt.spread, abs=1e-12)
+        counts["compared"] += 1
+
+    sched.schedule, reserve.plan, bm.allocate = traced_schedule, traced_plan, traced_allocate
+    return counts
+
+
+def test_a_second_takeover_of_a_sequences_blocks_in_one_call_leaves_the_capacity():
+    # block size 4, prefix caching: X (a 25-token prompt, 7 blocks) has run its prefill and sampled a token (26
+    # tokens, 6 full blocks hashed). In one schedule call Y (10 tokens: X's first 2 blocks + 1 fresh) and then Z
+    # (26 tokens: X's first 6 blocks + 1 fresh) are admitted. X then holds alone only its 7th block: capacity =
+    # free 200 - 7 - 1 - 1 = 191 + X's 1 + Y's 1 + Z's 1 = 194. Bases (blocks held alone + tokens / 4 + 1 - table
+    # length): X 1 + 26 / 4 + 1 - 7 = 1.5, Y 1 + 10 / 4 + 1 - 3 = 1.5, Z 1 + 26 / 4 + 1 - 7 = 1.5. (The plan
+    # counted X's blocks 3-6 too, 198: Z's hits on them were not traced to X once Y had taken its first two.)
+    sched = _scheduler(200, prefix_caching=True, max_num_batched_tokens=256)
+    counts = _check_plans_against_rebuilt(sched)
+    prompt = list(range(1, 25))
+    x = _seq(prompt + [99], 50, "X")
+    sched.add(x)
+    sched.after_step(sched.schedule())
+    x.token_ids.append(7)
+    sched.block_manager.register_full_blocks(x)
+    y, z = _seq(prompt[:8] + [98, 97], 50, "Y"), _seq(prompt + [96, 95], 50, "Z")
+    sched.add(y)
+    sched.add(z)
+    plans = []
+    plan = sched.kv_reserve.plan
+    sched.kv_reserve.plan = lambda *args: plans.append(plan(*args)) or plans[-1]
+    assert [s.request_id for s in sched.schedule().seqs] == ["X", "Y", "Z"]
+    bm = sched.block_manager
+    assert [bm.blocks[b].ref_count for b in x.block_table] == [3, 3, 2, 2, 2, 2, 1]
+    assert bm.num_free_blocks == 191
+    assert plans[0].capacity == 194
+    assert [base for _, base in plans[0].entries] == [1.5, 1.5, 1.5]  # X, Y, Z
+    assert counts == {"compared": 2, "took_over": 2}
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_plan_after_each_admission_equals_one_built_anew(seed):
+    # random arrivals with shared prefixes, n samples, chunked prompts and early stops: whichever the admissions
+    # of a schedule call (checked or greedy, refused, taking over blocks a running sequence or an earlier prompt
+    # of the call held alone), the plan they leave is the plan the block manager's state gives
+    rng = random.Random(seed)
+    sched = _scheduler(rng.randint(30, 120), prefix_caching=True, max_num_seqs=16,
+                       max_num_batched_tokens=rng.choice([10, 64]))
+    counts = _check_plans_against_rebuilt(sched)
+    # two shared texts, each prompt opens with 0-6 blocks of one: a prompt may hit the leading blocks of one that
+    # another prompt of the same call hits further
+    texts = [[rng.randint(1, 50) for _ in range(24)] for _ in range(2)]
+    arrivals, stops = {}, {}
+    for i in range(40):
+        prompt = rng.choice(texts)[:4 * rng.randint(0, 6)] + [rng.randint(51, 99) for _ in range(rng.randint(1, 20))]
+        n = rng.randint(1, 3)
+        max_tokens = rng.choice([rng.randint(2, 60), None]) if rng.random() < 0.2 else rng.randint(2, 60)
+        for k in range(n):
+            seq = _seq(prompt, max_tokens, f"r{i}", index=k, n=n)
+            stops[id(seq)] = rng.randint(1, max_tokens or 80)
+            arrivals.setdefault(rng.randint(0, 200), []).append(seq)
+    _drive(sched, arrivals, stop_after=lambda seq: stops[id(seq)])
+    assert counts["compared"] > 50 and counts["took_over"] > 0
 
 
 def test_a_chunked_prompt_counts_the_steps_before_its_first_token():
