@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 class Logprob(float):
     """A token's logprob, a float that also carries vLLM's `Logprob` fields: `.logprob` (the value), `.rank` (1 for
     the vocabulary's most likely token; the sampled or scored token's is the count of tokens at least as likely,
-    vLLM's rule) and `.decoded_token` (its text alone, the tokenizer's `decode([id])`: set in every output of
-    `LLMEngine.step` and `LLM.generate` when the engine has a tokenizer, else None; the server's engine process
-    leaves it None, its HTTP process decodes what it answers). Code written for vLLM (`lp[token].logprob`) and code
-    using logprobs as numbers both read it."""
+    vLLM's rule) and `.decoded_token` (its text alone, the tokenizer's `decode([id])`, except for a byte-level piece
+    of a character, which gets what it adds to the text after the ids before it (engine/token_texts.py): set in every
+    output of `LLMEngine.step` and `LLM.generate` when the engine has a tokenizer, else None; the server's engine
+    process leaves it None, its HTTP process decodes what it answers). Unlike vLLM's, which gives "" to a token whose
+    character never completes and carries no U+FFFD forward, the U+FFFDs of such a character go to the token after it
+    (or to the token that ends the text), so the pieces of a text join to it. Code written for vLLM
+    (`lp[token].logprob`) and code using logprobs as numbers both read it."""
 
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
         self = super().__new__(cls, logprob)

@@ -40,12 +40,12 @@ from metainfer.engine.request_validation import (
 )
 from metainfer.engine.scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
 from metainfer.engine.sequence import Sequence
-from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
+from metainfer.engine.token_texts import ENDS_AT_STOP_TOKEN, ENDS_TEXT, TokenTexts, text_ending
 from metainfer.engine.tokenizer import IncrementalDetokenizer, NoText, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
 from metainfer.loader.gguf import gguf_config, share_gguf_readers
 from metainfer.models.shape_contract import validate_tp_config
-from metainfer.outputs import CompletionOutput, RequestOutput
+from metainfer.outputs import CompletionOutput, Logprob, RequestOutput
 from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
 from metainfer.worker.sampler import HostSample, SampledBatch
@@ -94,7 +94,10 @@ class LLMEngine:
         try:
             self._build(config)
         except BaseException:
-            self._release()  # a caller that catches a failed build gets its BLAS setting back and leaks no workers
+            try:  # a caller that catches a failed build gets its BLAS setting back and leaks no workers
+                self._release()
+            except BaseException as exc:  # the build's error is the one raised; a failed clean-up is logged
+                log.error("giving back a failed build's resources failed too: %s: %s", type(exc).__name__, exc)
             raise
 
     def _build(self, config: EngineConfig) -> None:
@@ -399,7 +402,7 @@ class LLMEngine:
             if seq.decode_logprobs and not seq.is_finished:
                 try:
                     self.token_texts.fill(seq.prompt_logprobs[position],
-                                          seq.token_ids[max(0, position - MAX_CONTEXT):position])
+                                          self.token_texts.context_of(seq.token_ids, position)[0])
                 except Exception as exc:
                     log.error("request %s failed to decode its prompt logprobs' tokens and was finished with an "
                               "error: %s: %s", seq.request_id, type(exc).__name__, exc)
@@ -407,14 +410,10 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> None:
         """Account for a token just read back (already in seq.token_ids)."""
+        entry = None
         if logprob is not None:
             seq.cumulative_logprob += logprob[0]
             entry = {**logprob[1], token: logprob[0]}
-            if seq.decode_logprobs:
-                index = seq.num_known_tokens - 1  # this token's (pending ones are read back in order)
-                start = max(0, index - MAX_CONTEXT)
-                self.token_texts.fill(entry, seq.token_ids[start:index],  # the outputs' ids of them are its text's
-                                      own=index - max(start, seq.num_prompt_tokens))
             seq.output_logprobs.append(entry)
         prev_len = len(seq.output_text)
         # a stop token is known before its text is decoded: its text (or the character it completes) is never shown,
@@ -425,11 +424,35 @@ class LLMEngine:
             if seq.incremental_detokenize:
                 self.detokenizer.update(seq)
             reason = self._finish_reason(seq, prev_len)
+        if entry is not None and seq.decode_logprobs:  # once the finish is known: the token that ends the text
+            self._fill_texts(seq, entry, token,
+                             text_ending(reason, seq.stop_reason, seq.params.include_stop_str_in_output))
         if reason is not None:
             seq.finish_reason = reason  # before the flush: a stop token's text is left out (tokenizer.py)
             if not isinstance(seq.stop_reason, str):
                 self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
             self.scheduler.finish(seq)  # also drops a later PENDING token, if one was launched
+
+    def _fill_texts(self, seq: Sequence, entry: dict, token: int, ending: str | None) -> None:
+        """The decoded_token of the sampled position's Logprobs (engine/token_texts.py), after the ids before it. The
+        token that ends a finished text keeps the U+FFFDs of a character it leaves unfinished, as the text does
+        (`ending`: text_ending); a stop token whose text is left out gets its own decode, and the token before it,
+        which then ends the text, gets its position's texts again (a new dict: outputs streamed before keep theirs)."""
+        texts, index = self.token_texts, seq.num_known_tokens - 1  # this token's (pending ones are read in order)
+        context, own = self._text_context(seq, index)
+        texts.fill(entry, context, own, final=ending == ENDS_TEXT)
+        if ending == ENDS_AT_STOP_TOKEN:
+            entry[token].decoded_token = texts.solo(token)
+            if own:  # the token before it is an output (else the prompt's, whose text stays as it is)
+                before = {t: Logprob(lp, lp.rank) for t, lp in seq.output_logprobs[-2].items()}
+                texts.fill(before, *self._text_context(seq, index - 1), final=True)
+                seq.output_logprobs[-2] = before
+
+    def _text_context(self, seq: Sequence, index: int) -> tuple[list[int], int]:
+        """The ids before the output position `index` of `seq` that its token texts read (TokenTexts.context_of), and
+        how many of them are outputs (the rest are the prompt's)."""
+        context, _ = self.token_texts.context_of(seq.token_ids, index)
+        return context, min(len(context), index - seq.num_prompt_tokens)
 
     def _stop_token_reason(self, seq: Sequence, token: int) -> str | None:
         """"stop" where `token` is an EOS (unless ignore_eos) or one of stop_token_ids (its id becomes stop_reason),
@@ -498,12 +521,18 @@ class LLMEngine:
 
     def _release(self) -> None:
         """What a built engine holds beyond its memory, given back (close(), or __init__ when the build fails): the
-        process's BLAS preference as it was, the TP workers, the launched group."""
-        torch.backends.cuda.preferred_blas_library(self._blas_before)
-        if self.tp_driver is not None:
-            self.tp_driver.close()
-        if self.launcher is not None:
-            self.launcher.close()
+        process's BLAS preference as it was, the TP workers, the launched group. Each is given back whatever an
+        earlier one raised; the first error is raised once all were tried."""
+        steps = [lambda: torch.backends.cuda.preferred_blas_library(self._blas_before)]
+        steps += [holder.close for holder in (self.tp_driver, self.launcher) if holder is not None]
+        error = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         self._release()

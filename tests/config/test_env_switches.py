@@ -142,6 +142,53 @@ def test_a_build_that_fails_after_the_runner_set_the_blas_library_puts_it_back(f
         torch.backends.cuda.preferred_blas_library("cublas")
 
 
+class _Holder:
+    """A TP driver or launched group whose close() is recorded, and raises where `fails`."""
+
+    def __init__(self, name: str, closed: list, fails: bool):
+        self.name, self.closed, self.fails = name, closed, fails
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+        if self.fails:
+            raise RuntimeError(f"{self.name} close failed")
+
+
+def test_each_resource_is_given_back_whatever_another_raised(monkeypatch):
+    """LLMEngine._release gives back the BLAS preference, the TP driver and the launched group each whatever an
+    earlier one raised, and raises the first error once all were tried; a build that fails raises its own error,
+    not a failed clean-up's, with everything given back."""
+    from metainfer.engine.llm_engine import LLMEngine
+
+    backend, closed = torch._C._BlasBackend, []
+
+    def failing_build(self, config):
+        torch.backends.cuda.preferred_blas_library("ck")
+        self.tp_driver, self.launcher = _Holder("driver", closed, True), _Holder("launcher", closed, False)
+        raise RuntimeError("the build failed")
+
+    torch.backends.cuda.preferred_blas_library("cublas")
+    try:
+        monkeypatch.setattr(LLMEngine, "_build", failing_build)
+        with pytest.raises(RuntimeError, match="the build failed"):
+            LLMEngine(None)
+        assert closed == ["driver", "launcher"] and torch.backends.cuda.preferred_blas_library() == backend.Cublas
+
+        engine = LLMEngine.__new__(LLMEngine)
+        for blas, driver_fails, first in (("cublas", True, "driver close failed"), ("no such", False, "Unknown")):
+            closed.clear()
+            torch.backends.cuda.preferred_blas_library("ck")
+            engine._blas_before = blas
+            engine.tp_driver, engine.launcher = _Holder("driver", closed, driver_fails), _Holder("launcher", closed,
+                                                                                               False)
+            with pytest.raises(RuntimeError, match=first):
+                engine._release()
+            assert closed == ["driver", "launcher"]
+            assert torch.backends.cuda.preferred_blas_library() == (backend.Cublas if blas == "cublas" else backend.Ck)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def test_overrides_parse_only_their_values():
     assert env_overrides({}) == {}
     # the custom all-reduce's variable keeps its older lenient spelling

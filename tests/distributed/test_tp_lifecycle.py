@@ -112,6 +112,33 @@ def test_worker_failure_mid_step_is_reported(model_dir, monkeypatch):
     assert not [p for p in pids if alive(p)] and not dist.is_initialized()
 
 
+@pytest.mark.tp
+def test_a_build_that_fails_after_the_workers_started_closes_them(model_dir, monkeypatch):
+    """The TP workers are up and rank 0's runner is built, then the engine's KV block manager raises: the caller gets
+    that error, and the engine gave the workers and the process group back before raising (nothing is left for a
+    finalizer: the error's traceback still holds the engine)."""
+    import metainfer.engine.llm_engine as llm_engine
+
+    pids = []
+    build_runner = tp_driver.TPDriver.build_runner
+
+    def recording_build_runner(self, *args, **kwargs):
+        runner = build_runner(self, *args, **kwargs)
+        pids.extend(self.worker_pids)
+        return runner
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the KV block manager failed")
+
+    monkeypatch.setattr(tp_driver.TPDriver, "build_runner", recording_build_runner)
+    monkeypatch.setattr(llm_engine, "BlockManager", fail)
+    with pytest.raises(RuntimeError, match="the KV block manager failed") as info:
+        LLM(model_dir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    assert pids and not wait_gone(pids, timeout=10), "a worker outlived the failed build"
+    assert not dist.is_initialized(), "rank 0 left the process group behind"
+    del info  # held the failed engine (its traceback's frames) through the checks
+
+
 # -- no orphans ----------------------------------------------------------------------------------
 @pytest.mark.tp
 def test_close_is_idempotent_and_reaps_workers(model_dir):

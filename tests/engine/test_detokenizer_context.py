@@ -13,7 +13,7 @@ import pytest
 
 from metainfer import LLM, SamplingParams
 from metainfer.engine.sequence import Sequence
-from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
+from metainfer.engine.token_texts import TokenTexts
 from metainfer.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from metainfer.entrypoints.openai.engine_loop import RequestState
 from tests.helpers.detok_reference import FFFD, text_after_prompt, token_pieces
@@ -248,8 +248,8 @@ def test_byte_fallback_token_texts_settle_unfinished_characters():
         text, want, _ = token_pieces(tok, prompt, out)
         got = []
         for i, t in enumerate(out):
-            context = (prompt + out[:i])[-MAX_CONTEXT:]
-            got.append(texts.text(t, context, {}, own=min(i, len(context)), final=i == len(out) - 1))
+            context, own = texts.context_of(out, i, prompt)
+            got.append(texts.text(t, context, {}, own, final=i == len(out) - 1))
         assert got == want, (tok.decode(prompt), text, want)
         checked.append(text)
     assert sum(FFFD * 2 in t.rstrip(FFFD) for t in checked) > 10 and sum(t.endswith(FFFD) for t in checked) > 10

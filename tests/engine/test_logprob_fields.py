@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from metainfer import LLM, SamplingParams
 from metainfer.entrypoints.openai.engine_core import EngineCore
 from metainfer.outputs import Logprob
+from tests.helpers.detok_reference import token_pieces
 from tests.helpers.engine_checks import BACKENDS, decoded_token_matches
 from tests.helpers.tiny_models import hf_logprob_rows, logprob_reference
 
@@ -251,12 +252,71 @@ def test_byte_tokens_of_multibyte_characters_join_to_the_text(reference, async_s
                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         as_sampled = [e[t].decoded_token for t, e in zip(sampled.token_ids, sampled.logprobs)]
         as_prompt = [again.prompt_logprobs[len(prompt) + i][t].decoded_token for i, t in enumerate(sampled.token_ids)]
-        assert as_sampled == as_prompt
-        # they join to the text after the prompt, but for the U+FFFDs of a character the last ids leave unfinished
-        # (the text's own, held back until an id settles them); é after a lead byte left unfinished carries its U+FFFD
-        text = tok.decode(prompt + list(sampled.token_ids))[len(tok.decode(prompt)):]
-        assert "".join(as_sampled) == text.rstrip("\ufffd")
+        # they are their slices of the text after the prompt (token_pieces, from the tokenizer's decode): é after a
+        # lead byte left unfinished carries its U+FFFD, and the last token of this length-finished text keeps the
+        # U+FFFDs it ends with; re-scored as a prompt (whose text goes on) the last one holds them back
+        text, want, _ = token_pieces(tok, prompt, list(sampled.token_ids))
+        assert as_sampled == want and "".join(as_sampled) == text
+        assert as_sampled[:-1] == as_prompt[:-1]
+        assert as_sampled[-1] == as_prompt[-1] + text[len(text.rstrip("\ufffd")):]
         assert "" in as_sampled and any(p.endswith("é") for p in as_sampled), "the sample must complete é"
         assert "\ufffdé" in as_sampled, "the sample must leave a character unfinished before one it completes"
+    finally:
+        llm.close()
+
+
+def _partial_runs(tok, ids: list[int]) -> list[int]:
+    """The lengths of the runs of ids whose decode alone is partial (U+FFFD in it)."""
+    return [len(run) for run in "".join("p" if "\ufffd" in tok.decode([t]) else "w" for t in ids).split("w") if run]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_token_texts_are_slices_of_the_text_after_long_runs_and_before_a_stop_token(reference,
+                                                                                           async_scheduling):
+    """Sampled among 😀's four bytes and "!": runs of byte tokens longer than any fixed window, characters that
+    complete and ones that never do. Each sampled decoded_token is its slice of the text (token_pieces, from the
+    tokenizer's decode after the prompt: the token after an unfinished character carries its U+FFFDs, none twice, and
+    the last token of a length-finished text keeps those it ends with). With "!" as a stop token whose text is left
+    out, the token before it ends the text (it keeps those U+FFFDs) and the stop token's text is its own decode, as
+    vLLM gives it; kept (include_stop_str_in_output), it ends the text itself. Streamed, the last output says the
+    same."""
+    folder, _, _ = reference
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = _byte_ids(tok, "Say ok")
+    bang = _byte_ids(tok, "!")[0]
+    allowed = [*_byte_ids(tok, "😀"), bang]
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=128, async_scheduling=async_scheduling)
+    try:
+        base = dict(temperature=1.0, max_tokens=40, ignore_eos=True, logprobs=1, allowed_token_ids=allowed)
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 20, [SamplingParams(seed=s, **base) for s in range(20)],
+                            use_tqdm=False)
+        long_runs = 0
+        for out in outs:
+            c = out.outputs[0]
+            text, want, _ = token_pieces(tok, prompt, list(c.token_ids))
+            assert [e[t].decoded_token for t, e in zip(c.token_ids, c.logprobs)] == want and c.text == text
+            long_runs += max(_partial_runs(tok, c.token_ids[:-1]), default=0) > 8
+        assert long_runs >= 3, "the samples must hold runs of partial ids longer than 8"
+
+        stops = dict(base, max_tokens=12, allowed_token_ids=[_byte_ids(tok, "é")[0], bang], stop_token_ids=[bang])
+        seeds = [SamplingParams(seed=s, **stops) for s in range(40)]
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 40, seeds, use_tqdm=False)
+        seed, ids = next((p.seed, list(o.outputs[0].token_ids)) for p, o in zip(seeds, outs)
+                         if len(o.outputs[0].token_ids) > 2 and o.outputs[0].stop_reason == bang)
+        for keep in (False, True):
+            params = SamplingParams(seed=seed, include_stop_str_in_output=keep, **stops)
+            c = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+            text, want, _ = token_pieces(tok, prompt, ids if keep else ids[:-1])
+            if not keep:
+                want += ["!"]
+            assert list(c.token_ids) == ids and c.text == text and text.endswith("\ufffd" if not keep else "!")
+            assert [e[t].decoded_token for t, e in zip(c.token_ids, c.logprobs)] == want
+            engine = llm.llm_engine
+            engine.add_request("streamed", {"prompt_token_ids": prompt}, params, stream=True)
+            last = None
+            while engine.has_unfinished_requests():
+                last = next((o for o in engine.step() if o.request_id == "streamed"), last)
+            streamed = last.outputs[0]
+            assert [e[t].decoded_token for t, e in zip(streamed.token_ids, streamed.logprobs)] == want
     finally:
         llm.close()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from metainfer.engine.token_texts import MAX_CONTEXT, REPLACEMENT_CHAR, TokenTexts
+from metainfer.engine.token_texts import REPLACEMENT_CHAR, TokenTexts
 from tests.helpers.detok_reference import FFFD, byte_ids, token_pieces
 from tests.helpers.tiny_models import qwen_tokenizer_dir
 
@@ -68,12 +68,12 @@ def test_a_literal_replacement_character_keeps_its_own_decode(tok):
 
 
 def _output_pieces(texts: TokenTexts, prompt: list[int], out: list[int]) -> list[str]:
-    """The output tokens' texts as the server asks for them: each after the ids before it (the prompt's last ones
-    among them), the last one ending the text (a length finish)."""
+    """The output tokens' texts as the server asks for them: each after the ids before it (back to the last whole
+    one, the prompt's where the outputs have none: context_of), the last one ending the text (a length finish)."""
     pieces = []
     for i, t in enumerate(out):
-        context = (prompt + out[:i])[-MAX_CONTEXT:]
-        pieces.append(texts.text(t, context, {}, own=min(i, len(context)), final=i == len(out) - 1))
+        context, own = texts.context_of(out, i, prompt)
+        pieces.append(texts.text(t, context, {}, own, final=i == len(out) - 1))
     return pieces
 
 
@@ -92,9 +92,6 @@ def test_an_unfinished_character_is_settled_by_the_token_after_it(tok):
     while len(checked) < 150:
         units = [rng.choice(cut_short if rng.random() < 0.5 else whole) for _ in range(rng.randrange(2, 9))]
         ids = [t for unit in units for t in unit]
-        partial = "".join("p" if FFFD in tok.decode([t]) else "w" for t in ids)
-        if max(map(len, partial.split("w"))) >= MAX_CONTEXT:  # more partial ids in a row than a position reads
-            continue
         cut = rng.randrange(1, len(ids))
         prompt, out = ids[:cut], ids[cut:]
         text, want, _ = token_pieces(tok, prompt, out)
@@ -114,3 +111,76 @@ def test_the_prompts_unfinished_character_stays_the_prompts(tok):
                       ([lead], [FFFD])):
         assert token_pieces(tok, prompt, out)[1] == want
         assert _output_pieces(texts, prompt, out) == want
+
+
+def test_a_run_of_partial_ids_of_any_length_joins_to_the_text(tok):
+    """Byte tokens of characters, characters cut short and stray trailing bytes, many partial ids in a row (a run
+    longer than any fixed window, as 🦜 + 🦜's first 3 bytes + 😀: 11 byte tokens): each output token's text, given
+    the whole sequence before it, is its slice of the text (token_pieces), so a token never carries U+FFFDs an
+    earlier one already carried; the context a caller reads (context_of: back to the last whole id) gives the same."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    prompt = enc("> ok")
+    out = byte_ids(tok, "🦜".encode()) + byte_ids(tok, "🦜".encode()[:3]) + byte_ids(tok, "😀".encode()) + enc(" ok")
+    texts = TokenTexts(tok)
+    full = [texts.text(t, prompt + out[:i], {}, i, final=i == len(out) - 1) for i, t in enumerate(out)]
+    assert full == token_pieces(tok, prompt, out)[1] == [""] * 3 + ["🦜"] + [""] * 6 + [FFFD + "😀", " ok"]
+    assert _output_pieces(texts, prompt, out) == full
+
+    rng, checked = random.Random(1), 0
+    stray = byte_ids(tok, bytes(range(0x80, 0xC0)))
+    while checked < 60:
+        ids = enc("> ok")
+        for _ in range(rng.randrange(3, 14)):
+            data = rng.choice("é🦜中데😀").encode()
+            ids += byte_ids(tok, data[:rng.randrange(1, len(data) + 1)]) if rng.random() < 0.8 else [rng.choice(stray)]
+        ids += enc(rng.choice([" ok", "!", "请"]))
+        partial = "".join("p" if FFFD in tok.decode([t]) else "w" for t in ids)
+        cut = rng.randrange(1, len(ids))
+        prompt, out = ids[:cut], ids[cut:]
+        try:
+            text, want, _ = token_pieces(tok, prompt, out)
+        except AssertionError:  # a text whose shorter decodes are not its prefixes: no slices to compare with
+            continue
+        got = [texts.text(t, prompt + out[:i], {}, i, final=i == len(out) - 1) for i, t in enumerate(out)]
+        assert got == want == _output_pieces(texts, prompt, out), (text, want, got)
+        checked += max(map(len, partial.split("w"))) >= 12  # a run longer than 12 partial ids
+    assert checked == 60
+
+
+class _CountingTokenizer:
+    """The Qwen tokenizer with its decode calls counted (and its byte-level decoder shown as its own)."""
+
+    def __init__(self, tok):
+        self.tok, self.backend_tokenizer, self.decodes = tok, tok.backend_tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decodes += 1
+        return self.tok.decode(ids, **kwargs)
+
+
+def test_a_whole_id_after_an_unfinished_character_costs_no_decode(tok):
+    """After ids that end inside a character, an id whose decode alone is whole (its bytes start a character, so
+    they cannot complete the held one) gets the U+FFFDs it settles + its own decode, without decoding (a byte-level
+    BPE's decode is its ids' bytes joined): the same text as the decode after the context (text_after), with one
+    window a position however many ids it lists; ids whose decode alone is partial still decode."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    lead = enc("请데이터")[1]
+    rng = random.Random(2)
+    vocab = [t for t in rng.sample(range(151000), 3000) if tok.decode([t])]
+    whole = [t for t in vocab if FFFD not in tok.decode([t])]
+    counting = _CountingTokenizer(tok)
+    texts, reference = TokenTexts(counting), TokenTexts(tok)
+    for t in vocab:
+        texts.solo(t)
+    contexts = [(enc("> ok") + [lead], None), (enc("> ok") + [lead], 0), (enc("> ok") + byte_ids(tok, b"\xf0\x9f"), 1),
+                (enc("> ok") + byte_ids(tok, "데".encode()), None), (enc("> ") + [lead, lead, lead], 2)]
+    for context, own in contexts:
+        counting.decodes = 0
+        befores: dict = {}
+        got = [texts.text(t, context, befores, own) for t in whole]
+        assert counting.decodes <= 8 < len(whole) // 100  # the position's window (and its context ids' own decodes)
+        assert got == [reference.text_after(t, context, {}, own) for t in whole]
+        partial = [t for t in vocab if t not in whole][:20]
+        assert [texts.text(t, context, {}, own) for t in partial] == [
+            reference.text_after(t, context, {}, own) for t in partial]
+    assert any(p.startswith(FFFD * 2) for p in got)

@@ -367,3 +367,39 @@ def test_logprob_tokens_and_offsets_follow_the_text_after_an_unfinished_characte
         assert full.finish_reason == "stop" and full.stop_reason == rest
         assert full.text == streamed == expected, (stop, full.text, streamed)
     wait_idle(server)
+
+
+def test_a_stop_tokens_logprob_text_is_its_decode_and_the_token_before_it_ends_the_text(server, client, ref):
+    """Sampled among 데's lead byte and " ok" with " ok" a stop token (its text left out): the output's lead bytes
+    are unfinished characters, U+FFFDs in the text. The token before the stop token ends the text and keeps the
+    U+FFFD it ends with, the stop token's text is its own decode (as vLLM's), so the other tokens are their slices
+    of the text (token_pieces) and the text_offsets index it. Streamed, a stop token whose chunk comes after the one
+    that answered the token before it carries the U+FFFDs its finish settled: the tokens still join to the text +
+    the stop token's decode. With include_stop_str_in_output the stop token's text is in the text, and its token
+    ends it."""
+    tok = ref.get_tokenizer()
+    lead = tok.encode("请데이터")[-2]
+    (ok,) = tok.encode(" ok")
+    prompt = tok.encode("> 请")
+    stops = dict(temperature=1.0, max_tokens=10, allowed_token_ids=[lead, ok], stop_token_ids=[ok])
+    seeds = [SamplingParams(seed=s, **stops) for s in range(30)]
+    outs = [o.outputs[0] for o in ref.generate([{"prompt_token_ids": prompt}] * 30, seeds, use_tqdm=False)]
+    seed, ids = next((s, list(o.token_ids)) for s, o in enumerate(outs) if len(o.token_ids) > 2 and o.stop_reason)
+    body = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, logprobs=1, seed=seed)
+    for keep in (False, True):
+        text, tokens, offsets = token_pieces(tok, prompt, ids if keep else ids[:-1])
+        if not keep:
+            tokens, offsets = tokens + [" ok"], offsets + [len(text)]
+        assert text.endswith("\ufffd" if not keep else " ok")
+        kw = dict(body, extra_body={"allowed_token_ids": [lead, ok], "stop_token_ids": [ok],
+                                    "include_stop_str_in_output": keep})
+        full = client.completions.create(**kw).choices[0]
+        assert full.text == text and full.stop_reason == ok
+        assert full.logprobs.tokens == tokens and full.logprobs.text_offset == offsets, keep
+        chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+        streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        assert "".join(c.text for c in chunks) == text
+        assert "".join(streamed) == text + ("" if keep else " ok") and streamed[-1].endswith(tokens[-1])
+        assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == [
+            len("".join(streamed[:i])) for i in range(len(streamed))]
+    wait_idle(server)

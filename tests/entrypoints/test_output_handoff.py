@@ -464,6 +464,7 @@ def test_a_submit_queued_behind_tokenizing_gets_a_503_when_the_engine_stops():
 def test_pieces_yield_every_output_with_new_tokens_even_without_new_text():
     """A step whose token ends inside a character adds no text: its piece still goes out (empty text, its token
     id), so a client sees every step (vLLM's rule); an output with no new token (nothing to say) is skipped."""
+    from metainfer.engine.token_texts import TokenTexts
     from metainfer.entrypoints.openai.serving_base import OpenAIServing
     from metainfer.outputs import CompletionOutput, RequestOutput
 
@@ -477,16 +478,59 @@ def test_pieces_yield_every_output_with_new_tokens_even_without_new_text():
 
         async def outputs(self):
             for ids, text, finish in steps:
-                yield RequestOutput("r", None, [9], [CompletionOutput(0, text, list(ids), finish_reason=finish)],
-                                    finish is not None)
+                out = CompletionOutput(0, text, list(ids), finish_reason=finish, logprobs=[{t: -1.0} for t in ids])
+                yield RequestOutput("r", None, [9], [out], finish is not None)
+
+    class Tokenizer:  # 9, 1, 4 decode whole; 2 (a lead byte) and 3 (a trailing byte) alone to U+FFFD
+        def decode(self, ids):
+            return "".join({9: "x", 1: "a", 2: "\ufffd", 3: "\ufffd", 4: "b"}[t] for t in ids)
 
     serving = OpenAIServing.__new__(OpenAIServing)
+    serving.token_texts = TokenTexts(Tokenizer())
 
     async def collect():
         return [(text, ids, ctx, own) async for _, _, text, ids, _, ctx, own
                 in serving.pieces(Group(), 1, SamplingParams(), False, {})]
 
-    # each piece also names the ids before its new ones (the prompt's, then earlier outputs'): its token texts'
-    # context, and how many of them are outputs
-    assert asyncio.run(collect()) == [("a", [1], [9], 0), ("", [2], [9, 1], 1), ("\u00e9", [3], [9, 1, 2], 2),
-                                      ("b", [4], [9, 1, 2, 3], 3)]
+    # each piece also names the ids before its new ones that their token texts read (back to the last one whose
+    # decode alone is whole: the prompt's, then earlier outputs'), and how many of them are outputs
+    assert asyncio.run(collect()) == [("a", [1], [9], 0), ("", [2], [1], 1), ("\u00e9", [3], [1, 2], 2),
+                                      ("b", [4], [1, 2, 3], 3)]
+
+
+def test_pieces_read_the_prompts_tail_only():
+    """The context of a choice's token texts is read from the prompt's end, however long it is: no copy of the whole
+    prompt per streamed chunk (a prompt that cannot be iterated whole still streams), into the prompt as far as the
+    outputs before the new ones hold partial ids only (a prompt that ends with a lead byte: back to its last whole
+    id)."""
+    from metainfer.engine.token_texts import TokenTexts
+    from metainfer.entrypoints.openai.serving_base import OpenAIServing
+    from metainfer.outputs import CompletionOutput, RequestOutput
+
+    class Prompt(list):
+        def __iter__(self):
+            raise AssertionError("the whole prompt was copied")
+
+    prompt = Prompt([1] * 100_000 + [5, 2])
+    steps = [([3], "\u00e9", None), ([3, 4], "\u00e9b", "length")]
+
+    class Group:
+        position = {"r": 0}
+
+        async def outputs(self):
+            for ids, text, finish in steps:
+                out = CompletionOutput(0, text, list(ids), finish_reason=finish, logprobs=[{t: -1.0} for t in ids])
+                yield RequestOutput("r", None, prompt, [out], finish is not None)
+
+    class Tokenizer:
+        def decode(self, ids):
+            return "".join({1: "a", 5: "x", 2: "\ufffd", 3: "\ufffd", 4: "b"}[t] for t in ids)
+
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.token_texts = TokenTexts(Tokenizer())
+
+    async def collect():
+        return [(ids, ctx, own) async for _, _, _, ids, _, ctx, own
+                in serving.pieces(Group(), 1, SamplingParams(), False, {})]
+
+    assert asyncio.run(collect()) == [([3], [5, 2], 0), ([4], [5, 2, 3], 1)]

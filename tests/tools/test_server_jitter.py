@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from metainfer.bench.serve import _add_arguments, make_payloads
+from tests.helpers.detok_reference import text_after_prompt
 from tests.helpers.tiny_models import hf_greedy
 from tools.serve_overhead import build_model
 from tools.server_jitter import measure
@@ -21,8 +22,10 @@ NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 12
 
 
 def _hf_texts(model_dir: str) -> list[str]:
-    """The text of each request `bench serve` sends (its token-id prompts, rebuilt from its own defaults: seed 0),
-    as HF's greedy generation of OUTPUT_LEN tokens decodes it."""
+    """The text of each request `bench serve` sends (its token-id prompts, rebuilt from its own defaults: seed 0):
+    HF's greedy OUTPUT_LEN tokens, as the server's text is, the tokenizer's decode of prompt + output past the
+    prompt's (text_after_prompt: a prompt that ends inside a character, or a decoder that joins across the prompt's
+    end, gives a text other than the output's decode alone)."""
     parser = argparse.ArgumentParser()
     _add_arguments(parser)
     bench_args = parser.parse_args(["--num-prompts", str(NUM_PROMPTS), "--input-len", str(INPUT_LEN),
@@ -30,7 +33,8 @@ def _hf_texts(model_dir: str) -> list[str]:
     prompts = [payload["prompt"] for payload in make_payloads(bench_args, "tiny")]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in hf_greedy(model, prompts, OUTPUT_LEN)]
+    return [text_after_prompt(tokenizer, prompt, list(ids))
+            for prompt, ids in zip(prompts, hf_greedy(model, prompts, OUTPUT_LEN))]
 
 
 @pytest.mark.slow  # an engine process, a server and a client process

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from metainfer.engine.token_texts import MAX_CONTEXT, TokenTexts
+from metainfer.engine.token_texts import ENDS_AT_STOP_TOKEN, ENDS_TEXT, REPLACEMENT_CHAR, TokenTexts
 from metainfer.entrypoints.openai.engine_loop import EngineError, EngineLoop, RequestGroup
 from metainfer.entrypoints.openai.errors import OpenAIError, engine_failed
 from metainfer.entrypoints.openai.protocol import usage
@@ -25,8 +25,9 @@ from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 
 Finals = dict[str, RequestOutput]
-# (choice, index, text, new token ids, their logprob dicts or None, the ids before them, how many of those are the
-# choice's own outputs: the rest are the prompt's)
+# (choice, index, text, new token ids, their logprob dicts or None, the ids before them that their token texts read
+# (TokenTexts.context_of; none where no logprobs were asked for), how many of those are the choice's own outputs: the
+# rest are the prompt's)
 Piece = tuple[CompletionOutput, int, str, list[int], list | None, list[int], int]
 
 
@@ -57,25 +58,36 @@ class OpenAIServing:
         return check_model(self.served_model_names, model)
 
     def token_texts_at(self, token_ids: list[int], dicts: list, context, own: int | None = None,
-                       final: bool = False) -> list[tuple[str, dict[int, str]]]:
+                       ending: str | None = None) -> list[tuple[str, dict[int, str]]]:
         """(the text of each id, {listed id: its text}) per position, as LLMEngine's Logprob.decoded_token gives
         them (engine/token_texts.py: a byte-level piece of a character gets what it adds after the ids before it, so
         the pieces join to the text); `context`: the ids before the first position (the prompt's and earlier
-        outputs' last ones), of which the last `own` are the same text's (None: all; 0: the prompt's alone, whose
-        partial character the output does not complete stays the prompt's); `final`: the last id ends the text (it
-        keeps the U+FFFDs of a character left unfinished, as the full decode does). A None dict (a prompt's first
-        token) gives an empty listing."""
-        texts, ctx = [], list(context)[-MAX_CONTEXT:]
-        own = None if own is None else min(own, len(ctx))
+        outputs': their tail from the last id whose decode alone is whole is read), of which the last `own` are the
+        same text's (None: all; 0: the prompt's alone, whose partial character the output does not complete stays
+        the prompt's). `ending` (token_texts.text_ending) where these ids end a finished text: ENDS_TEXT, the last id
+        ends it (it keeps the U+FFFDs of a character left unfinished, as the full decode does); ENDS_AT_STOP_TOKEN,
+        the last id is a stop token whose text is left out: the id before it ends the text, and the stop token's text
+        is its own decode (after the U+FFFDs the text ends with where the id before it was answered earlier, in
+        another chunk, so the texts still join). A None dict (a prompt's first token) gives an empty listing."""
+        texts, token_texts, n = [], self.token_texts, len(token_ids)
+        ctx, in_ctx = token_texts.context_of(context, len(context))
+        own = None if own is None else min(own, in_ctx)
+        ends = n - 1 if ending == ENDS_TEXT else n - 2 if ending == ENDS_AT_STOP_TOKEN else None
         for i, (tid, d) in enumerate(zip(token_ids, dicts)):
             befores: dict = {}
-            last = final and i == len(token_ids) - 1
-            text = self.token_texts.text(tid, ctx, befores, own, last)
-            listed = ({t: (text if t == tid else self.token_texts.text(t, ctx, befores, own, last)) for t in d}
+            last = i == ends
+            if ending == ENDS_AT_STOP_TOKEN and i == n - 1:
+                text = token_texts.solo(tid) if i else token_texts.unfinished(ctx, own) + token_texts.solo(tid)
+            else:
+                text = token_texts.text(tid, ctx, befores, own, last)
+            listed = ({t: (text if t == tid else token_texts.text(t, ctx, befores, own, last)) for t in d}
                       if d else {})
             texts.append((text, listed))
-            ctx = (ctx + [tid])[-MAX_CONTEXT:]
-            own = None if own is None else min(own + 1, len(ctx))
+            if REPLACEMENT_CHAR in token_texts.solo(tid):  # the next position reads back to the last whole id
+                ctx.append(tid)
+                own = None if own is None else own + 1
+            else:
+                ctx, own = [tid], None if own is None else 1
         return texts
 
     def prompt_text(self, out: RequestOutput) -> str:
@@ -105,8 +117,9 @@ class OpenAIServing:
     async def pieces(self, group: RequestGroup, n: int, params: SamplingParams, echo: bool,
                      finals: Finals) -> AsyncIterator[Piece]:
         """What is new per choice since its last yield: (choice, index, text, new token ids, their logprob dicts
-        or None, the last MAX_CONTEXT ids before the new ones: the context of their token texts, how many of those
-        are outputs).
+        or None, the ids before the new ones that their token texts read (TokenTexts.context_of: back to the last id
+        whose decode alone is whole, into the prompt's tail where the outputs have none; only those ids are copied),
+        how many of those are outputs).
 
         The new tokens are sliced when the output arrives: a choice's token lists are the engine loop's own and
         grow while this generator waits for its consumer, so they must not be read after a yield.
@@ -137,9 +150,10 @@ class OpenAIServing:
                 if finished:
                     done.add(index)
                 new_logprobs = c.logprobs[first:length] if c.logprobs is not None else None
-                before = c.token_ids[max(0, first - MAX_CONTEXT):first]
-                context = (list(out.prompt_token_ids or ())[-MAX_CONTEXT:] + before)[-MAX_CONTEXT:]
-                yield c, index, text, c.token_ids[first:length], new_logprobs, context, min(first, len(context))
+                context, own = [], 0
+                if new_logprobs is not None and self.token_texts is not None:
+                    context, own = self.token_texts.context_of(c.token_ids, first, out.prompt_token_ids or ())
+                yield c, index, text, c.token_ids[first:length], new_logprobs, context, own
 
     @staticmethod
     def _event_stream(group: RequestGroup, chunks, head: dict, finals: Finals, include_usage: bool) -> _EventStream:

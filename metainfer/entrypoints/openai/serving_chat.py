@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from metainfer.engine.request_validation import InvalidRequestError
+from metainfer.engine.token_texts import text_ending
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
 from metainfer.entrypoints.openai.errors import OpenAIError
 from metainfer.entrypoints.openai.protocol import ChatCompletionRequest, ChatTemplateFields, parse_request
@@ -67,11 +68,12 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(
             request, req, group, base=base, model=model, obj="chat.completion", chunk_obj="chat.completion.chunk",
             chunks=lambda head, finals: self._chunks(group, req, params, head, finals, top_k),
-            choices=lambda finals: self._choices(finals[base], req, top_k))
+            choices=lambda finals: self._choices(finals[base], req, params, top_k))
 
-    def _choices(self, out, req: ChatCompletionRequest, top_k: int) -> list[dict]:
+    def _choices(self, out, req: ChatCompletionRequest, params: SamplingParams, top_k: int) -> list[dict]:
         return [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                 "logprobs": {"content": self.logprobs(c.token_ids, c.logprobs or [], top_k, out.prompt_token_ids)}
+                 "logprobs": {"content": self.logprobs(c.token_ids, c.logprobs or [], top_k, out.prompt_token_ids, 0,
+                                                       _ending(c, params))}
                  if req.logprobs else None,
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
 
@@ -83,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         async for c, index, text, ids, dicts, context, own in self.pieces(group, req.n, params, False, finals):
             logprobs = None
             if req.logprobs:
-                logprobs = {"content": self.logprobs(ids, dicts or [], top_k, context, own)}
+                logprobs = {"content": self.logprobs(ids, dicts or [], top_k, context, own, _ending(c, params))}
             choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
@@ -91,14 +93,21 @@ class OpenAIServingChat(OpenAIServing):
             yield {**head, "choices": [choice]}
 
     def logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], k: int, context,
-                 own: int = 0) -> list[dict]:
+                 own: int = 0, ending: str | None = None) -> list[dict]:
         """Chat-style logprobs (token, logprob, bytes, the top k) for some output tokens after the ids `context`, the
-        last `own` of them outputs (the texts and their bytes as vLLM's: LLMEngine's decoded_token, token_texts_at)."""
+        last `own` of them outputs (the texts and their bytes as vLLM's: LLMEngine's decoded_token, token_texts_at,
+        with `ending`: the same texts as completions' tokens)."""
         content = []
-        for tid, d, (text, listed) in zip(token_ids, dicts, self.token_texts_at(token_ids, dicts, context, own)):
+        texts = self.token_texts_at(token_ids, dicts, context, own, ending)
+        for tid, d, (text, listed) in zip(token_ids, dicts, texts):
             ranked = sorted(d.items(), key=lambda kv: -kv[1])
             ranked = ranked if k == -1 else ranked[:k]  # top_logprobs=-1: the whole vocabulary
             content.append({"token": text, "logprob": d.get(tid), "bytes": list(text.encode()),
                             "top_logprobs": [{"token": listed[t], "logprob": lp, "bytes": list(listed[t].encode())}
                                              for t, lp in ranked]})
         return content
+
+
+def _ending(c, params: SamplingParams) -> str | None:
+    """How the choice `c`'s last token ends its text (token_texts.text_ending), as completions reads it."""
+    return text_ending(c.finish_reason, c.stop_reason, params.include_stop_str_in_output)

@@ -7,7 +7,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from metainfer.engine.tokenizer import ended_by_stop_token
+from metainfer.engine.token_texts import ENDS_TEXT, text_ending
 from metainfer.entrypoints.openai.engine_loop import RequestGroup
 from metainfer.entrypoints.openai.protocol import CompletionRequest, parse_request
 from metainfer.entrypoints.openai.serving_base import Finals, OpenAIServing
@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = self.logprobs(ids, c.logprobs or [], len(prefix), out.prompt_token_ids, 0,
-                                             _ends_text(c, params))
+                                             _ending(c, params))
                     if req.echo:
                         logprobs = self._with_prompt(out, logprobs)
                 choices.append({"index": group.position[rid] * req.n + c.index, "text": prefix + text,
@@ -63,13 +63,13 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = None
             first = index not in offsets
             if want_logprobs:
-                final = _ends_text(c, params)
+                ending = _ending(c, params)
                 if req.echo and first:  # the chunk that echoes the prompt carries its tokens' logprobs first
                     out = finals[group.ids[index // req.n]]
                     logprobs = self._with_prompt(out, self.logprobs(ids, dicts or [], len(self.prompt_text(out)),
-                                                                    context, own, final))
+                                                                    context, own, ending))
                 else:
-                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context, own, final)
+                    logprobs = self.logprobs(ids, dicts or [], offsets.get(index, 0), context, own, ending)
             # the next chunk's first text_offset: past this chunk's token texts, as the whole body counts them (the
             # streamed text may hold some back: a partial character, a possible stop string)
             offsets[index] = (_offset_after(logprobs, offsets.get(index, 0)) if logprobs
@@ -81,17 +81,19 @@ class OpenAIServingCompletion(OpenAIServing):
         """`output_logprobs` after the echoed prompt's own (its first token has none: null, as vLLM and OpenAI). The
         echoed text is the prompt's whole decode, so its last token keeps a partial character's U+FFFDs."""
         prompt = self.logprobs(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids), 0, (),
-                               None, True)
+                               None, ENDS_TEXT)
         return {key: prompt[key] + output_logprobs[key] for key in prompt}
 
     def logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None], text_offset: int, context,
-                 own: int | None = 0, final: bool = False) -> dict:
+                 own: int | None = 0, ending: str | None = None) -> dict:
         """Completions-style logprobs for some tokens after the ids `context` (a None dict: a prompt's first token,
-        which has none; the texts as vLLM's: LLMEngine's decoded_token, token_texts_at, with `own` and `final`).
+        which has none; the texts as vLLM's: LLMEngine's decoded_token, token_texts_at, with `own` and `ending`).
         The token texts join to the choice's text (each text_offset is the length of those before it), a partial
-        character's U+FFFDs included, except where the text leaves a stop token's or a stop string's out."""
+        character's U+FFFDs included, except where the text leaves out a stop token's text (that token's text is its
+        own decode), a stop string and what follows it, or a special token's text that skip_special_tokens (the
+        default) drops (its token keeps it)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
-        texts = self.token_texts_at(token_ids, dicts, context, own, final)
+        texts = self.token_texts_at(token_ids, dicts, context, own, ending)
         for tid, d, (text, listed) in zip(token_ids, dicts, texts):
             tokens.append(text)
             if d is None:
@@ -110,12 +112,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _ends_text(c, params: SamplingParams) -> bool:
-    """Whether the choice `c` has finished with a text that is the decode of all its tokens (a length, or a stop token
-    whose text is kept): its last token then keeps a partial character's U+FFFDs, as that decode does."""
-    if c.finish_reason == "length":
-        return True
-    return ended_by_stop_token(c) and params.include_stop_str_in_output
+def _ending(c, params: SamplingParams) -> str | None:
+    """How the choice `c`'s last token ends its text (token_texts.text_ending: the token that ends a finished text
+    keeps a partial character's U+FFFDs, as the text does; a stop token left out of it gets its own decode)."""
+    return text_ending(c.finish_reason, c.stop_reason, params.include_stop_str_in_output)
 
 
 def _offset_after(logprobs: dict, offset: int) -> int:
