@@ -16,19 +16,19 @@ step with a running penalised sequence first reads back what is in flight.
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import logging
 import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from metainfer.config import EngineConfig, ModelSpec, locate_model
 from metainfer.engine.block_manager import BlockManager
+from metainfer.engine.logprob_entries import fill_sampled_texts, prompt_logprobs, store_prompt_logprobs
 from metainfer.engine.request_validation import (
     InvalidRequestError,
     RequestLimits,
@@ -38,14 +38,14 @@ from metainfer.engine.request_validation import (
     check_request,
     kv_tokens_needed,
 )
-from metainfer.engine.scheduler import ScheduledBatch, Scheduler, prompt_logprob_rows
+from metainfer.engine.scheduler import ScheduledBatch, Scheduler
 from metainfer.engine.sequence import Sequence
-from metainfer.engine.token_texts import ENDS_AT_STOP_TOKEN, ENDS_TEXT, TokenTexts, text_ending
+from metainfer.engine.token_texts import TokenTexts, text_ending
 from metainfer.engine.tokenizer import IncrementalDetokenizer, NoText, load_tokenizer
 from metainfer.knowledge.spec_report import model_spec
 from metainfer.loader.gguf import gguf_config, share_gguf_readers
 from metainfer.models.shape_contract import validate_tp_config
-from metainfer.outputs import CompletionOutput, Logprob, RequestOutput
+from metainfer.outputs import CompletionOutput, RequestOutput
 from metainfer.sampling_params import SamplingParams
 from metainfer.worker.model_runner import ModelRunner
 from metainfer.worker.sampler import HostSample, SampledBatch
@@ -307,7 +307,7 @@ class LLMEngine:
             log.error("request %s failed a step and was finished with an error: %s: %s", request_id,
                       type(exc).__name__, exc)
             self._fail_request(request_id, f"{type(exc).__name__}: {exc}")
-        rest = _sub_batch(batch, [s for s in batch.seqs if s.request_id not in culprits])
+        rest = batch.subset([s for s in batch.seqs if s.request_id not in culprits])
         self._restore_sampling_state(saved)
         return rest, (self._run(rest) if rest.seqs else None)
 
@@ -325,7 +325,7 @@ class LLMEngine:
         for part in (seqs[:half], seqs[half:]):
             self._restore_sampling_state(saved)
             try:
-                self._run(_sub_batch(batch, part))
+                self._run(batch.subset(part))
                 error = None
             except Exception as err:
                 error = err
@@ -367,7 +367,7 @@ class LLMEngine:
             if result is not None and step.trace is not None:  # the device finished it (or the host came late)
                 step.trace[-1] = time.perf_counter()
             if result is not None and result.prompt_logprobs is not None:
-                _store_prompt_logprobs(step.batch.prompt_logprobs, result.prompt_logprobs)
+                store_prompt_logprobs(step.batch.prompt_logprobs, result.prompt_logprobs)
                 self._fill_prompt_texts(step.batch.prompt_logprobs)
             now = time.monotonic()
             for i, seq in enumerate(step.sampling):
@@ -425,34 +425,13 @@ class LLMEngine:
                 self.detokenizer.update(seq)
             reason = self._finish_reason(seq, prev_len)
         if entry is not None and seq.decode_logprobs:  # once the finish is known: the token that ends the text
-            self._fill_texts(seq, entry, token,
-                             text_ending(reason, seq.stop_reason, seq.params.include_stop_str_in_output))
+            fill_sampled_texts(self.token_texts, seq, entry, token,
+                               text_ending(reason, seq.stop_reason, seq.params.include_stop_str_in_output))
         if reason is not None:
             seq.finish_reason = reason  # before the flush: a stop token's text is left out (tokenizer.py)
             if not isinstance(seq.stop_reason, str):
                 self.detokenizer.flush(seq)  # text held back (or never decoded) is emitted now
             self.scheduler.finish(seq)  # also drops a later PENDING token, if one was launched
-
-    def _fill_texts(self, seq: Sequence, entry: dict, token: int, ending: str | None) -> None:
-        """The decoded_token of the sampled position's Logprobs (engine/token_texts.py), after the ids before it. The
-        token that ends a finished text keeps the U+FFFDs of a character it leaves unfinished, as the text does
-        (`ending`: text_ending); a stop token whose text is left out gets its own decode, and the token before it,
-        which then ends the text, gets its position's texts again (a new dict: outputs streamed before keep theirs)."""
-        texts, index = self.token_texts, seq.num_known_tokens - 1  # this token's (pending ones are read in order)
-        context, own = self._text_context(seq, index)
-        texts.fill(entry, context, own, final=ending == ENDS_TEXT)
-        if ending == ENDS_AT_STOP_TOKEN:
-            entry[token].decoded_token = texts.solo(token)
-            if own:  # the token before it is an output (else the prompt's, whose text stays as it is)
-                before = {t: Logprob(lp, lp.rank) for t, lp in seq.output_logprobs[-2].items()}
-                texts.fill(before, *self._text_context(seq, index - 1), final=True)
-                seq.output_logprobs[-2] = before
-
-    def _text_context(self, seq: Sequence, index: int) -> tuple[list[int], int]:
-        """The ids before the output position `index` of `seq` that its token texts read (TokenTexts.context_of), and
-        how many of them are outputs (the rest are the prompt's)."""
-        context, _ = self.token_texts.context_of(seq.token_ids, index)
-        return context, min(len(context), index - seq.num_prompt_tokens)
 
     def _stop_token_reason(self, seq: Sequence, token: int) -> str | None:
         """"stop" where `token` is an EOS (unless ignore_eos) or one of stop_token_ids (its id becomes stop_reason),
@@ -505,7 +484,7 @@ class LLMEngine:
         # the prompt ids are shared, not copied per step (a streamed 512-token prompt was copied every token)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              request.finished, metrics, metrics["num_cached_tokens"], error=request.error,
-                             prompt_logprobs=_prompt_logprobs(request))
+                             prompt_logprobs=prompt_logprobs(request.seqs[0]))
 
     # -- observability ------------------------------------------------------------------
     def num_running(self) -> int:
@@ -582,32 +561,6 @@ def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
     if not ids:
         raise InvalidRequestError("prompt", "prompt encodes to zero tokens")
     return prompt, ids
-
-
-def _store_prompt_logprobs(scored, entries: list[tuple[float, dict[int, float]]]) -> None:
-    """A step's scored prompt tokens into their sequences (by position: a recomputed prompt rescores the same)."""
-    for (seq, position), target, (chosen, top) in zip(scored.owners, scored.targets, entries):
-        k = seq.params.prompt_logprobs  # the step's top list is as long as its largest k; it is sorted
-        top = top if k == -1 else dict(itertools.islice(top.items(), k))  # -1: the whole vocabulary
-        seq.prompt_logprobs[position] = {**top, target: chosen}
-
-
-def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
-    """The request's prompt logprobs once every prompt token is scored (its samples share one prompt: the first
-    sample's; a copy, as the other output lists)."""
-    scored = request.seqs[0].prompt_logprobs
-    if scored is None or (len(scored) > 1 and scored[-1] is None):
-        return None
-    return list(scored)
-
-
-def _sub_batch(batch: ScheduledBatch, seqs: list[Sequence]) -> ScheduledBatch:
-    """Some rows of `batch` (their order kept, so decode rows stay first) as a batch of their own."""
-    decode_rows = {id(s) for s in batch.seqs[: batch.num_decode_rows]}
-    num_decode = sum(id(s) in decode_rows for s in seqs)
-    prefill = num_decode < len(seqs)
-    return replace(batch, seqs=seqs, is_prefill=prefill, num_decode_rows=num_decode,
-                   prompt_logprobs=prompt_logprob_rows(seqs) if prefill else None)
 
 
 def resolve_config(config: EngineConfig) -> ModelSpec:

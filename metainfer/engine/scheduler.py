@@ -22,7 +22,7 @@ context.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.kv_reserve import MIN_RUNNING, KVReserve
@@ -86,6 +86,14 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that sample a token this step (a chunked prefill's non-final chunks do not)."""
         return [s for s in self.seqs if s.will_sample]
+
+    def subset(self, seqs: list[Sequence]) -> ScheduledBatch:
+        """Some of these rows (their order kept, so decode rows stay first) as a batch of their own."""
+        decode_rows = {id(s) for s in self.seqs[: self.num_decode_rows]}
+        num_decode = sum(id(s) in decode_rows for s in seqs)
+        prefill = num_decode < len(seqs)
+        return replace(self, seqs=seqs, is_prefill=prefill, num_decode_rows=num_decode,
+                       prompt_logprobs=prompt_logprob_rows(seqs) if prefill else None)
 
 
 def _longest_first(seqs: list[Sequence]) -> list[Sequence]:
