@@ -23,8 +23,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 
 def out_dir() -> str:
-    """$OUT on the device machine (what comes back), else ./gpu_out."""
-    return os.environ.get("OUT", "gpu_out")
+    """$OUT on the device machine (what comes back), else ./gpu_out; created here, so a section may write its
+    files before the results are saved."""
+    folder = os.environ.get("OUT", "gpu_out")
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def ensure_packages(packages: dict[str, str]) -> list[str]:
