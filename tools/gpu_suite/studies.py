@@ -102,7 +102,11 @@ COMMON = [("default", {}), ("warps4_stages3", dict(num_warps=4, num_stages=3)), 
           ("block_n64_maxnreg96", dict(block_n=64, maxnreg=96))]
 RAGGED = [("default", {}), ("splits2", dict(num_splits=2, block_n=64)), ("splits4", dict(num_splits=4, block_n=64))]
 # token-major V: the context's tail in 32- and 16-token tiles
-FP8_ONLY = [("tail32", dict(tail_block_n=32)), ("tail16", dict(tail_block_n=16))]
+FP8_ONLY = [("tail32", dict(tail_block_n=32)), ("tail16", dict(tail_block_n=16)),
+            # run 142: the tiles pass through registers to shared memory a tile at a time, the stores waiting on the
+            # loads (a third of the stall samples); the pipeliner's two buffers, and a 128-token tile on two warpgroups
+            ("stages2", dict(num_stages=2)), ("block_n128_warps8", dict(block_n=128, num_warps=8)),
+            ("block_n128_warps8_stages2", dict(block_n=128, num_warps=8, num_stages=2))]
 
 
 def _kv_dtype_cases() -> list:
