@@ -7,7 +7,8 @@ tests' output, and prints a short table last ($OUT/table.md). Sections (tools/gp
   default    latency, throughput, kernels, graphs, agreement, baseline, profile, gpu_tests
   by name    kv_fp8, allreduce, profile_batch, the sweeps gemv / gemm_rows / skinny_sweep / attn_sweep /
              attn_kv_dtype, attn_ncu (Nsight Compute on the decode attention), sampler, ab (in-engine kernel A/B and
-             the kill switches); the MoE families:
+             the kill switches), tree_ab (a protocol with another commit's metainfer, tools/tree_ab.py); the MoE
+             families:
              moe_families (DeepSeek-V2-Lite and Qwen3-30B-A3B figures, HF beside, agreement), tune_moe,
              tune_gemv_moe, bench_moe, bench_mla, mla_split_sweep; serving (prefix hits after start, bench serve
              against the offline engine, 1,000 x 1,000 throughput: needs .gpu_assets/wheels for the server)
@@ -89,6 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bucket from 32: cuBLAS's time is not monotone in rows, run 127)")
     p.add_argument("--agreement-positions", type=int, default=128,
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
+    p.add_argument("--tree-ab-dir", default="",
+                   help="tree_ab: the B side's tree (python -m tools.tree_ab prepare COMMIT; carry .tree_ab)")
+    p.add_argument("--tree-ab-protocol", default="nano_vllm", choices=("nano_vllm", "throughput_1k", "smoke"),
+                   help="tree_ab: the protocol both trees run")
+    p.add_argument("--tree-ab-engine-kw", default="{}",
+                   help="tree_ab: LLM keywords for both sides as a JSON object, e.g. '{\"num_kv_blocks\": 6192}'")
+    p.add_argument("--tree-ab-order", default="ABBA", help="tree_ab: the run order, a string of A and B")
     p.add_argument("--print-table", action="store_true", help="only print the table of $OUT/gpu_results.json")
     args = p.parse_args(argv)
     from tools.gpu_suite.serving import THROUGHPUT_1K_VARIANTS

@@ -28,6 +28,7 @@ SECTIONS = {
     "attn_ncu": studies.attn_ncu,
     "sampler": studies.sampler,
     "ab": ab.ab,
+    "tree_ab": ab.tree_ab,
     "moe_families": families.moe_families,
     "tune_moe": families.tune_moe,
     "bench_moe": families.bench_moe,

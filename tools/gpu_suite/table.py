@@ -155,6 +155,13 @@ def _ab(r):
         else:
             yield _row(f"ab switch {name}: tok/s", ", ".join(f"{b} {v['decode_tok_s']:.1f}" for b, v in per.items()),
                        "", "")
+    tree = r.get("tree_ab", {})
+    if "runs" in tree:
+        b_commit = next((run["commit"][:12] for run in tree["runs"] if run["label"] == "B"), "?")
+        yield _row(f"tree_ab {tree['protocol']} {tree['engine_kw']}: " + " / ".join(
+            f"{run['label']} {run['output_tok_s']:.0f}" for run in tree["runs"]),
+            f"B {tree['b_mean']:.0f}", f"A (this checkout) {tree['a_mean']:.0f}; B = {b_commit}",
+            f"{tree['b_over_a']:.4f}")
 
 
 def _families(r):

@@ -1,0 +1,92 @@
+"""tools/tree_ab: a protocol run with another tree's `metainfer` in a fresh process. The checks: `prepare` extracts
+the named commit's package (read back with git itself), each side's run imports its own tree's package (a tree
+without one is refused, not silently run with this checkout's), the labels map to their trees, and runs whose
+request sets differ are not compared."""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.helpers.tiny_models import build_tiny_model
+from tools import tree_ab
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _git(repo, *args) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_prepare_extracts_the_commits_package_not_the_working_tree(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "metainfer").mkdir(parents=True)
+    _git(tmp_path, "init", "-q", str(repo))
+    (repo / "metainfer" / "__init__.py").write_text("MARK = 'first'\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "first")
+    first = _git(repo, "rev-parse", "HEAD")
+    (repo / "metainfer" / "__init__.py").write_text("MARK = 'second'\n")  # uncommitted: must not be taken
+    folder = tree_ab.prepare("HEAD", root=str(repo), dest=str(tmp_path / "trees"))
+    assert os.path.basename(folder) == first[:12]
+    assert open(os.path.join(folder, "metainfer", "__init__.py")).read() == _git(repo, "show",
+                                                                                 "HEAD:metainfer/__init__.py") + "\n"
+    assert tree_ab.tree_commit(folder) == first
+    assert tree_ab.tree_commit(str(repo)) == "checkout"
+
+
+def _stub_tree(root, tok_s: float, output_tokens: int = 40):
+    """A tree whose `metainfer` answers the protocol with fixed figures (the wiring test's trees)."""
+    pkg = root / "metainfer"
+    (pkg / "bench").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from types import SimpleNamespace\n"
+        "class LLM:\n"
+        "    def __init__(self, model, **kw):\n"
+        "        self.kw = kw\n"
+        "        blocks = SimpleNamespace(num_blocks=kw.get('num_kv_blocks', 7))\n"
+        "        self.llm_engine = SimpleNamespace(block_manager=blocks)\n")
+    (pkg / "bench" / "__init__.py").write_text("")
+    (pkg / "bench" / "throughput.py").write_text(
+        "def run_throughput(llm, progress=True, **kw):\n"
+        f"    return dict(output_tok_s={tok_s}, elapsed_s=1.0, input_tokens=30, output_tokens={output_tokens},\n"
+        "                preemptions=len(kw))\n")
+    return str(root)
+
+
+def test_each_label_runs_its_own_trees_package(tmp_path):
+    a, b = _stub_tree(tmp_path / "a", 100.0), _stub_tree(tmp_path / "b", 110.0)
+    res = tree_ab.ab(b, "unused-model", "nano_vllm", {"num_kv_blocks": 6192}, order="ABBA", tree_a=a)
+    assert [(r["label"], r["tree"], r["output_tok_s"]) for r in res["runs"]] == [
+        ("A", a, 100.0), ("B", b, 110.0), ("B", b, 110.0), ("A", a, 100.0)]
+    assert all(r["num_kv_blocks"] == 6192 for r in res["runs"])  # the engine keywords reach LLM
+    assert res["b_over_a"] == pytest.approx(1.1)
+    one_k = tree_ab.ab(b, "unused-model", "throughput_1k", {}, order="AB", tree_a=a)
+    assert one_k["runs"][0]["preemptions"] == 5  # the 1,000 x 1,000 protocol's five bench arguments arrived
+
+
+def test_a_tree_without_its_own_package_is_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="not from"):  # it would have imported this checkout's metainfer
+        tree_ab.run_in_tree(str(empty), "unused-model", "smoke", {"device": "not-a-device"})
+
+
+def test_runs_with_different_request_sets_are_not_compared(tmp_path):
+    a, b = _stub_tree(tmp_path / "a", 100.0), _stub_tree(tmp_path / "b", 110.0, output_tokens=41)
+    with pytest.raises(ValueError, match="token totals differ"):
+        tree_ab.ab(b, "unused-model", "nano_vllm", {}, order="AB", tree_a=a)
+    with pytest.raises(ValueError, match="string of A and B"):
+        tree_ab.ab(b, "unused-model", "nano_vllm", {}, order="AC", tree_a=a)
+
+
+@pytest.mark.slow
+def test_this_commit_against_itself_on_a_tiny_model(tmp_path):
+    """The real engine on both sides (HEAD extracted against this checkout): the same request set, both trees."""
+    model = str(tmp_path / "model")
+    build_tiny_model(model, "qwen3")
+    tree = tree_ab.prepare("HEAD", dest=str(tmp_path / "trees"))
+    res = tree_ab.ab(tree, model, "smoke", {"device": "cpu", "dtype": "float32", "enforce_eager": True}, order="AB")
+    a, b = res["runs"]
+    assert a["tree"] == tree_ab.ROOT and b["tree"] == tree and b["commit"] == _git(tree_ab.ROOT, "rev-parse", "HEAD")
+    assert a["output_tokens"] == b["output_tokens"] > 0 and res["b_over_a"] > 0
