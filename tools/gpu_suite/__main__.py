@@ -27,6 +27,7 @@ import traceback
 from tools.gpu_suite.common import ROOT, error_of, out_dir
 from tools.gpu_suite.sections import DEFAULT_SECTIONS, SECTIONS
 from tools.gpu_suite.table import render
+from tools.tree_ab import PROTOCOLS as TREE_AB_PROTOCOLS
 
 
 def row_counts(text: str) -> tuple[int, ...]:
@@ -92,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moe_families agreement: teacher-forced positions after the 32-token prompt")
     p.add_argument("--tree-ab-dir", default="",
                    help="tree_ab: the B side's tree (python -m tools.tree_ab prepare COMMIT; carry .tree_ab)")
-    p.add_argument("--tree-ab-protocol", default="nano_vllm", choices=("nano_vllm", "throughput_1k", "smoke"),
+    p.add_argument("--tree-ab-protocol", default="nano_vllm", choices=sorted(TREE_AB_PROTOCOLS),
                    help="tree_ab: the protocol both trees run")
     p.add_argument("--tree-ab-engine-kw", default="{}",
                    help="tree_ab: LLM keywords for both sides as a JSON object, e.g. '{\"num_kv_blocks\": 6192}'")
