@@ -107,7 +107,8 @@ FP8_ONLY = [("tail32", dict(tail_block_n=32)), ("tail16", dict(tail_block_n=16))
             # loads (a third of the stall samples); the pipeliner's two buffers, and a 128-token tile on two warpgroups
             # (sm_90 AOT: two stages take 103 registers, capped at 96 without spills: 5 programs an SM instead of 4)
             ("stages2", dict(num_stages=2)), ("stages2_maxnreg96", dict(num_stages=2, maxnreg=96)),
-            ("stages2_maxnreg80", dict(num_stages=2, maxnreg=80)), ("block_n128_warps8", dict(block_n=128, num_warps=8)),
+            ("stages2_maxnreg80", dict(num_stages=2, maxnreg=80)),
+            ("block_n128_warps8", dict(block_n=128, num_warps=8)),
             ("block_n128_warps8_stages2", dict(block_n=128, num_warps=8, num_stages=2))]
 
 
