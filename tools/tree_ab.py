@@ -73,12 +73,20 @@ def run_protocol(model: str, protocol: str, engine_kw: dict, expect_tree: str | 
     bench_kw, protocol_engine_kw = PROTOCOLS[protocol]
     llm = LLM(model, **{**protocol_engine_kw, **engine_kw})
     full = run_throughput(llm, progress=False, **bench_kw)
+    # a submodule the tree lacks may still import from elsewhere (an editable install's finder serves any
+    # `metainfer.X` from its own checkout): every module of the package must be the tree's
+    strays = sorted(name for name, mod in sys.modules.items() if name.split(".")[0] == "metainfer"
+                    and getattr(mod, "__file__", None) and not os.path.realpath(mod.__file__).startswith(
+                        os.path.join(os.path.realpath(tree), "metainfer", "")))
+    if strays:
+        raise RuntimeError(f"modules of metainfer imported from outside {tree}: {strays}")
     keys = ("output_tok_s", "elapsed_s", "input_tokens", "output_tokens", "preemptions")
     return {"tree": tree, **{k: full.get(k) for k in keys}, "num_kv_blocks": llm.llm_engine.block_manager.num_blocks}
 
 
 def run_in_tree(tree: str, model: str, protocol: str, engine_kw: dict, timeout_s: float | None = None) -> dict:
     """run_protocol in a fresh process whose `metainfer` is tree's; its result, checked to come from that tree."""
+    tree = os.path.abspath(tree)  # the run's working directory is the tree: a relative --expect-tree would miss
     cmd = [sys.executable, "-m", "tools.tree_ab", "run", "--model", model, "--protocol", protocol,
            "--engine-kw", json.dumps(engine_kw), "--expect-tree", tree]
     env = {**os.environ, "PYTHONPATH": ROOT}  # `tools` from this checkout; the working directory comes first
@@ -107,8 +115,8 @@ def compare(runs: list[dict]) -> dict:
 def ab(tree_b: str, model: str, protocol: str, engine_kw: dict, order: str = "ABBA", tree_a: str = ROOT,
        timeout_s: float | None = None) -> dict:
     """Interleaved runs (order: a string of A and B) of the protocol with tree_a's and tree_b's `metainfer`."""
-    if not order or set(order) - {"A", "B"}:
-        raise ValueError(f"order must be a string of A and B, got {order!r}")
+    if set(order) != {"A", "B"}:  # checked before the runs: a side missing would only show after all of them
+        raise ValueError(f"order must be a string of A and B, both, got {order!r}")
     runs = []
     for label in order:
         res = run_in_tree(tree_a if label == "A" else tree_b, model, protocol, engine_kw, timeout_s)

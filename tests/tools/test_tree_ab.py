@@ -90,3 +90,30 @@ def test_this_commit_against_itself_on_a_tiny_model(tmp_path):
     a, b = res["runs"]
     assert a["tree"] == tree_ab.ROOT and b["tree"] == tree and b["commit"] == _git(tree_ab.ROOT, "rev-parse", "HEAD")
     assert a["output_tokens"] == b["output_tokens"] > 0 and res["b_over_a"] > 0
+
+
+def test_a_relative_tree_is_its_own_folder(tmp_path, monkeypatch):
+    """As the README passes it (--tree-ab-dir .tree_ab/<id>): relative to the caller, not to the run's working
+    directory, which is the tree itself."""
+    _stub_tree(tmp_path / ".tree_ab" / "b", 110.0)
+    _stub_tree(tmp_path / "a", 100.0)
+    monkeypatch.chdir(tmp_path)
+    res = tree_ab.ab(os.path.join(".tree_ab", "b"), "unused-model", "nano_vllm", {}, order="AB", tree_a="a")
+    assert [(r["label"], r["output_tok_s"]) for r in res["runs"]] == [("A", 100.0), ("B", 110.0)]
+
+
+def test_a_submodule_from_outside_the_tree_is_refused(tmp_path):
+    """The tree's package found first, but a submodule it lacks served from another folder (as an editable
+    install's finder serves `metainfer.X` from its checkout): refused, not a run with the other tree's code."""
+    other = _stub_tree(tmp_path / "other", 120.0)
+    tree = tmp_path / "tree"
+    (tree / "metainfer").mkdir(parents=True)
+    init = (tmp_path / "other" / "metainfer" / "__init__.py").read_text()
+    (tree / "metainfer" / "__init__.py").write_text(init + f"__path__.append({os.path.join(other, 'metainfer')!r})\n")
+    with pytest.raises(RuntimeError, match="imported from outside"):
+        tree_ab.run_in_tree(str(tree), "unused-model", "smoke", {})
+
+
+def test_an_order_without_both_sides_is_refused_before_any_run(tmp_path):
+    with pytest.raises(ValueError, match="both"):  # a missing tree would raise RuntimeError if a run started
+        tree_ab.ab(str(tmp_path / "missing"), "unused-model", "nano_vllm", {}, order="AA", tree_a=str(tmp_path))
