@@ -56,10 +56,14 @@ def full_results() -> dict:
         "ab": {"bs1": {"default": _lat(245.0)}, "rows": {"default": {f"bs{b}": _lat(900.0) for b in (4, 8, 16, 32)}},
                "switches": {"default": {"bs1": _lat(245.0), "bs8": _lat(1800.0)}, "no_pdl": {"bs1": _lat(230.0)},
                             "sync": {"error": "RuntimeError: boom"}}},
-        "tree_ab": {"protocol": "nano_vllm", "engine_kw": {"num_kv_blocks": 6192}, "order": "AB",
-                    "runs": [{"label": "A", "commit": "checkout", "output_tok_s": 7478.0},
-                             {"label": "B", "commit": "ebb647d0123456789", "output_tok_s": 6913.0}],
-                    "a_mean": 7478.0, "b_mean": 6913.0, "b_over_a": 6913.0 / 7478.0},
+        "tree_ab": {"protocol": "nano_vllm", "order": "AB", "user_engine_kw": {"num_kv_blocks": 6192},
+                    "engine_kw": {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096,
+                                  "num_kv_blocks": 6192},
+                    "runs": [{"label": "A", "commit": "checkout", "output_tok_s": 7478.0, "num_kv_blocks": 6192},
+                             {"label": "B", "commit": "ebb647d0123456789", "output_tok_s": 6913.0,
+                              "num_kv_blocks": 6192}],
+                    "a_mean": 7478.0, "b_mean": 6913.0, "b_over_a": 6913.0 / 7478.0, "pools_differ": False,
+                    "num_kv_blocks": {"A": 6192, "B": 6192}},
         "section_seconds": {"latency": 60.0, "throughput": 70.0},
     }
 
@@ -79,8 +83,8 @@ ROW_LABELS = [
     "decode set at 128 rows: cuBLAS / skinny GEMM (ms) | 6.000 / -", "tuned skinny GEMM (ms) | 4.800 / 4.400",
     "ab bs1 tok/s, default | 245.0", "ab tok/s at bs 4 / 8 / 16 / 32, default | 900 / 900 / 900 / 900",
     "ab switch default: tok/s | bs1 245.0, bs8 1800.0", "ab switch no_pdl", "ab switch sync | ERROR RuntimeError: boom",
-    "tree_ab nano_vllm {'num_kv_blocks': 6192}: A 7478 / B 6913 | B 6913 | A (this checkout) 7478; B = ebb647d01234 "
-    "| 0.9244",
+    "tree_ab nano_vllm {'num_kv_blocks': 6192}: A 7478 / B 6913 | B 6913 | A (this checkout) 7478; B = ebb647d01234; "
+    "KV blocks A 6192 B 6192 | 0.9244",
     "section seconds | latency 60, throughput 70 | total 130",
 ]
 

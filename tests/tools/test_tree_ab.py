@@ -3,6 +3,7 @@ the named commit's package (read back with git itself), each side's run imports 
 without one is refused, not silently run with this checkout's), the labels map to their trees, and runs whose
 request sets differ are not compared."""
 
+import json
 import os
 import subprocess
 
@@ -35,8 +36,9 @@ def test_prepare_extracts_the_commits_package_not_the_working_tree(tmp_path):
     assert tree_ab.tree_commit(str(repo)) == "checkout"
 
 
-def _stub_tree(root, tok_s: float, output_tokens: int = 40):
-    """A tree whose `metainfer` answers the protocol with fixed figures (the wiring test's trees)."""
+def _stub_tree(root, tok_s: float, output_tokens: int = 40, first_id: int | None = None):
+    """A tree whose `metainfer` answers the protocol with fixed figures (the wiring test's trees); with first_id its
+    bench also has make_requests (the request hash's source), its first prompt starting at that id."""
     pkg = root / "metainfer"
     (pkg / "bench").mkdir(parents=True)
     (pkg / "__init__.py").write_text(
@@ -45,12 +47,21 @@ def _stub_tree(root, tok_s: float, output_tokens: int = 40):
         "    def __init__(self, model, **kw):\n"
         "        self.kw = kw\n"
         "        blocks = SimpleNamespace(num_blocks=kw.get('num_kv_blocks', 7))\n"
-        "        self.llm_engine = SimpleNamespace(block_manager=blocks)\n")
+        "        self.llm_engine = SimpleNamespace(block_manager=blocks, spec=SimpleNamespace(vocab_size=100))\n")
     (pkg / "bench" / "__init__.py").write_text("")
     (pkg / "bench" / "throughput.py").write_text(
         "def run_throughput(llm, progress=True, **kw):\n"
         f"    return dict(output_tok_s={tok_s}, elapsed_s=1.0, input_tokens=30, output_tokens={output_tokens},\n"
         "                preemptions=len(kw))\n")
+    if first_id is not None:
+        (pkg / "bench" / "throughput.py").write_text(
+            (pkg / "bench" / "throughput.py").read_text()
+            + "from types import SimpleNamespace\n"
+            "def make_requests(num_seqs, min_in, max_in, min_out, max_out, seed=0, vocab=10001):\n"
+            f"    return [{{'prompt_token_ids': [{first_id}, 2]}}], [SimpleNamespace(max_tokens=3)]\n")
+        (pkg / "bench" / "throughput.py").write_text((pkg / "bench" / "throughput.py").read_text().replace(
+            "def run_throughput(llm, progress=True, **kw):",
+            "def run_throughput(llm, num_seqs=1, min_in=1, max_in=2, min_out=1, max_out=2, progress=True, **kw):"))
     return str(root)
 
 
@@ -74,8 +85,15 @@ def test_a_tree_without_its_own_package_is_refused(tmp_path):
 
 def test_runs_with_different_request_sets_are_not_compared(tmp_path):
     a, b = _stub_tree(tmp_path / "a", 100.0), _stub_tree(tmp_path / "b", 110.0, output_tokens=41)
-    with pytest.raises(ValueError, match="token totals differ"):
+    with pytest.raises(ValueError, match="requests differ"):  # the token totals
         tree_ab.ab(b, "unused-model", "nano_vllm", {}, order="AB", tree_a=a)
+    # equal totals, different prompt ids: the request hashes differ
+    a, b = _stub_tree(tmp_path / "a2", 100.0, first_id=1), _stub_tree(tmp_path / "b2", 110.0, first_id=2)
+    with pytest.raises(ValueError, match="requests differ"):
+        tree_ab.ab(b, "unused-model", "nano_vllm", {}, order="AB", tree_a=a)
+    same = _stub_tree(tmp_path / "b3", 110.0, first_id=1)
+    res = tree_ab.ab(same, "unused-model", "nano_vllm", {}, order="AB", tree_a=a)
+    assert res["runs"][0]["request_hash"] == res["runs"][1]["request_hash"] is not None
     with pytest.raises(ValueError, match="string of A and B"):
         tree_ab.ab(b, "unused-model", "nano_vllm", {}, order="AC", tree_a=a)
 
@@ -117,3 +135,28 @@ def test_a_submodule_from_outside_the_tree_is_refused(tmp_path):
 def test_an_order_without_both_sides_is_refused_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="both"):  # a missing tree would raise RuntimeError if a run started
         tree_ab.ab(str(tmp_path / "missing"), "unused-model", "nano_vllm", {}, order="AA", tree_a=str(tmp_path))
+
+
+def test_each_finished_run_is_recorded_before_the_next(tmp_path):
+    """A call cut short keeps the runs it made: here B's tree has no package, so the comparison never comes, and
+    A's run is in the record."""
+    a = _stub_tree(tmp_path / "a", 100.0)
+    (tmp_path / "b").mkdir()
+    record = tmp_path / "runs.json"
+    with pytest.raises(RuntimeError):
+        tree_ab.ab(str(tmp_path / "b"), "unused-model", "nano_vllm", {}, order="AB", tree_a=a,
+                   record_path=str(record))
+    runs = json.loads(record.read_text())["runs"]
+    assert [(r["label"], r["output_tok_s"]) for r in runs] == [("A", 100.0)]
+
+
+def test_prepare_of_a_commit_without_the_package_fails_and_leaves_no_folder(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(tmp_path, "init", "-q", str(repo))
+    (repo / "README").write_text("x\n")
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "no package")
+    with pytest.raises(RuntimeError, match="metainfer"):
+        tree_ab.prepare("HEAD", root=str(repo), dest=str(tmp_path / "trees"))
+    assert not (tmp_path / "trees").exists()

@@ -101,14 +101,16 @@ def tree_ab(args, results) -> dict:
     """The nano-vllm or 1,000 x 1,000 protocol with this checkout's `metainfer` (A) and --tree-ab-dir's (B,
     prepared by `python -m tools.tree_ab prepare COMMIT`), each run a fresh process, in --tree-ab-order."""
     import json
+    import os
 
-    from tools.gpu_suite.common import model_dir
+    from tools.gpu_suite.common import model_dir, out_dir
     from tools.tree_ab import ab as tree_ab_runs
 
     if not args.tree_ab_dir:
         raise ValueError("tree_ab needs --tree-ab-dir (python -m tools.tree_ab prepare COMMIT)")
-    engine_kw = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096,
-                 **json.loads(args.tree_ab_engine_kw)}
-    res = tree_ab_runs(args.tree_ab_dir, model_dir(args), args.tree_ab_protocol, engine_kw, args.tree_ab_order)
-    show("tree_ab", {k: res[k] for k in ("a_mean", "b_mean", "b_over_a")})
-    return res
+    user_kw = json.loads(args.tree_ab_engine_kw)
+    engine_kw = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, **user_kw}
+    res = tree_ab_runs(args.tree_ab_dir, model_dir(args), args.tree_ab_protocol, engine_kw, args.tree_ab_order,
+                       record_path=os.path.join(out_dir(), "tree_ab_runs.json"))
+    show("tree_ab", {k: res[k] for k in ("a_mean", "b_mean", "b_over_a", "num_kv_blocks")})
+    return {**res, "user_engine_kw": user_kw}

@@ -158,9 +158,11 @@ def _ab(r):
     tree = r.get("tree_ab", {})
     if "runs" in tree:
         b_commit = next((run["commit"][:12] for run in tree["runs"] if run["label"] == "B"), "?")
-        yield _row(f"tree_ab {tree['protocol']} {tree['engine_kw']}: " + " / ".join(
+        pools = tree.get("num_kv_blocks", {})
+        yield _row(f"tree_ab {tree['protocol']} {tree.get('user_engine_kw', {})}: " + " / ".join(
             f"{run['label']} {run['output_tok_s']:.0f}" for run in tree["runs"]),
-            f"B {tree['b_mean']:.0f}", f"A (this checkout) {tree['a_mean']:.0f}; B = {b_commit}",
+            f"B {tree['b_mean']:.0f}", f"A (this checkout) {tree['a_mean']:.0f}; B = {b_commit}; KV blocks A "
+            f"{pools.get('A')} B {pools.get('B')}" + (" (pools DIFFER)" if tree.get("pools_differ") else ""),
             f"{tree['b_over_a']:.4f}")
 
 
