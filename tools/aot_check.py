@@ -252,8 +252,6 @@ def _compile_launch(kernel, args, kwargs, target, backend):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    if getattr(kernel, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 

@@ -25,7 +25,6 @@ import torch
 
 from ._triton import PlannedLaunch, cdiv, next_pow2, pdl_args, pdl_enter, require_triton, tl, triton
 from .attention_decode_fp8 import _fp8_attend
-from .attention_decode_fp8_async import fp8_async_applies, plan_fp8_async
 from .decode_split import _decode_finish, _split_range
 from .kv_cache import FP8_KV_DTYPE, check_cache_dtype, check_v_cache_layout, is_token_major
 
@@ -44,9 +43,6 @@ _DECODE_BLOCK_N = 64
 _DECODE_SPLIT_BLOCK_N = 32
 _DECODE_MIN_SPLIT_TOKENS = 32
 _FP8_MMA_MIN_TOKENS = 64  # the fp8 tensor-core kernel's tiles: an sm_90 wgmma's M (attention_decode_fp8.py)
-# One-pass fp8 tensor-core launches on a GPU take attention_decode_fp8_async's kernel with this many tiles in shared
-# memory (0: the Triton kernel). Off until its GPU A/B (docs/PERFORMANCE.md, Pending 10).
-DEFAULT_FP8_ASYNC_STAGES = 0
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 
 
@@ -371,7 +367,6 @@ def paged_decode_attention_triton(
     tail_block_n: int | None = None,
     plans: dict | None = None,
     maxnreg: int | None = None,
-    async_stages: int | None = None,
 ) -> torch.Tensor:
     """Split-KV paged decode in one launch. Splits come from shapes only (batch, Hk, M*S) and
     max_num_splits; `workspace` (see alloc_decode_workspace) avoids an allocation per call;
@@ -385,11 +380,9 @@ def paged_decode_attention_triton(
     launches over an fp8 cache may take 128-token tiles (`decode_block_n`). Over token-major V the loop takes full
     tiles and then the context's tail in masked tiles of `tail_block_n` tokens (default block_n / 2,
     at least 16; a power of two <= block_n). bf16 q over the engine's fp8 layouts takes the fp8 tensor-core path
-    (`uses_fp8_mma`): 64-token tiles and tails, one stage, unless a tile under 64 tokens is forced; its one-pass
-    launches on a GPU take attention_decode_fp8_async's kernel with `async_stages` tiles in flight (default
-    DEFAULT_FP8_ASYNC_STAGES, 0 where a Triton knob is given; 0: the Triton kernel). `plans` (a step's
-    AttentionMetadata.launch_plans): the launch is planned by the first call and replayed by the next ones through
-    the same dict with the same q and out strides
+    (`uses_fp8_mma`): 64-token tiles and tails, one stage, unless a tile under 64 tokens is forced. `plans` (a
+    step's AttentionMetadata.launch_plans): the launch is
+    planned by the first call and replayed by the next ones through the same dict with the same q and out strides
     (_triton.PlannedLaunch: they must pass tensors of the planned shapes and layouts, as one step's layers do)."""
     # keyed by what may differ between callers of one step's plans (the piecewise capture probes with the packed
     # projection's q, then attends with the static one and an out) and by the tensors the plan holds, so another
@@ -404,8 +397,7 @@ def paged_decode_attention_triton(
         launch = _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_num_splits=max_num_splits,
                               workspace=workspace, out=out, block_n=block_n, counters=counters,
                               min_split_tokens=min_split_tokens, num_warps=num_warps, num_stages=num_stages, pdl=pdl,
-                              num_splits=num_splits, tail_block_n=tail_block_n, maxnreg=maxnreg,
-                              async_stages=async_stages)
+                              num_splits=num_splits, tail_block_n=tail_block_n, maxnreg=maxnreg)
         if plans is not None:
             plans[key] = launch
     return launch(q, k_cache, v_cache, out)
@@ -413,10 +405,8 @@ def paged_decode_attention_triton(
 
 def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_num_splits, workspace, out, block_n,
                  counters, min_split_tokens, num_warps, num_stages, pdl, num_splits=None,
-                 tail_block_n=None, maxnreg=None, async_stages=None) -> PlannedLaunch:
+                 tail_block_n=None, maxnreg=None) -> PlannedLaunch:
     """One _decode_split_kernel launch, planned: the argument checks and choices made here, once."""
-    # a Triton launch knob given keeps the Triton kernel unless async stages are asked for too
-    triton_knobs = any(k is not None for k in (block_n, tail_block_n, num_warps, num_stages, maxnreg))
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -451,9 +441,6 @@ def _plan_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_
         return PlannedLaunch(None, None, (), (), {}, out_shape, q.dtype)
 
     one_pass = num_splits == 1
-    stages = async_stages if async_stages is not None else 0 if triton_knobs else DEFAULT_FP8_ASYNC_STAGES
-    if fp8_mma and one_pass and stages and fp8_async_applies(k_cache, v_cache, group):
-        return plan_fp8_async(q, k_cache, v_cache, block_tables, context_lens, float(scale) * LOG2E, out, stages, pdl)
     if one_pass:
         part_out = part_lse = counters = block_tables  # unused placeholders (not `out`: it changes per call)
     else:

@@ -109,9 +109,7 @@ FP8_ONLY = [("tail32", dict(tail_block_n=32)), ("tail16", dict(tail_block_n=16))
             ("stages2", dict(num_stages=2)), ("stages2_maxnreg96", dict(num_stages=2, maxnreg=96)),
             ("stages2_maxnreg80", dict(num_stages=2, maxnreg=80)),
             ("block_n128_warps8", dict(block_n=128, num_warps=8)),
-            ("block_n128_warps8_stages2", dict(block_n=128, num_warps=8, num_stages=2)),
-            # kernels/attention_decode_fp8_async.py (Gluon): 1-3 tiles in flight as cp.async during the products
-            ("async2", dict(async_stages=2)), ("async3", dict(async_stages=3)), ("async4", dict(async_stages=4))]
+            ("block_n128_warps8_stages2", dict(block_n=128, num_warps=8, num_stages=2))]
 
 
 def _kv_dtype_cases() -> list:
