@@ -132,6 +132,10 @@ class ModelSpec:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         family = SUPPORTED_ARCHITECTURES[arch]
+        # every family's MLP is SwiGLU; another activation would run as SiLU without a word
+        act = cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act {act!r} is not supported (supported: silu)")
         extra = _mla_fields(cfg) if family == "deepseek_v2" else {}
         extra.update(_moe_fields(cfg, family))
         return cls(
@@ -213,8 +217,16 @@ def _moe_fields(cfg: dict, family: str) -> dict:
         return {}
     if moe_layers and experts % int(extra.get("n_group", 1)):
         raise ConfigError(f"n_group ({extra['n_group']}) does not divide the {experts} experts")
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if moe_layers and extra.get("topk_method") == "group_limited_greedy":
+        groups, kept = extra["n_group"], extra["topk_group"]
+        if not 1 <= kept <= groups:
+            raise ConfigError(f"topk_group ({kept}) must be in [1, n_group={groups}]")
+        if top_k > kept * (experts // groups):
+            raise ConfigError(f"num_experts_per_tok ({top_k}) exceeds the {kept * (experts // groups)} experts in "
+                              f"topk_group={kept} groups of {experts // groups}")
     return {"moe_layers": moe_layers, "num_experts": int(experts),
-            "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+            "num_experts_per_tok": top_k,
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), **extra}
 

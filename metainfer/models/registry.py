@@ -27,9 +27,22 @@ def build_attention_backend(config: EngineConfig, ops):
     common = dict(kv_dtype=config.torch_kv_cache_dtype, device=config.torch_device, max_num_seqs=config.max_num_seqs,
                   max_model_len=config.max_model_len, block_size=config.block_size)
     if spec.is_mla:
+        if ops.backend == "triton":
+            _check_mla_kernel_dims(spec)
         return MLABackend(ops, spec.num_heads // tp, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim,
                           **common)
     if spec.family in ("dense", "qwen3_moe"):
         return PagedAttentionBackend(ops, spec.num_heads // tp, max(1, spec.num_kv_heads // tp), spec.head_dim,
                                      **common)
     raise ConfigError(f"no attention backend for architecture {spec.architecture!r}")
+
+
+def _check_mla_kernel_dims(spec: ModelSpec) -> None:
+    """The Triton MLA kernels tile the latent, rope, nope and value dims as tl.dot operands: powers of two of at
+    least 16 (DeepSeek-V2: 512, 64, 128, 128). Checked at build, not at the first launch; the CPU path takes any."""
+    dims = {"kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.qk_rope_head_dim,
+            "qk_nope_head_dim": spec.qk_nope_head_dim, "v_head_dim": spec.v_head_dim}
+    bad = {name: value for name, value in dims.items() if value < 16 or value & (value - 1)}
+    if bad:
+        raise ConfigError(f"the GPU's MLA kernels need powers of two >= 16 for {', '.join(bad)} (got "
+                          f"{', '.join(f'{k}={v}' for k, v in bad.items())}); device='cpu' runs this model")

@@ -1,5 +1,6 @@
 """ModelSpec from config.json: both rope key styles (rope_theta/rope_scaling and rope_parameters), the
-derived fields, and an unsupported architecture named with the supported ones."""
+derived fields, an unsupported architecture named with the supported ones, and the config values the engine cannot
+run refused when read or built (activation, group-limited routing, MLA dims on the GPU)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,51 @@ def test_max_context_tokens_under_scaled_ropes():
     assert ModelSpec.from_dict(base).max_context_tokens == 40960
     assert ModelSpec.from_dict({**base, "rope_scaling": yarn}).max_context_tokens == 131072  # Qwen3's long mode
     assert ModelSpec.from_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0}}).max_context_tokens == 81920
+
+
+_DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+             "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 16, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}
+
+
+def test_an_activation_other_than_silu_is_refused():
+    """Every family's MLP is SwiGLU: a config naming another activation would otherwise run SiLU silently."""
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert ModelSpec.from_dict({**base, "hidden_act": "silu"}).architecture == "LlamaForCausalLM"
+    ModelSpec.from_dict({**base, "hidden_act": "swish"})  # the same function under its other name
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        ModelSpec.from_dict({**base, "hidden_act": "gelu"})
+
+
+def test_group_limited_routing_with_too_few_groups_is_refused_when_read():
+    """topk_group above n_group, or top-k above the experts of the kept groups, would fail inside the router at the
+    first step (a torch index error); the config reader names the fields instead."""
+    spec = ModelSpec.from_dict(_DEEPSEEK)
+    assert (spec.n_group, spec.topk_group, spec.num_experts_per_tok) == (4, 2, 2)
+    with pytest.raises(ValueError, match=r"topk_group \(5\) must be in \[1, n_group=4\]"):
+        ModelSpec.from_dict({**_DEEPSEEK, "topk_group": 5})
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) exceeds the 4 experts in topk_group=2 groups"):
+        ModelSpec.from_dict({**_DEEPSEEK, "num_experts_per_tok": 5})
+    ModelSpec.from_dict({**_DEEPSEEK, "topk_method": "greedy", "num_experts_per_tok": 5})  # greedy: any group
+
+
+def test_mla_dims_the_gpu_kernels_cannot_tile_are_refused_at_build():
+    """The Triton MLA kernels need powers of two >= 16: the GPU path refuses other dims when the backend is built
+    (naming them), the CPU path builds."""
+    import dataclasses
+
+    from metainfer.config import EngineConfig
+    from metainfer.kernels import REF_OPS, TRITON_OPS
+    from metainfer.models.registry import build_attention_backend
+
+    for dims, bad in (({}, None), ({"kv_lora_rank": 48}, "kv_lora_rank=48"), ({"v_head_dim": 8}, "v_head_dim=8")):
+        spec = ModelSpec.from_dict({**_DEEPSEEK, **dims})
+        config = dataclasses.replace(EngineConfig(model="unused", device="cpu", max_model_len=64), spec=spec)
+        assert build_attention_backend(config, REF_OPS).kv_lora_rank == spec.kv_lora_rank
+        if bad is None:
+            assert build_attention_backend(config, TRITON_OPS).kv_lora_rank == 16
+        else:
+            with pytest.raises(ValueError, match=f"powers of two >= 16 for .*{bad}.*device='cpu' runs this model"):
+                build_attention_backend(config, TRITON_OPS)
