@@ -141,12 +141,15 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now, under the server's metric names (vLLM's LLM.get_metrics): tokens
-        computed and generated, prefix-cache queries and hits (prompt tokens looked up / found), preemptions,
+        computed and generated, prefix-cache queries and hits (prompt tokens looked up / found at admission where the
+        cache applies; preempted requests' re-admissions apart, as vLLM counts them), preemptions,
         failed requests, the running / waiting requests, the KV cache's use and the KV reserve's learned ratios."""
         e = self.llm_engine
         counters = {"prompt_tokens": e.stats["prompt_tokens"], "generation_tokens": e.stats["generation_tokens"],
                     "prefix_cache_queries": e.block_manager.prefix_query_tokens,
                     "prefix_cache_hits": e.block_manager.prefix_hit_tokens,
+                    "prefix_cache_preempted_queries": e.block_manager.preempted_query_tokens,
+                    "prefix_cache_preempted_hits": e.block_manager.preempted_hit_tokens,
                     "num_preemptions": getattr(e.scheduler, "num_preemptions", 0),
                     "request_failed": e.stats["failed_requests"]}
         gauges = {"num_requests_running": e.num_running(), "num_requests_waiting": e.num_waiting(),

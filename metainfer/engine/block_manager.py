@@ -33,8 +33,13 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion-ordered set
         self.hash_to_block: dict[int, int] = {}
+        # vLLM's prefix-cache stats: prompt tokens looked up / found at a request's admission, only where the cache
+        # applies (on, and the request does not score its prompt); a preempted request's re-admission is counted
+        # apart, so recomputation under memory pressure does not read as lookups that missed
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.preempted_hit_tokens = 0
+        self.preempted_query_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -93,8 +98,14 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         cached = len(hits) * self.block_size
         seq.num_computed_tokens = cached
-        self.prefix_hit_tokens += cached
-        self.prefix_query_tokens += seq.num_tokens
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return
+        if seq.num_preemptions:
+            self.preempted_hit_tokens += cached
+            self.preempted_query_tokens += seq.num_tokens
+        else:
+            self.prefix_hit_tokens += cached
+            self.prefix_query_tokens += seq.num_tokens
 
     def _take_free_block(self) -> int:
         block_id = next(iter(self.free))

@@ -120,6 +120,26 @@ def test_same_prefix_shares_blocks_and_skips_their_compute():
     assert (bm.prefix_hit_tokens, bm.prefix_query_tokens) == (8, 13 + 13)
 
 
+def test_prefix_cache_stats_count_as_vllm_does():
+    """Queries and hits count at a request's first admission where the cache applies: not with prefix caching off,
+    not for a request scoring its prompt (it skips the cache), and a preempted request's re-admission apart
+    (vLLM's preempted_queries / preempted_hits), so recomputation under memory pressure is not read as misses."""
+    off = BlockManager(16, BS, enable_prefix_caching=False)
+    off.allocate(_seq(range(1, 14)))
+    assert (off.prefix_query_tokens, off.prefix_hit_tokens, off.preempted_query_tokens) == (0, 0, 0)
+    bm = BlockManager(16, BS)
+    a = _prefill(bm, _seq(range(1, 14)))
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (13, 0)
+    scoring = Sequence("s", 0, list(range(1, 14)), SamplingParams(prompt_logprobs=1))
+    bm.allocate(scoring)
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (13, 0) and scoring.num_computed_tokens == 0
+    bm.free_sequence(a)  # the scheduler's preemption: blocks freed (still findable), the sequence counted
+    a.num_preemptions += 1
+    bm.allocate(a)
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (13, 0)
+    assert (bm.preempted_query_tokens, bm.preempted_hit_tokens) == (13, 12)
+
+
 @pytest.mark.parametrize("length", [4, 8, 12])
 def test_a_block_aligned_full_hit_computes_its_last_block_afresh(length):
     """The last prompt position needs its logits, so it is recomputed; recomputing it inside the shared

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from metainfer.entrypoints.openai.engine_core import STATS_FIELDS
 from metainfer.entrypoints.openai.metrics import ServerMetrics
 from tools.gpu_suite.serving import histogram_quantiles
 
 
 def test_quantiles_of_rendered_step_intervals():
     m = ServerMetrics()
-    stats = [0] * 13
+    stats = [0] * (len(STATS_FIELDS) - 3)  # the fields before step_interval and the two reserve ratios
     # 90 steps of 7 ms, 9 of 13 ms, 1 of 50 ms: buckets (0.006, 0.008], (0.012, 0.015], (0.04, 0.06]
     for seconds in [0.007] * 90 + [0.013] * 9 + [0.05]:
-        m.publish_stats((*stats[:12], seconds, 0.0, 0.0))
-    m.publish_stats((*stats[:12], 0.0, 0.0, 0.0))  # no interval: not observed
+        m.publish_stats((*stats, seconds, 0.0, 0.0))
+    m.publish_stats((*stats, 0.0, 0.0, 0.0))  # no interval: not observed
     q = histogram_quantiles(m.render("x"), "metainfer:engine_step_interval_seconds")
     assert q["count"] == 100 and q["mean_ms"] == pytest.approx((0.63 + 0.117 + 0.05) * 10, abs=1e-3)
     assert q["p50_ms"] == pytest.approx(6 + 2 * 50 / 90, abs=1e-3)  # inside (6, 8] ms, linearly

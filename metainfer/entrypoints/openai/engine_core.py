@@ -43,7 +43,8 @@ from metainfer.sampling_params import SamplingParams
 log = logging.getLogger("metainfer.server")
 
 STATS_FIELDS = ("running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "preemptions",
-                "failed_requests", "failed_steps", "prefix_cache_queries", "prefix_cache_hits", "engine_errors",
+                "failed_requests", "failed_steps", "prefix_cache_queries", "prefix_cache_hits",
+                "prefix_cache_preempted_queries", "prefix_cache_preempted_hits", "engine_errors",
                 "batch_size", "step_interval", "kv_reserve_ratio_bounded", "kv_reserve_ratio_open")
 
 
@@ -199,7 +200,8 @@ class EngineCore:
         return (e.num_running(), e.num_waiting(), e.kv_cache_usage(), e.stats.get("prompt_tokens", 0),
                 e.stats.get("generation_tokens", 0), getattr(e.scheduler, "num_preemptions", 0),
                 e.stats.get("failed_requests", 0), e.stats.get("failed_steps", 0),
-                e.block_manager.prefix_query_tokens, e.block_manager.prefix_hit_tokens, self.engine_errors,
+                e.block_manager.prefix_query_tokens, e.block_manager.prefix_hit_tokens,
+                e.block_manager.preempted_query_tokens, e.block_manager.preempted_hit_tokens, self.engine_errors,
                 batch_size, step_interval, *e.scheduler.kv_reserve.reported_ratios())
 
 

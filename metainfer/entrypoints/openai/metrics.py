@@ -55,6 +55,8 @@ class ServerMetrics:
         self.preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, found there
+        self.prefix_cache_preempted_queries = 0  # the same at preempted requests' re-admissions
+        self.prefix_cache_preempted_hits = 0
         self.kv_reserve_ratios = (0.0, 0.0)  # the KV reserve's learned ratios: requests with / without max_tokens
         self.success: collections.Counter[str] = collections.Counter()
         self.aborted = 0
@@ -100,13 +102,14 @@ class ServerMetrics:
     def publish_stats(self, stats: tuple) -> None:
         """The engine's gauges and counters as the engine process sent them (engine_core.STATS_FIELDS)."""
         (running, waiting, kv_usage, prompt_tokens, generation_tokens, preemptions, failed_requests, failed_steps,
-         prefix_queries, prefix_hits, engine_errors, batch_size, step_interval,
+         prefix_queries, prefix_hits, preempted_queries, preempted_hits, engine_errors, batch_size, step_interval,
          ratio_bounded, ratio_open) = stats
         with self.lock:
             self.running, self.waiting, self.kv_usage = running, waiting, kv_usage
             self.prompt_tokens, self.generation_tokens, self.preemptions = prompt_tokens, generation_tokens, preemptions
             self.failed_requests, self.failed_steps = failed_requests, failed_steps
             self.prefix_cache_queries, self.prefix_cache_hits = prefix_queries, prefix_hits
+            self.prefix_cache_preempted_queries, self.prefix_cache_preempted_hits = preempted_queries, preempted_hits
             self.core_engine_errors = engine_errors
             self.kv_reserve_ratios = (ratio_bounded, ratio_open)
             self.peak_running = max(self.peak_running, running, batch_size)
@@ -153,6 +156,10 @@ class ServerMetrics:
                  "Prompt tokens looked up in the prefix cache."),
                 ("metainfer:prefix_cache_hits_total", "counter", self.prefix_cache_hits,
                  "Prompt tokens found in the prefix cache."),
+                ("metainfer:prefix_cache_preempted_queries_total", "counter", self.prefix_cache_preempted_queries,
+                 "Prompt and output tokens looked up again when preempted requests were readmitted."),
+                ("metainfer:prefix_cache_preempted_hits_total", "counter", self.prefix_cache_preempted_hits,
+                 "Of those, found in the prefix cache."),
             ):
                 scalar(name, kind, value, text)
             head("metainfer:kv_reserve_ratio", "gauge", "Share of its allowed tokens a request is expected to "
