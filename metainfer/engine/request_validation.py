@@ -78,7 +78,7 @@ def check_sampling_params(p) -> None:
     _float(p, "temperature", 0.0, MAX_TEMPERATURE)
     _float(p, "top_p", MIN_PROBABILITY, 1.0)
     if p.top_k != -1:
-        _int(p, "top_k", 0, what=">= 0 (0 or -1: disabled; it must fit in int64)")
+        _int(p, "top_k", 0, what=">= 0, or -1 (0 and -1: disabled; it must fit in int64)")
     _float(p, "min_p", MIN_PROBABILITY, 1.0, zero_ok=True)
     _int(p, "seed", INT64_MIN, none_ok=True, what=f"in [{INT64_MIN}, {INT64_MAX}] (int64)")
     _int(p, "max_tokens", 1, none_ok=True)

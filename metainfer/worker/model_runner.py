@@ -12,7 +12,9 @@ whether this rank samples or publishes — is made here, once, at build.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -55,7 +57,8 @@ class ModelRunner:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         self.ops = select_ops(self.device, gpu_name=gpu_name, pdl=config.enable_pdl and pdl_supported(self.device),
                               skinny_gemm=config.enable_skinny_gemm, fused_sampler=config.enable_fused_sampler)
-        self.attn_backend = build_attention_backend(config, self.ops)
+        with sizes_must_fit(config):
+            self.attn_backend = build_attention_backend(config, self.ops)
         with torch.device(self.device):
             self.model = model_class(self.spec)(self.spec, self.ops, self.attn_backend, dtype=self.dtype,
                                                 max_position=config.max_model_len)
@@ -67,14 +70,15 @@ class ModelRunner:
         lap("build_and_load")
         self.attention_layers = self.model.attention_layers()
         self.num_blocks = agree(self._decide_num_blocks())
-        self.attn_backend.allocate(self.attention_layers, self.num_blocks, self.block_size)
-        lap("kv_pool")
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.staging = StepStaging(StepLayout(max_tokens, config.max_num_seqs, self.max_blocks_per_seq,
-                                              config.max_num_seqs).size, self.device)
-        # the last launched step's sampled ids; a PENDING input token reads its row here
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        with sizes_must_fit(config):
+            self.attn_backend.allocate(self.attention_layers, self.num_blocks, self.block_size)
+            lap("kv_pool")
+            self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+            self.staging = StepStaging(StepLayout(max_tokens, config.max_num_seqs, self.max_blocks_per_seq,
+                                                  config.max_num_seqs).size, self.device)
+            # the last launched step's sampled ids; a PENDING input token reads its row here
+            self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.sampler = None
         self._sample = self._no_sample
         if rank == 0:  # the LM head gathers the logits to rank 0, which alone samples
@@ -197,14 +201,24 @@ class ModelRunner:
     # -- the KV pool ----------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
         cfg = self.config
-        if cfg.num_kv_blocks is not None:
+        per_block = self.attn_backend.bytes_per_block(len(self.attention_layers), self.block_size)
+        on_gpu = self.device.type == "cuda"
+        if cfg.num_kv_blocks is not None:  # checked before it is allocated: a CPU pool past RAM is not refused there
+            have = (torch.cuda.mem_get_info(self.device)[0] if on_gpu
+                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+            need = cfg.num_kv_blocks * per_block
+            if need > have:
+                raise ConfigError(f"num_kv_blocks ({cfg.num_kv_blocks}) needs {need / 2**30:.1f} GiB for the KV cache; "
+                                  f"the {self.device.type} has {have / 2**30:.1f} GiB {'free' if on_gpu else 'in all'}")
             return cfg.num_kv_blocks
         useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
-        budget = self._profile_free_bytes() if self.device.type == "cuda" else int(cfg.cpu_kv_cache_gib * 2**30)
-        blocks = min(budget // self.attn_backend.bytes_per_block(len(self.attention_layers), self.block_size), useful)
+        budget = self._profile_free_bytes() if on_gpu else int(cfg.cpu_kv_cache_gib * 2**30)
+        blocks = min(budget // per_block, useful)
         if blocks < 1:
-            raise ConfigError("no memory left for the KV cache; lower max_num_batched_tokens or raise "
-                              "gpu_memory_utilization")
+            raise ConfigError(
+                f"no memory left for the KV cache (a block of block_size={self.block_size} tokens takes {per_block} B);"
+                + (" lower max_num_batched_tokens or block_size, or raise gpu_memory_utilization" if on_gpu else
+                   f" raise cpu_kv_cache_gib ({cfg.cpu_kv_cache_gib}) or lower block_size"))
         return int(blocks)
 
     @torch.inference_mode()
@@ -258,3 +272,18 @@ class _Laps:
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
         self.into[name], self.last = now - self.last, now
+
+
+@contextlib.contextmanager
+def sizes_must_fit(config: EngineConfig):
+    """Buffers sized by the engine's options (the KV pool, the step staging, per-row scratch) that the device cannot
+    hold are a bad option, raised as one ConfigError naming those options, not an allocator's traceback."""
+    try:
+        yield
+    except RuntimeError as err:  # torch.OutOfMemoryError is one; the CPU allocator raises a plain one
+        if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
+            raise
+        sizes = ", ".join(f"{name}={getattr(config, name)}" for name in (
+            "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"))
+        raise ConfigError(f"the {config.torch_device.type} cannot hold the buffers these sizes ask for ({sizes}): "
+                          f"{str(err).splitlines()[0][:200]}") from err

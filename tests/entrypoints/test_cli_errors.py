@@ -68,6 +68,23 @@ def test_engine_option_errors_name_the_cli_option(capsys, model_dir, argv, optio
     assert line.startswith(f"metainfer: error: {option}"), line
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--num-kv-blocks", str(10**12)],
+     r"--num-kv-blocks: num_kv_blocks \(1000000000000\) needs .* GiB for the KV cache; the cpu has .* GiB in all"),
+    (["--max-num-seqs", str(10**12)],
+     r"the cpu cannot hold the buffers these sizes ask for \(max_num_seqs=1000000000000"),
+    (["--max-num-batched-tokens", str(10**12)], r"cannot hold the buffers .*max_num_batched_tokens=1000000000000"),
+    (["--block-size", str(10**7)], r"no memory left for the KV cache \(a block of block_size=10000000 tokens .*\); "
+                                   r"raise cpu_kv_cache_gib \(.*\) or lower block_size"),
+])
+def test_sizes_the_device_cannot_hold_are_one_line_naming_them(capsys, model_dir, argv, expected):
+    """Sizes past the device's memory (spec review of issue 23): a one-line error naming the options (they ended in
+    an allocator's traceback), and a block size that leaves no KV block names block_size and the CPU's budget
+    (it named the GPU's options)."""
+    line = _one_line_error(capsys, ["generate", "x", "--model", model_dir, "--device", "cpu", *argv])
+    assert re.search(expected, line), line
+
+
 def test_only_a_message_that_starts_with_a_field_gets_its_option():
     parser = cli.build_parser()
     assert cli.with_option_name("block_size must be >= 1, got 0", parser).startswith("--block-size: block_size")
