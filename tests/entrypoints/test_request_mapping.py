@@ -80,6 +80,18 @@ def test_vllm_options_this_server_lacks_are_refused_not_ignored(field, value):
     assert not _parse(CompletionRequest, {"prompt": "x", "use_beam_search": False}).stream
 
 
+@pytest.mark.parametrize("field,value", [("guided_json", {}), ("guided_regex", ""), ("guided_choice", []),
+                                         ("guided_grammar", ""), ("structured_outputs", {})])
+def test_an_empty_output_constraint_is_refused_too(field, value):
+    """An empty constraint still asks for one (vLLM: `{}` is any JSON, `""` a regex only the empty text matches,
+    an empty structured_outputs an error): answering without it would silently lack it (README verifier)."""
+    with pytest.raises(OpenAIError) as e:
+        _parse(CompletionRequest, {"prompt": "x", field: value})
+    assert (e.value.status, e.value.param) == (400, field)
+    for harmless in ({"bad_words": []}, {"functions": []}, {"logits_processors": []}):  # ask for nothing
+        _parse(CompletionRequest, {"prompt": "x", **harmless})
+
+
 @pytest.mark.parametrize("model,body,param", [
     (CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     (CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

@@ -40,6 +40,9 @@ _UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_g
                        "guided_whitespace_pattern", "structured_outputs", "bad_words", "use_beam_search",
                        "truncate_prompt_tokens", "return_tokens_as_token_ids", "logits_processors", "prompt_embeds",
                        "functions", "function_call")
+# output constraints: any value but null asks for one (vLLM takes `{}` as "any JSON" and `""` as a regex that only the
+# empty text matches), so an empty one is refused too; for the other fields an empty value asks for nothing
+_CONSTRAINT_FIELDS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"})
 
 
 def _clamp_bias(value):
@@ -118,7 +121,8 @@ class _SamplingFields(_Body):
             for name in _UNSUPPORTED_FIELDS:
                 value = data.get(name)
                 served = name == "function_call" and value in ("none", "auto")  # as tool_choice: nothing to call
-                if value not in (None, False, [], {}, "") and not served:
+                empty = value is None if name in _CONSTRAINT_FIELDS else value in (None, False, [], {}, "")
+                if not empty and not served:
                     raise bad_request(f"{name} is not supported by this server", name)
         return data
 
