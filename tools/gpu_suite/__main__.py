@@ -24,7 +24,7 @@ import os
 import time
 import traceback
 
-from tools.gpu_suite.common import ROOT, error_of, out_dir
+from tools.gpu_suite.common import ROOT, error_of, out_dir, save
 from tools.gpu_suite.sections import DEFAULT_SECTIONS, SECTIONS
 from tools.gpu_suite.table import render
 from tools.tree_ab import PROTOCOLS as TREE_AB_PROTOCOLS
@@ -109,12 +109,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
     return args
-
-
-def save(results: dict) -> None:
-    os.makedirs(out_dir(), exist_ok=True)
-    with open(os.path.join(out_dir(), "gpu_results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
 
 
 def run_section(name: str, args, results: dict) -> None:

@@ -30,6 +30,13 @@ def out_dir() -> str:
     return folder
 
 
+def save(results: dict) -> None:
+    """$OUT/gpu_results.json: after every section, and within a long section after each of its parts (a call cut
+    off at its limit keeps what it measured)."""
+    with open(os.path.join(out_dir(), "gpu_results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
 def ensure_packages(packages: dict[str, str]) -> list[str]:
     """Install from `.gpu_assets/wheels` (built by scripts/gpu_assets.sh; the device has no network) the
     {module: pip name} the machine lacks; returns the pip names installed."""

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tools.gpu_suite.common import ROOT, TOKENIZER_FILES, copy_tokenizer, release, show
+from tools.gpu_suite.common import ROOT, TOKENIZER_FILES, copy_tokenizer, release, save, show
 
 AGREEMENT_LAYERS = {"deepseek-v2-lite": None, "qwen3-30b-a3b": 12}
 
@@ -236,6 +236,8 @@ def moe_families(args, results) -> dict:
                 traceback.print_exc()
                 res[name][part] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
                 release()
+            results["moe_families"] = res
+            save(results)
     return res
 
 
