@@ -13,7 +13,10 @@ step from the config alone (no model is built):
   causal attention;
 - a decode step of r rows costs max(weight bytes touched, 2 x active params x r FLOPs) plus its rows' cache
   bytes (the kernels run one after another: `serial`), or max(all bytes, all FLOPs) if attention and GEMMs
-  overlapped perfectly (`overlapped`);
+  overlapped perfectly (`overlapped`: an ideal that no schedule reaches, since a row's attention waits on its
+  qkv GEMM and its MLP on its attention), or the same with the rows in two micro-batches whose attention runs
+  beside the other's GEMMs (`microbatched`: the overlap a schedule can reach; each half's GEMMs read the
+  weights its rows touch, so the weights are read twice);
 - a MoE layer at r rows reads E x (1 - (1 - k / E)^r) routed experts in expectation (uniform routing), plus
   the shared experts.
 
@@ -102,7 +105,8 @@ def simulate(costs: Costs, inputs: list[int], outputs: list[int], max_num_seqs: 
     waiting = list(zip(inputs, outputs))
     running: list[list[int]] = []  # [context, tokens left to generate]
     pending_chunk = 0               # tokens of the prompt at waiting[0] already prefilled
-    t = {"prefill": 0.0, "decode_serial": 0.0, "decode_overlapped": 0.0, "decode_steps": 0, "prefill_steps": 0}
+    t = {"prefill": 0.0, "decode_serial": 0.0, "decode_overlapped": 0.0, "decode_microbatched": 0.0,
+         "decode_steps": 0, "prefill_steps": 0}
     while waiting or running:
         if waiting and len(running) < max_num_seqs:
             budget, step_tokens, step_attn = max_batched_tokens, 0, 0.0
@@ -129,6 +133,9 @@ def simulate(costs: Costs, inputs: list[int], outputs: list[int], max_num_seqs: 
         fl = 2 * costs.active_params * rows + costs.attn_flops_per_pair * ctx
         t["decode_serial"] += max(w / bw, 2 * costs.active_params * rows / flops) + kv / bw
         t["decode_overlapped"] += max((w + kv) / bw, fl / flops)
+        halves = weight_bytes(costs, (rows + 1) // 2) + weight_bytes(costs, rows // 2) if rows > 1 else w
+        t["decode_microbatched"] += min(max((halves + kv) / bw, fl / flops),  # or one batch, if that is cheaper
+                                        max(w / bw, 2 * costs.active_params * rows / flops) + kv / bw)
         t["decode_steps"] += 1
         for seq in running:
             seq[0] += 1
@@ -154,7 +161,8 @@ def floor(config: dict, protocol: str, kv_elem_bytes: float, bw: float, flops: f
             "params_b": (costs.dense_params + costs.moe_layers * costs.num_experts * costs.expert_params) / 1e9,
             "kv_bytes_per_token": costs.kv_bytes_per_token, **{k: round(v, 3) for k, v in t.items()},
             "output_tok_s_serial": out_tokens / (t["prefill"] + t["decode_serial"]),
-            "output_tok_s_overlapped": out_tokens / (t["prefill"] + t["decode_overlapped"])}
+            "output_tok_s_overlapped": out_tokens / (t["prefill"] + t["decode_overlapped"]),
+            "output_tok_s_microbatched": out_tokens / (t["prefill"] + t["decode_microbatched"])}
 
 
 def main(argv=None) -> None:

@@ -65,3 +65,22 @@ def max_out_minus_one(num_seqs: int) -> int:
 
     _, params = make_requests(num_seqs, 100, 1024, 100, 1024)
     return max(sp.max_tokens for sp in params) - 1
+
+
+def test_microbatched_step_reads_the_weights_twice():
+    """One decode step of 512 rows at a 1,500-token context, priced by hand: two halves of 256 rows each read the
+    15.14 GB of weights beside the 113 GB of cache (bytes-bound), against serial GEMMs (compute) + cache reads."""
+    costs = model_costs(_config("qwen3-8b"))
+    bw, flops = 4.3e12, 790e12
+    rows, context = 512, 1500
+    t = simulate(costs, [context - 1] * rows, [2] * rows, max_num_seqs=rows, max_batched_tokens=1 << 30, bw=bw,
+                 flops=flops)
+    assert t["decode_steps"] == 1
+    weights, cache = costs.dense_params * 2, rows * context * 147_456
+    gemm_flops = 2 * costs.active_params * rows
+    assert t["decode_serial"] == pytest.approx(gemm_flops / flops + cache / bw, rel=1e-9)
+    assert t["decode_microbatched"] == pytest.approx((2 * weights + cache) / bw, rel=1e-9)
+    assert t["decode_overlapped"] == pytest.approx((weights + cache) / bw, rel=1e-9)
+    # one row cannot be split: the micro-batched floor is the serial one
+    one = simulate(costs, [10], [2], max_num_seqs=1, max_batched_tokens=8192, bw=bw, flops=flops)
+    assert one["decode_microbatched"] == pytest.approx(one["decode_serial"], rel=1e-12)
