@@ -1,7 +1,8 @@
 """The MoE families at their real dims with dummy bf16 weights: DeepSeek-V2-Lite (MLA + MoE) and
 Qwen3-30B-A3B (GQA + MoE). Per model: engine start, batch-1 decode against the active-weight floor, TTFT of
 a 1,024-token prompt, nano-vllm's throughput protocol, HF transformers eager beside, and teacher-forced
-agreement with HF bf16 and fp32 (Qwen3-30B-A3B with 12 of its 48 layers: HF fp32 at full depth is 122 GB)."""
+agreement with HF bf16 and fp32 at full depth where HF's fp32 model fits the GPU (Qwen3-30B-A3B's 122 GB fits an
+H200, not an H100: there it runs 12 of its 48 layers)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,24 @@ import torch
 
 from tools.gpu_suite.common import ROOT, TOKENIZER_FILES, copy_tokenizer, release, save, show
 
-AGREEMENT_LAYERS = {"deepseek-v2-lite": None, "qwen3-30b-a3b": 12}
+# the depth kept where HF's fp32 model at full depth does not fit the GPU
+AGREEMENT_FALLBACK_LAYERS = {"qwen3-30b-a3b": 12}
+FP32_HEADROOM = 1.12  # beside the fp32 weights: activations, both logits, the allocator's slack
+
+
+def agreement_layers(name: str, config: dict, gpu_bytes: int) -> int | None:
+    """None (full depth) where HF's fp32 model fits `gpu_bytes` with headroom, else the model's fallback depth."""
+    from tools.throughput_floor import model_costs
+
+    costs = model_costs(config)
+    params = (costs.dense_params + costs.moe_layers * costs.num_experts * costs.expert_params
+              + config["vocab_size"] * config["hidden_size"])  # + the input embedding
+    if 4 * params * FP32_HEADROOM <= gpu_bytes:
+        return None
+    if name not in AGREEMENT_FALLBACK_LAYERS:
+        raise ValueError(f"{name}: HF fp32 needs {4 * params / 1e9:.0f} GB, the GPU has {gpu_bytes / 1e9:.0f}, "
+                         "and no fallback depth is set")
+    return AGREEMENT_FALLBACK_LAYERS[name]
 
 
 def family_dir(args, name: str, num_layers: int | None = None) -> str:
@@ -127,7 +145,8 @@ def family_agreement(args, name: str) -> dict:
 
     from tools.agreement import compare, copy_hf_weights, hf_logits, hf_to_dtype, teacher_forced_logits
 
-    layers = AGREEMENT_LAYERS[name]
+    with open(os.path.join(ROOT, "benchmarks", "configs", f"{name}.json")) as f:
+        layers = agreement_layers(name, json.load(f), torch.cuda.get_device_properties(0).total_memory)
     folder = family_dir(args, name, layers)
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
@@ -148,6 +167,8 @@ def family_agreement(args, name: str) -> dict:
             owner, _, leaf = p.rpartition(".")
             setattr(hf16.get_submodule(owner), leaf, torch.nn.Parameter(t, requires_grad=False))
     ref16 = hf_logits(hf16, tokens, prompt_len, n)
+    hf16.to("cpu")  # the engine's own copy of the weights is built beside it (Qwen3-30B-A3B: 61 GB each)
+    release()
     llm = _engine(folder, max_num_seqs=8, num_kv_blocks=max(64, (prompt_len + n) // 16 + 8))
     copy_hf_weights(llm, hf16)
     del hf16
