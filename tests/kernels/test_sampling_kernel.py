@@ -70,6 +70,21 @@ def test_philox_draws_follow_softmax_over_temperature(vocab, hot, rows):
     assert len(set(draws.tolist())) == len(hot)  # it samples, it does not take the argmax
 
 
+def test_every_column_draws_its_own_noise():
+    """Flat logits at temperature 1 draw every column alike: the 3,000 columns in 12 bins of 250 (each tile of
+    1,024 columns is four sub-tiles sharing one Philox evaluation: a sub-tile reusing another's uniforms never
+    wins a tie-free race, and rows sharing a counter draw the same column)."""
+    vocab, rows = 3000, 32
+    assert sample_splits(rows, vocab) == 3
+    sampler = GumbelSampler(rows, vocab, DEVICE)
+    logits, temps = torch.zeros(rows, vocab, device=DEVICE), torch.ones(rows, device=DEVICE)
+    draws = torch.cat([sampler(logits, temps, seed=seed) for seed in range(10)]).cpu()
+    assert len(set(draws[:rows].tolist())) > rows * 3 // 4  # rows of one launch draw apart
+    counts = torch.bincount(draws // 250, minlength=12).double()
+    # chi-square critical value at p = 1e-4 with 11 dof: 35.6; deterministic seeds
+    assert _chi_square(counts, torch.full((12,), 1 / 12, dtype=torch.float64)) < 35.6
+
+
 def test_nan_and_all_masked_rows_give_valid_ids():
     """NaN counts as +inf (torch.argmax picks the first NaN); a row of -inf gives 0, never an id
     outside the vocabulary (it would feed the next step's embedding lookup)."""
