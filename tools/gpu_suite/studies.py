@@ -3,6 +3,8 @@ sweeps, cuBLAS by rows, the decode attention launch parameters by context and KV
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tools.gpu_suite.common import error_of, show
@@ -169,9 +171,27 @@ def attn_kv_dtype(args, results) -> dict:
     return res
 
 
+def _kernel_graph_ms(kernel, logits, temps, calls: int = 20, replays: int = 10) -> float:
+    """The sampling kernel alone: `calls` launches (a new seed each) in one CUDA graph, ms a launch over `replays`."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for seed in range(calls):
+            kernel(logits, temps, seed=seed)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / (calls * replays), 4)
+
+
 def sampler(args, results) -> dict:
     """The torch sampler against the one-pass Gumbel-max kernel on [B, 151936] bf16 logits (greedy and
-    temperature 0.6): ms a call (CUDA events, after a warm-up), and the greedy tokens compared."""
+    temperature 0.6): ms a call (CUDA events, after a warm-up), and the greedy tokens compared; then the kernel
+    alone in CUDA graphs (no host time) at 1-512 rows. Run by another tree's `metainfer` (cwd .tree_ab/COMMIT,
+    PYTHONPATH this checkout) it times that tree's kernel: a kernel A/B across commits."""
     from metainfer.engine.sequence import Sequence
     from metainfer.kernels.sampling import GumbelSampler
     from metainfer.sampling_params import SamplingParams
@@ -200,6 +220,15 @@ def sampler(args, results) -> dict:
                 row["greedy_equal"] = bool(torch.equal(tokens["torch"], tokens["fused"]))
             res[f"b{batch}_t{temperature}"] = row
             show(f"sampler b{batch} t{temperature}", row)
+    big = GumbelSampler(512, vocab, "cuda", warmup_dtype=torch.bfloat16)
+    for batch in (1, 64, 256, 512):
+        logits = torch.randn(batch, vocab + 64, device="cuda", dtype=torch.bfloat16) * 3
+        row = {f"t{t}_ms": _kernel_graph_ms(big, logits, torch.full((batch,), t, device="cuda")) for t in (0.0, 0.6)}
+        res[f"kernel_graph_b{batch}"] = row
+        show(f"sampler kernel in graphs b{batch}", row)
+    import metainfer
+
+    res["metainfer_from"] = os.path.dirname(metainfer.__file__)
     return res
 
 
