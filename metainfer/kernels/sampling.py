@@ -107,28 +107,34 @@ def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_pt
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
     begin = split * chunk
     stop = tl.minimum(begin + chunk, V)
-    lanes = tl.arange(0, QUARTER)
-    row_counter = row * (chunk * num_splits // 4)  # chunk is a multiple of BLOCK: counters never overlap
-    best_key = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_idx = tl.full([QUARTER], 2147483647, tl.int32)
-    for c0 in range(begin, stop, BLOCK):
-        u0 = tl.zeros([QUARTER], tl.float32)
-        u1 = u0
-        u2 = u0
-        u3 = u0
-        if not HAS_NOISE:
-            if not greedy:
+    if greedy:  # uniform over the program: one BLOCK-wide load a tile, no noise
+        wide_key = tl.full([BLOCK], float("-inf"), tl.float32)
+        wide_idx = tl.full([BLOCK], 2147483647, tl.int32)
+        for c0 in range(begin, stop, BLOCK):
+            wide_key, wide_idx = _fold(wide_key, wide_idx, logits_ptr, noise_ptr, row, c0 + tl.arange(0, BLOCK), stop,
+                                       stride_l, stride_n, inv_t, greedy, wide_key, HAS_NOISE)
+        top, top_idx = _best(wide_key, wide_idx)
+    else:  # four sub-tiles a tile, sharing one Philox evaluation
+        lanes = tl.arange(0, QUARTER)
+        row_counter = row * (chunk * num_splits // 4)  # chunk is a multiple of BLOCK: counters never overlap
+        best_key = tl.full([QUARTER], float("-inf"), tl.float32)
+        best_idx = tl.full([QUARTER], 2147483647, tl.int32)
+        for c0 in range(begin, stop, BLOCK):
+            if HAS_NOISE:
+                u0 = tl.zeros([QUARTER], tl.float32)  # unused: _fold loads the given noise
+                u1, u2, u3 = u0, u0, u0
+            else:
                 u0, u1, u2, u3 = tl.rand4x(seed, row_counter + c0 // 4 + lanes)
-        cols = c0 + lanes
-        best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols, stop, stride_l, stride_n,
-                                   inv_t, greedy, u0, HAS_NOISE)
-        best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + QUARTER, stop, stride_l,
-                                   stride_n, inv_t, greedy, u1, HAS_NOISE)
-        best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + 2 * QUARTER, stop,
-                                   stride_l, stride_n, inv_t, greedy, u2, HAS_NOISE)
-        best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + 3 * QUARTER, stop,
-                                   stride_l, stride_n, inv_t, greedy, u3, HAS_NOISE)
-    top, top_idx = _best(best_key, best_idx)
+            cols = c0 + lanes
+            best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols, stop, stride_l,
+                                       stride_n, inv_t, greedy, u0, HAS_NOISE)
+            best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + QUARTER, stop,
+                                       stride_l, stride_n, inv_t, greedy, u1, HAS_NOISE)
+            best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + 2 * QUARTER, stop,
+                                       stride_l, stride_n, inv_t, greedy, u2, HAS_NOISE)
+            best_key, best_idx = _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols + 3 * QUARTER, stop,
+                                       stride_l, stride_n, inv_t, greedy, u3, HAS_NOISE)
+        top, top_idx = _best(best_key, best_idx)
     if not SPLIT:
         tl.store(out_ptr + row, top_idx.to(tl.int64))
     else:
