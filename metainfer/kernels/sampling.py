@@ -107,12 +107,15 @@ def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_pt
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
     begin = split * chunk
     stop = tl.minimum(begin + chunk, V)
-    if greedy:  # uniform over the program: one BLOCK-wide load a tile, no noise
+    if greedy:  # uniform over the program: no noise; two BLOCK-wide loads in flight a step
         wide_key = tl.full([BLOCK], float("-inf"), tl.float32)
         wide_idx = tl.full([BLOCK], 2147483647, tl.int32)
-        for c0 in range(begin, stop, BLOCK):
-            wide_key, wide_idx = _fold(wide_key, wide_idx, logits_ptr, noise_ptr, row, c0 + tl.arange(0, BLOCK), stop,
-                                       stride_l, stride_n, inv_t, greedy, wide_key, HAS_NOISE)
+        for c0 in range(begin, stop, 2 * BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            wide_key, wide_idx = _fold(wide_key, wide_idx, logits_ptr, noise_ptr, row, cols, stop, stride_l,
+                                       stride_n, inv_t, greedy, wide_key, HAS_NOISE)
+            wide_key, wide_idx = _fold(wide_key, wide_idx, logits_ptr, noise_ptr, row, cols + BLOCK, stop, stride_l,
+                                       stride_n, inv_t, greedy, wide_key, HAS_NOISE)
         top, top_idx = _best(wide_key, wide_idx)
     else:  # four sub-tiles a tile, sharing one Philox evaluation
         lanes = tl.arange(0, QUARTER)
