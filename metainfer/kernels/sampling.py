@@ -89,15 +89,17 @@ def _fold(best_key, best_idx, logits_ptr, noise_ptr, row, cols, stop, stride_l, 
     return tl.where(better, key, best_key), tl.where(better, cols, best_idx)
 
 
-@triton.jit(do_not_specialize=["stride_l", "stride_n", "seed", "chunk", "num_splits"])
+@triton.jit(do_not_specialize=["stride_n", "seed", "num_splits"])
 def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_ptr, part_idx_ptr, counters_ptr,
                           V, stride_l, stride_n, seed, chunk, num_splits,
                           SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                           HAS_NOISE: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row, split) scans columns [split * chunk, +chunk) for its best key, a tile of BLOCK columns as
     four sub-tiles that share one Philox evaluation; unsplit it writes the token, else its (key, index)
-    partial, and the row's last arrival picks the best. Runtime ints are not specialised: one compiled variant
-    per (SPLIT, BLOCK_S), whatever the batch and seed."""
+    partial, and the row's last arrival picks the best. Triton specialises V, the row stride and chunk (a
+    multiple of BLOCK) on divisibility by 16, so a thread loads its 8 contiguous logits as one 16-byte access
+    (unspecialised, every logit was a 2-byte load: sm_90 SASS LDG.E.U16); the seed, the split count and the
+    noise stride are not: one compiled variant per (SPLIT, BLOCK_S, the stride's class), whatever the batch."""
     pdl_enter(USE_PDL)
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
@@ -189,9 +191,11 @@ class GumbelSampler:
             splits, _, block_s = self._launch_shape(b)
             first_of_variant.setdefault((splits > 1, block_s), b)
         device = self.counters.device
+        aligned_width = cdiv(self.vocab_size, 16) * 16
         for b in first_of_variant.values():
-            logits = torch.zeros(b, self.vocab_size, dtype=dtype, device=device)
-            self(logits, self.zero_temperatures[:b], seed=2)
+            for width in (aligned_width, aligned_width + 1):  # both row-stride classes (multiple of 16 or not)
+                logits = torch.zeros(b, width, dtype=dtype, device=device)
+                self(logits, self.zero_temperatures[:b], seed=2)
         torch.cuda.synchronize(device)
 
     def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
