@@ -188,10 +188,10 @@ def _cases(op: str):
     elif op == "sampling":
         # Qwen3 vocabulary (padded LM-head rows): one row (148 splits), 256 rows (4 splits), given noise
         vocab = 151936
-        for rows, dtype in ((1, bf16), (256, bf16), (3, fp32)):
-            logits = torch.zeros(rows, vocab + 64, dtype=dtype)
+        for rows, dtype, pad in ((1, bf16, 64), (256, bf16, 64), (3, fp32, 64), (4, bf16, 65)):  # 65: the
+            logits = torch.zeros(rows, vocab + pad, dtype=dtype)  # row stride's class that is not a multiple of 16
             temps = torch.zeros(rows, dtype=fp32)
-            cases.append((f"gumbel_sample {dtype} B={rows}",
+            cases.append((f"gumbel_sample {dtype} B={rows} stride {vocab + pad}",
                           lambda pdl, lg=logits, t=temps, n=rows: sampling.GumbelSampler(n, vocab, "cpu", pdl=pdl)(
                               lg, t, seed=12345)))
         logits, noise = torch.zeros(2, 1000, dtype=bf16), torch.full((2, 1000), 0.5, dtype=fp32)

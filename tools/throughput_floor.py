@@ -131,11 +131,14 @@ def simulate(costs: Costs, inputs: list[int], outputs: list[int], max_num_seqs: 
         ctx = sum(seq[0] for seq in running)
         w, kv = weight_bytes(costs, rows), ctx * costs.kv_bytes_per_token
         fl = 2 * costs.active_params * rows + costs.attn_flops_per_pair * ctx
-        t["decode_serial"] += max(w / bw, 2 * costs.active_params * rows / flops) + kv / bw
         t["decode_overlapped"] += max((w + kv) / bw, fl / flops)
-        halves = weight_bytes(costs, (rows + 1) // 2) + weight_bytes(costs, rows // 2) if rows > 1 else w
-        t["decode_microbatched"] += min(max((halves + kv) / bw, fl / flops),  # or one batch, if that is cheaper
-                                        max(w / bw, 2 * costs.active_params * rows / flops) + kv / bw)
+        serial = max(w / bw, 2 * costs.active_params * rows / flops) + kv / bw
+        t["decode_serial"] += serial
+        if rows == 1:  # one row cannot be split
+            t["decode_microbatched"] += serial
+        else:  # or one batch, where that is cheaper
+            halves = weight_bytes(costs, (rows + 1) // 2) + weight_bytes(costs, rows // 2)
+            t["decode_microbatched"] += min(max((halves + kv) / bw, fl / flops), serial)
         t["decode_steps"] += 1
         for seq in running:
             seq[0] += 1

@@ -4,10 +4,10 @@ Contract (docs/CONTRACTS.md): `gumbel_sample(logits[B, >=V], temperatures fp32[B
 seed) -> token ids int64[B]`: a row with temperature 0 takes argmax(logits[:V]) (the first index of
 the maximum, as torch.argmax; NaN counts as +inf; a row of -inf gives 0); any other row draws from
 softmax(logits[:V] / T) as argmax(logits / T - log(E)), E = -log(1 - U) i.i.d. Exp(1) noise from
-uniforms U in [0, 1) (Philox, `tl.rand(seed, row * V + column)`): the exponential race (Gumbel-max),
-an exact draw up to the noise's fp32 resolution (E is taken by its series below U = 1e-3, so the
-winning tail keeps U's 2^-31 steps; E is floored at 2^-32). The uniforms come four at a time from one Philox
-evaluation (`tl.rand4x`): column c of a row takes output (c mod BLOCK) // (BLOCK / 4) of the counter
+uniforms U in [0, 1) (Philox): the exponential race (Gumbel-max), an exact draw up to the noise's fp32
+resolution (E is taken by its series below U = 1e-3, so the winning tail keeps U's 2^-31 steps; E is
+floored at 2^-32). The uniforms come four at a time from one Philox evaluation (`tl.rand4x(seed,
+counter)`): column c of a row takes output (c mod BLOCK) // (BLOCK / 4) of the counter
 (row * C + c - c mod BLOCK) / 4 + c mod (BLOCK / 4), C the row's columns rounded up to the splits' chunks, so
 every column of the batch has its own uniform. The caller changes `seed` every step.
 `noise` (fp32 [B, V] uniforms) replaces the generator: the reference and the tests use it to check
@@ -97,9 +97,10 @@ def _gumbel_sample_kernel(logits_ptr, temps_ptr, noise_ptr, out_ptr, part_key_pt
     """Program (row, split) scans columns [split * chunk, +chunk) for its best key, a tile of BLOCK columns as
     four sub-tiles that share one Philox evaluation; unsplit it writes the token, else its (key, index)
     partial, and the row's last arrival picks the best. Triton specialises V, the row stride and chunk (a
-    multiple of BLOCK) on divisibility by 16, so a thread loads its 8 contiguous logits as one 16-byte access
-    (unspecialised, every logit was a 2-byte load: sm_90 SASS LDG.E.U16); the seed, the split count and the
-    noise stride are not: one compiled variant per (SPLIT, BLOCK_S, the stride's class), whatever the batch."""
+    multiple of BLOCK) on divisibility by 16, so a thread's contiguous logits load together (a greedy row's 8
+    as one 16-byte access, a temperature sub-tile's 2 as one 4-byte access; unspecialised, every logit was
+    its own 2-byte load: sm_90 SASS LDG.E.U16); the seed, the split count and the noise stride are not: one
+    compiled variant per (SPLIT, BLOCK_S, the stride's class), whatever the batch."""
     pdl_enter(USE_PDL)
     QUARTER: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)

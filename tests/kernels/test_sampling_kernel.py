@@ -81,8 +81,51 @@ def test_every_column_draws_its_own_noise():
     draws = torch.cat([sampler(logits, temps, seed=seed) for seed in range(10)]).cpu()
     assert len(set(draws[:rows].tolist())) > rows * 3 // 4  # rows of one launch draw apart
     counts = torch.bincount(draws // 250, minlength=12).double()
-    # chi-square critical value at p = 1e-4 with 11 dof: 35.6; deterministic seeds
+    # chi-square critical value with 11 dof at p ~ 2e-4: 35.6; deterministic seeds
     assert _chi_square(counts, torch.full((12,), 1 / 12, dtype=torch.float64)) < 35.6
+
+
+@pytest.mark.parametrize("programs", [1, 2])  # one program a row (5 tiles), or two splits of 3 tiles
+def test_programs_scanning_many_tiles_match_the_formula(monkeypatch, programs):
+    """Fewer programs, so each scans several 1,024-column tiles (greedy rows two a step): with given noise every
+    row equals the reference; ties in later tiles resolve to the first index; padded columns never win."""
+    import metainfer.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_TARGET_PROGRAMS", programs)
+    vocab, pad, batch = 5000, 24, 4
+    assert sample_splits(1, vocab) == programs
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(batch, vocab + pad, generator=g)
+    logits[:, vocab:] = 1e30  # padded LM-head rows: never a token
+    logits[0, [4100, 1500, 3500]] = 50.0  # greedy: the maximum in tiles 4, 1, 3; the first index wins
+    logits[1, [3000, 4999]] = 40.0  # temperature 1e-3: the two ties are decided by the noise alone
+    logits = logits.to(DEVICE)
+    temps = torch.tensor([0.0, 1e-3, 0.8, 0.0], device=DEVICE)
+    noise = _uniform((batch, vocab), seed=9)
+    sampler = GumbelSampler(batch, vocab, DEVICE)
+    got = sampler(logits, temps, seed=1, noise=noise)
+    torch.testing.assert_close(got, gumbel_sample_ref(logits, temps, vocab, noise), rtol=0, atol=0)
+    assert got[0] == 1500 and got[1] in (3000, 4999) and int(got.max()) < vocab
+    assert got[3] == logits[3, :vocab].argmax()
+
+
+def test_no_noise_is_a_shifted_copy_of_another(monkeypatch):
+    """One program a row over two tiles (flat logits, temperature 1): draws spread over the 8 sub-tiles alike,
+    and no row's draw is its neighbour's moved by a tile (what rows sharing a range of Philox counters give:
+    row r's first tile keyed like row r-1's second)."""
+    import metainfer.kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "_TARGET_PROGRAMS", 1)
+    vocab, rows = 2048, 64
+    sampler = GumbelSampler(rows, vocab, DEVICE)
+    assert sampler._launch_shape(rows)[0] == 1
+    logits, temps = torch.zeros(rows, vocab, device=DEVICE), torch.ones(rows, device=DEVICE)
+    draws = torch.stack([sampler(logits, temps, seed=seed) for seed in range(5)]).cpu()  # [seeds, rows]
+    shifted = int(((draws[:, 1:] - draws[:, :-1]).abs() == 1024).sum())
+    assert shifted <= 3  # independent rows: ~0.3 of 315 pairs; rows keyed as their neighbour's copy: ~80
+    counts = torch.bincount(draws.flatten() // 256, minlength=8).double()
+    # chi-square critical value with 7 dof at p = 1e-4: 29.9
+    assert _chi_square(counts, torch.full((8,), 1 / 8, dtype=torch.float64)) < 29.9
 
 
 def test_nan_and_all_masked_rows_give_valid_ids():

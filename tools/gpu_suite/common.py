@@ -33,8 +33,10 @@ def out_dir() -> str:
 def save(results: dict) -> None:
     """$OUT/gpu_results.json: after every section, and within a long section after each of its parts (a call cut
     off at its limit keeps what it measured)."""
-    with open(os.path.join(out_dir(), "gpu_results.json"), "w") as f:
+    path = os.path.join(out_dir(), "gpu_results.json")
+    with open(path + ".tmp", "w") as f:  # replaced whole: a call killed mid-write keeps the last complete file
         json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def ensure_packages(packages: dict[str, str]) -> list[str]:

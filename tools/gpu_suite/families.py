@@ -20,7 +20,8 @@ FP32_HEADROOM = 1.12  # beside the fp32 weights: activations, both logits, the a
 
 
 def agreement_layers(name: str, config: dict, gpu_bytes: int) -> int | None:
-    """None (full depth) where HF's fp32 model fits `gpu_bytes` with headroom, else the model's fallback depth."""
+    """None (full depth) where HF's fp32 model fits `gpu_bytes` (the GPU's free memory) with headroom, else the
+    model's fallback depth."""
     from tools.throughput_floor import model_costs
 
     costs = model_costs(config)
@@ -146,7 +147,8 @@ def family_agreement(args, name: str) -> dict:
     from tools.agreement import compare, copy_hf_weights, hf_logits, hf_to_dtype, teacher_forced_logits
 
     with open(os.path.join(ROOT, "benchmarks", "configs", f"{name}.json")) as f:
-        layers = agreement_layers(name, json.load(f), torch.cuda.get_device_properties(0).total_memory)
+        release()
+        layers = agreement_layers(name, json.load(f), torch.cuda.mem_get_info()[0])  # what is free now
     folder = family_dir(args, name, layers)
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
