@@ -177,13 +177,18 @@ def test_the_check_catches_a_warm_up_that_misses_a_query_length(tmp_path, monkey
 @pytest.mark.slow
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.is_available()), reason="needs METAINFER_TEST_GPU=1 and CUDA")
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "qwen3_moe"])
-@pytest.mark.parametrize("dtype, kv_cache_dtype, graph_sizes", [
-    ("bfloat16", "auto", None), ("float32", "auto", None), ("bfloat16", "fp8", None), ("bfloat16", "auto", (1, 5, 12))])
-def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dtype, graph_sizes, tmp_path):
+@pytest.mark.parametrize("dtype, kv_cache_dtype, graph_sizes, mixed_cap", [
+    ("bfloat16", "auto", None, None), ("float32", "auto", None, None), ("bfloat16", "fp8", None, None),
+    ("bfloat16", "auto", (1, 5, 12), None), ("bfloat16", "auto", None, 64)])
+def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dtype, graph_sizes, mixed_cap,
+                                                       tmp_path):
+    """mixed_cap: `serve`'s cap on a mixed step's prompt tokens (its steps differ from offline's); the last
+    batch asks for what the server passes through (prompt logprobs, penalties, bias, seeds, n > 1)."""
     build_tiny_model(str(tmp_path), arch)
     start = time.perf_counter()
     llm = LLM(str(tmp_path), device="cuda", dtype=dtype, max_num_batched_tokens=256, max_model_len=512,
-              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype, cuda_graph_sizes=graph_sizes)
+              max_num_seqs=16, kv_cache_dtype=kv_cache_dtype, cuda_graph_sizes=graph_sizes,
+              max_mixed_prefill_tokens=mixed_cap)
     cold_start = time.perf_counter() - start
     print(f"\n{arch} {dtype} kv {kv_cache_dtype}: start-up {cold_start:.1f} s "
           f"(warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
@@ -192,6 +197,11 @@ def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dt
         kinds = _serve_everything(llm, max_tokens=24)
         llm.generate([{"prompt_token_ids": p} for p in make_prompts([3] * 16 + [300], seed=4)],
                      SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, logprobs=2), use_tqdm=False)
+        served = [SamplingParams(max_tokens=6, prompt_logprobs=2, presence_penalty=0.5, seed=7),
+                  SamplingParams(n=2, temperature=0.8, top_k=5, min_tokens=3, max_tokens=6, logit_bias={5: 2.0}),
+                  SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.3,
+                                 max_tokens=6, logprobs=0)]
+        llm.generate([{"prompt_token_ids": p} for p in make_prompts([9, 40, 130], seed=5)], served, use_tqdm=False)
         torch.cuda.synchronize()
     assert "mixed" in kinds
     assert compiles.kernels == [], f"Triton compiled while serving: {compiles.kernels}"
