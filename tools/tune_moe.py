@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Mapping
 
@@ -40,7 +41,7 @@ from metainfer.kernels.fused_moe import (
     parse_moe_table,
 )
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
-from metainfer.kernels.tuned_configs import load_tuned_configs
+from metainfer.kernels.tuned_configs import config_path, load_tuned_configs
 from tools.tune_gemv import _env, _rel_err, save_sweep, time_graph, write_tuned_section
 
 # name: (E, N, H, top_k, shared) as the engine runs them: E stacked experts, of which the last `shared` are
@@ -235,8 +236,15 @@ def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", 
 
 
 def write_moe_section(device_name: str, table: dict, path: str | None = None) -> str:
-    """Merge `table` into the `moe` section of the GPU's JSON (tools.tune_gemv.write_tuned_section) and
-    mention the section in the file's "about"; returns the path."""
+    """Merge `table` into the `moe` section of the GPU's JSON (tools.tune_gemv.write_tuned_section) bucket by
+    bucket (a sweep of some buckets keeps the shape's others) and mention the section in the file's "about";
+    returns the path."""
+    path = path or config_path(device_name)
+    current = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            current = json.load(f).get("moe") or {}
+    table = {key: {**current.get(key, {}), **buckets} for key, buckets in table.items()}
     path = write_tuned_section(device_name, "moe", table, path)
     with open(path) as f:
         doc = json.load(f)
