@@ -28,20 +28,12 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Mapping
 
 import torch
 
-from metainfer.kernels.fused_moe import (
-    MoeConfig,
-    default_moe_config,
-    fused_moe_triton,
-    moe_config,
-    moe_table_key,
-    parse_moe_table,
-)
+from metainfer.kernels.fused_moe import MoeConfig, default_moe_config, fused_moe_triton, moe_table_key
 from metainfer.kernels.moe_ref import fused_moe_ref, route_topk_ref
-from metainfer.kernels.tuned_configs import config_path, load_tuned_configs
+from metainfer.kernels.tuned_configs import config_path
 from tools.tune_gemv import _env, _rel_err, save_sweep, time_graph, write_tuned_section
 
 # name: (E, N, H, top_k, shared) as the engine runs them: E stacked experts, of which the last `shared` are
@@ -78,25 +70,10 @@ _LARGE = (  # 512+ tokens: compute-bound grouped GEMMs (each compiles for sm_90 
 )
 
 
-# the down GEMM's own (block_n, block_k, num_warps, num_stages) candidates (--down-only)
-_DOWN = tuple((bn, bk, w, st) for bn in (64, 128, 256) for bk in (64, 128) for (w, st) in ((4, 3), (4, 4), (8, 3)))
-DOWN_MIN_BUCKET = 32  # below, an expert sees a row or two: the down GEMM's A operand is a few KB
-
-
 def sweep_configs(bucket: int) -> tuple[MoeConfig, ...]:
     """The candidates of a token bucket (the untuned default first, no duplicates)."""
     space = _DECODE if bucket <= 16 else _MID if bucket <= 256 else _LARGE
     return tuple(dict.fromkeys((default_moe_config(bucket), *space)))
-
-
-def down_configs(config: MoeConfig, bucket: int) -> tuple[MoeConfig, ...]:
-    """`config` (the table's, both GEMMs alike) first, then the same gate/up with each of the down GEMM's
-    own candidates (block_m and group_m shared: moe_align pads by block_m); `config` alone below
-    DOWN_MIN_BUCKET."""
-    if bucket < DOWN_MIN_BUCKET:
-        return (config,)
-    return tuple(dict.fromkeys((config, *(config.with_down(MoeConfig(config.block_m, bn, bk, config.group_m, w, st))
-                                          for bn, bk, w, st in _DOWN))))
 
 
 def make_routing(num_tokens: int, num_experts: int, top_k: int, generator: torch.Generator, device="cpu",
@@ -202,23 +179,13 @@ def warm_compile(configs, top_ks, device="cuda", dtype=torch.bfloat16, deadline:
 
 
 def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", dtype=torch.bfloat16,
-          calls: int = 12, down_of: Mapping | None = None) -> dict:
+          calls: int = 12) -> dict:
     """Sweep every shape (name -> (E, N, H, top_k, shared)); `["table"]` is the `moe` section's format. The
-    configs are compiled first (warm_compile); each shape then gets an equal share of what is left.
-    `down_of` (a parsed `moe` table): the down-only sweep, each bucket's table config against the same with
-    the down GEMM's own tiles (down_configs); the table's config stays unless one wins by MIN_GAIN."""
+    configs are compiled first (warm_compile); each shape then gets an equal share of what is left."""
     shapes = SHAPES if shapes is None else shapes
     started = time.perf_counter()
-    res = {"env": _env(torch.device(device)), "rel_tol": REL_TOL, "budget_s": budget_s, "shapes": {},
-           "mode": "down" if down_of is not None else "full"}
-
-    def configs_for(dims):
-        if down_of is None:
-            return sweep_configs
-        return lambda bucket: down_configs(moe_config(down_of, *dims, bucket), bucket)
-
-    configs = [cfg for (e, n, h, *_) in shapes.values() for bucket in buckets
-               for cfg in configs_for((e, n, h))(bucket)]
+    res = {"env": _env(torch.device(device)), "rel_tol": REL_TOL, "budget_s": budget_s, "shapes": {}}
+    configs = [cfg for bucket in buckets for cfg in sweep_configs(bucket)]
     res["compile_failures"] = {str(c.to_dict()): e for c, e in warm_compile(
         configs, [s[3] for s in shapes.values()], device, dtype, started + budget_s / 2).items()}
     res["compile_s"] = round(time.perf_counter() - started, 1)
@@ -228,8 +195,7 @@ def sweep(shapes=None, buckets=BUCKETS, budget_s: float = 220.0, device="cuda", 
     for i, (name, (num_experts, n, hidden, top_k, shared)) in enumerate(shapes.items()):
         deadline = timed_from + left * (i + 1) / len(shapes)
         res["shapes"][name] = sweep_shape(num_experts, n, hidden, top_k, buckets, device, dtype, calls,
-                                          deadline=deadline, configs_for=configs_for((num_experts, n, hidden)),
-                                          shared=shared)
+                                          deadline=deadline, shared=shared)
     res["table"] = pick_winners(res["shapes"])
     res["elapsed_s"] = round(time.perf_counter() - started, 1)
     return res
@@ -263,21 +229,16 @@ def main(argv=None) -> int:
                    help="merge the winners into the moe section of the GPU's kernels/configs JSON")
     p.add_argument("--shapes", nargs="*", choices=list(SHAPES), help="a subset of the shapes (default: all)")
     p.add_argument("--buckets", nargs="*", type=int, help=f"a subset of the buckets (default: {BUCKETS})")
-    p.add_argument("--down-only", action="store_true",
-                   help="keep this GPU's table and sweep only the down GEMM's own tiles (from 32 tokens)")
     args = p.parse_args(argv)
     shapes = {name: SHAPES[name] for name in args.shapes} if args.shapes else None
-    down_of = None
-    if args.down_only:
-        down_of = parse_moe_table(load_tuned_configs(_env(torch.device("cuda"))["gpu"]).get("moe", {}))
-    res = sweep(shapes, tuple(args.buckets) if args.buckets else BUCKETS, args.budget_s, down_of=down_of)
+    res = sweep(shapes, tuple(args.buckets) if args.buckets else BUCKETS, args.budget_s)
     print("table:", json.dumps(res["table"]))
     save_sweep(res, args.json, write_moe_section if args.write_config else None)
     return 0
 
 
-__all__ = ["BUCKETS", "DOWN_MIN_BUCKET", "SHAPES", "about_with_moe", "down_configs", "main", "make_routing",
-           "pick_winners", "sweep", "sweep_configs", "sweep_shape", "warm_compile", "write_moe_section"]
+__all__ = ["BUCKETS", "SHAPES", "about_with_moe", "main", "make_routing", "pick_winners", "sweep", "sweep_configs",
+           "sweep_shape", "warm_compile", "write_moe_section"]
 
 
 if __name__ == "__main__":

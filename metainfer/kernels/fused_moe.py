@@ -65,7 +65,6 @@ import torch
 from ._triton import (
     LaunchConfig,
     cdiv,
-    check_launch_fields,
     next_pow2,
     pdl_args,
     pdl_enter,
@@ -83,14 +82,10 @@ _SUM_BLOCK = 1024  # hidden columns per program of the K-slot sum
 
 @dataclass(frozen=True)
 class MoeConfig(LaunchConfig):
-    """Launch parameters of both grouped GEMMs (block_m is also the per-expert padding, group_m the program
-    order of both). The `down_*` fields, where set, replace block_n / block_k / num_warps / num_stages for
-    the down GEMM alone: its A operand (the [T*K, N] intermediate) is read again by every BLOCK_N-wide column
-    block of H, so its best tiles can be wider than gate/up's (tools/tune_moe tunes them apart)."""
+    """Launch parameters of both grouped GEMMs (block_m is also the per-expert padding)."""
 
     BOUNDS: ClassVar[dict] = {"block_m": (16, 256, True), "block_n": (16, 256, True), "block_k": (16, 256, True),
                               "group_m": (1, 64, False), "num_warps": (1, 16, True), "num_stages": (1, 8, False)}
-    DOWN_FIELDS: ClassVar[tuple] = ("block_n", "block_k", "num_warps", "num_stages")
 
     block_m: int = 16
     block_n: int = 64
@@ -98,31 +93,6 @@ class MoeConfig(LaunchConfig):
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    down_block_n: int | None = None
-    down_block_k: int | None = None
-    down_num_warps: int | None = None
-    down_num_stages: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_launch_fields(self, {f"down_{f}": self.BOUNDS[f] for f in self.DOWN_FIELDS
-                                   if getattr(self, f"down_{f}") is not None})
-
-    def to_dict(self) -> dict:
-        """The fields, the unset down_* ones left out (a table entry without them reads back the same)."""
-        return {k: v for k, v in super().to_dict().items() if v is not None}
-
-    def down_config(self) -> MoeConfig:
-        """The down GEMM's launch: this config with its down_* fields (where set) in place."""
-        return MoeConfig(self.block_m, *(getattr(self, f"down_{f}") or getattr(self, f) for f in
-                                         ("block_n", "block_k")), self.group_m,
-                         *(getattr(self, f"down_{f}") or getattr(self, f) for f in ("num_warps", "num_stages")))
-
-    def with_down(self, down: MoeConfig) -> MoeConfig:
-        """This config (gate/up) with `down`'s block_n, block_k, num_warps and num_stages for the down GEMM
-        (none set where they equal this config's own)."""
-        values = {f"down_{f}": getattr(down, f) for f in self.DOWN_FIELDS if getattr(down, f) != getattr(self, f)}
-        return MoeConfig(**{**super().to_dict(), **{f"down_{f}": None for f in self.DOWN_FIELDS}, **values})
 
 
 def default_moe_config(num_tokens: int) -> MoeConfig:
@@ -409,11 +379,6 @@ def _moe_sum_kernel(out_ptr, ids_ptr, y_ptr, H, num_experts, stride_ot, stride_y
     tl.store(y_ptr + t * stride_yt + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(cfg: MoeConfig, precision: str, pdl: bool) -> dict:
-    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl))
-
-
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, table: Mapping | None = None, pdl: bool = False,
                      config: MoeConfig | None = None) -> torch.Tensor:
@@ -470,14 +435,15 @@ def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_m_blocks = expert_of_block.numel()
     inter = torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    down = cfg.down_config()
+    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl))
     _moe_gate_up_kernel[(num_m_blocks * cdiv(n, cfg.block_n),)](
         x, w13, inter, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, n, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, **_launch(cfg, precision, pdl))
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, **launch)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(num_m_blocks * cdiv(hidden, down.block_n),)](
+    _moe_down_kernel[(num_m_blocks * cdiv(hidden, cfg.block_n),)](
         inter, w2, out, routed, sorted_ids, expert_of_block, num_post, num_pairs, num_m_blocks, num_experts, hidden,
-        n, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **_launch(down, precision, pdl))
+        n, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **launch)
     return ExpertSlots(out, ids, num_experts)
 
 

@@ -269,38 +269,6 @@ def test_fused_moe_no_host_sync_and_graph_replay_gpu():
     assert not torch.equal(captured, expected)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_the_down_gemm_runs_its_own_tiles(dtype, monkeypatch):
-    """A config with down_* fields: gate/up launches with block_n / block_k / warps / stages, the down GEMM
-    with its own (its grid over H by down_block_n), block_m and group_m shared; the result is the reference's."""
-    import metainfer.kernels.fused_moe as fm
-
-    launches = {}
-
-    class Recording:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches[self.name] = (grid, kw)
-                return self.kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(fm, "_moe_gate_up_kernel", Recording("gate_up", fm._moe_gate_up_kernel))
-    monkeypatch.setattr(fm, "_moe_down_kernel", Recording("down", fm._moe_down_kernel))
-    config = MoeConfig(16, 32, 32, 2, 4, 2, down_block_n=16, down_block_k=16, down_num_warps=2, down_num_stages=1)
-    args = _moe_inputs(17, 8, 48, 80, 2, dtype, seed=5)
-    _check_moe(args, dtype, config=config)
-    (up_grid, up), (down_grid, down) = launches["gate_up"], launches["down"]
-    assert (up["BLOCK_M"], up["BLOCK_N"], up["BLOCK_K"], up["GROUP_M"], up["num_warps"], up["num_stages"]) == (
-        16, 32, 32, 2, 4, 2)
-    assert (down["BLOCK_M"], down["BLOCK_N"], down["BLOCK_K"], down["GROUP_M"], down["num_warps"],
-            down["num_stages"]) == (16, 16, 16, 2, 2, 1)
-    m_blocks = up_grid[0] // 2  # N = 48 over 32-wide tiles
-    assert down_grid == (m_blocks * 5,)  # H = 80 over 16-wide tiles
-
-
 # ----------------------------------------------------------------------------- configs and the table
 
 
@@ -309,19 +277,6 @@ def test_default_config_by_tokens():
     assert default_moe_config(4096).block_m == 64
     with pytest.raises(ValueError, match="block_m"):
         MoeConfig(block_m=24)
-
-
-def test_down_fields_default_to_the_gate_up_tiles_and_round_trip():
-    base = MoeConfig(64, 64, 64, 8, 4, 4)
-    assert base.down_config() == base and "down_block_n" not in base.to_dict()
-    split = base.with_down(MoeConfig(64, 128, 64, 8, 8, 3))
-    assert split.to_dict() == {**base.to_dict(), "down_block_n": 128, "down_num_warps": 8, "down_num_stages": 3}
-    assert split.down_config() == MoeConfig(64, 128, 64, 8, 8, 3)
-    assert MoeConfig.from_any(split.to_dict()) == split
-    assert split.with_down(base) == base  # the same tiles as gate/up: no down field set
-    assert parse_moe_table({"E64_N1408_H2048": {"256": split.to_dict()}}) == {(64, 1408, 2048): {256: split}}
-    with pytest.raises(ValueError, match="down_block_k"):
-        MoeConfig(down_block_k=24)
 
 
 def test_table_lookup_takes_the_smallest_bucket_at_or_above_t():

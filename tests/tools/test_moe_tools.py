@@ -161,7 +161,7 @@ def test_sweep_and_main_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
     assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows) and [r["us"] for r in rows] == [2.0, 1.0]
     assert res["table"] == {"E8_N32_H64": {"1": configs[1].to_dict(), "4": configs[1].to_dict()}}
 
-    monkeypatch.setattr(tune, "sweep", lambda shapes, buckets, budget, down_of=None: res)
+    monkeypatch.setattr(tune, "sweep", lambda shapes, buckets, budget: res)
     out = tmp_path / "sweep.json"
     assert tune.main(["--json", str(out), "--write-config", "--budget-s", "5"]) == 0
     assert json.loads(out.read_text())["table"] == res["table"]
@@ -202,34 +202,3 @@ def test_bench_shape_times_eagerly_where_capture_fails(monkeypatch):
     res = bench.bench_shape(8, 32, 64, 2, tokens=(3,), device="cpu", dtype=torch.float32, calls=2)
     row = res["tokens"]["3"]["triton"]
     assert row["timing"] == "eager" and row["us"] == 20.0 and "capturing" in row["graph_error"]
-
-
-def test_down_only_sweep_keeps_the_table_and_adds_the_down_tiles_that_win(monkeypatch):
-    """--down-only: each bucket's table config against the same gate/up with the down GEMM's own tiles; a
-    candidate more than MIN_GAIN faster adds its down_* fields, the rest of the entry is the table's; buckets
-    below DOWN_MIN_BUCKET time the table's config alone."""
-    import tools.tune_moe as tune
-
-    base = MoeConfig(32, 32, 64, 2, 4, 2)
-    table = parse_moe_table({"E8_N32_H64": {"1": MoeConfig(16, 32, 64, 1, 4, 1).to_dict(), "64": base.to_dict()}})
-    wide = base.with_down(MoeConfig(32, 128, 64, 2, 8, 3))
-
-    def fake_time_graph(calls, replays):
-        for call in calls:
-            call()
-        cfg = calls[0].__defaults__[1]
-        return (1.0 if cfg == wide else 2.0) * len(calls) / 1e3
-
-    monkeypatch.setattr(tune, "_DOWN", ((32, 64, 4, 2), (128, 64, 8, 3)))
-    monkeypatch.setattr(tune, "time_graph", fake_time_graph)
-    monkeypatch.setattr(tune, "_env", lambda device: {"gpu": "Test GPU 1"})
-    res = tune.sweep({"tiny": (8, 32, 64, 3, 1)}, buckets=(1, 64), device="cpu", dtype=torch.float32, calls=2,
-                     down_of=table)
-    assert res["mode"] == "down"
-    assert [r["config"] for r in res["shapes"]["tiny"]["buckets"]["1"]["configs"]] == [
-        MoeConfig(16, 32, 64, 1, 4, 1).to_dict()]
-    rows = res["shapes"]["tiny"]["buckets"]["64"]["configs"]
-    assert [r["config"] for r in rows] == [base.to_dict(), wide.to_dict()]  # (32, 64, 4, 2) is the table's own
-    assert all(r["ok"] for r in rows)
-    assert res["table"]["E8_N32_H64"]["64"] == {**base.to_dict(), "down_block_n": 128, "down_num_warps": 8,
-                                               "down_num_stages": 3}
