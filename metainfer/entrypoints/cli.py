@@ -278,10 +278,12 @@ def sampling_params(args):
     the model loads."""
     from metainfer import SamplingParams
 
+    seed = args.request_seed
+    if seed is None:  # the engine's seed, [0, 2**64), as the request's int64 of the same 64 bits
+        seed = args.seed - 2**64 if 2**63 <= args.seed < 2**64 else args.seed
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p,
-                              seed=args.request_seed if args.request_seed is not None else args.seed)
+                              top_k=args.top_k, min_p=args.min_p, seed=seed)
     except ValueError as err:
         field = getattr(err, "param", None)
         option = _OPTION_OF_FIELD.get(field, f"--{field.replace('_', '-')}") if field else None

@@ -230,6 +230,15 @@ def test_seed_errors_name_the_option_given(capsys):
     assert line.startswith("metainfer: error: --sample-seed: "), line
 
 
+def test_every_engine_seed_is_a_request_seed():
+    """--seed takes [0, 2**64) (the engine's range); as the request's int64 seed its upper half keeps its 64 bits,
+    so every valid --seed runs, and two of them never share a request seed."""
+    parse = cli.build_parser().parse_args
+    for seed, want in ((0, 0), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1)):
+        assert cli.sampling_params(parse(["generate", "x", "--seed", str(seed)])).seed == want
+    assert cli.sampling_params(parse(["generate", "x", "--seed", str(2**63), "--sample-seed", "7"])).seed == 7
+
+
 def test_max_n_and_max_logprobs_options(capsys, model_dir):
     """--max-n and --max-logprobs reach the engine (serve takes the engine options too); a bad one is one line."""
     args = cli.build_parser().parse_args(["serve", "--model", model_dir, "--max-n", "3", "--max-logprobs", "5"])
