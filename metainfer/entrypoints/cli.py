@@ -270,7 +270,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min_p x the top probability: 0 (off) or in [1e-06, 1] (default 0)")
     p.add_argument("--sample-seed", "--request-seed", dest="request_seed", type=int, default=None,
-                   help="per-request sampling seed (default: the engine --seed)")
+                   help="per-request sampling seed, an int64 (default: the engine --seed; one of 2**63 or more "
+                        "is the int64 of the same 64 bits)")
 
 
 def sampling_params(args):
@@ -280,7 +281,9 @@ def sampling_params(args):
 
     seed = args.request_seed
     if seed is None:  # the engine's seed, [0, 2**64), as the request's int64 of the same 64 bits
-        seed = args.seed - 2**64 if 2**63 <= args.seed < 2**64 else args.seed
+        if not 0 <= args.seed < 2**64:
+            usage_error(f"--seed: seed must be in [0, 2**64), got {args.seed}")
+        seed = args.seed - 2**64 if args.seed >= 2**63 else args.seed
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, seed=seed)

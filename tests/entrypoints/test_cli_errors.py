@@ -224,8 +224,10 @@ def test_every_option_has_help():
 
 def test_seed_errors_name_the_option_given(capsys):
     """--seed feeds the request's seed when --sample-seed is absent: the error names --seed, not --sample-seed."""
-    line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--seed", str(2**64)])
-    assert line.startswith("metainfer: error: --seed: ") and "--sample-seed" not in line, line
+    for bad in (2**64, -1):
+        line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--seed", str(bad)])
+        assert line.startswith("metainfer: error: --seed: ") and "--sample-seed" not in line, line
+        assert "[0, 2**64)" in line, line  # the engine's range, not the request's int64
     line = _one_line_error(capsys, ["generate", "x", "--model", MISSING, "--seed", "1", "--sample-seed", str(2**64)])
     assert line.startswith("metainfer: error: --sample-seed: "), line
 

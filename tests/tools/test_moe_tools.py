@@ -80,10 +80,12 @@ def test_write_moe_section_merges_and_notes_it(tmp_path):
     write_moe_section("Some GPU", entry, path)
     write_moe_section("Some GPU", {"E4_N16_H32": {"4096": MoeConfig(64).to_dict()}}, path)
     write_moe_section("Some GPU", {"E8_N32_H64": {"64": MoeConfig(32).to_dict()}}, path)  # one bucket more
+    retuned = MoeConfig(16, 32, 128, 1, 4, 4).to_dict()
+    write_moe_section("Some GPU", {"E8_N32_H64": {"1": retuned}}, path)  # a bucket swept again replaces its entry
     with open(path) as f:
         doc = json.load(f)
     assert doc["gemv"] == {"64x32": {"block_n": 4}} and set(doc["moe"]) == {"E8_N32_H64", "E4_N16_H32"}
-    assert doc["moe"]["E8_N32_H64"] == {"1": MoeConfig().to_dict(), "64": MoeConfig(32).to_dict()}
+    assert doc["moe"]["E8_N32_H64"] == {"1": retuned, "64": MoeConfig(32).to_dict()}
     assert doc["about"].count("moe:") == 1 and doc["about"].startswith("Tables.")
     assert about_with_moe(doc["about"]) == doc["about"]
     parse_moe_table(doc["moe"])

@@ -117,6 +117,33 @@ def _serve_everything(llm, max_tokens=6):
     return kinds
 
 
+def _serve_request_features(llm):
+    """What the server passes through (prompt logprobs, penalties, logit bias, seeds, n = 2, min_tokens, min_p),
+    the 300-token prompt's prompt logprobs chunked through mixed steps beside the others' decodes; returns the
+    outputs and each mixed step's prompt tokens."""
+    served = [SamplingParams(max_tokens=6, prompt_logprobs=2, presence_penalty=0.5, seed=7),
+              SamplingParams(n=2, temperature=0.8, top_k=5, min_tokens=3, max_tokens=6, logit_bias={5: 2.0}),
+              SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.3,
+                             max_tokens=6, logprobs=0),
+              SamplingParams(max_tokens=4, prompt_logprobs=1, seed=3)]
+    scheduler = llm.llm_engine.scheduler
+    schedule, mixed = scheduler.schedule, []
+
+    def recording():
+        batch = schedule()
+        if batch is not None and batch.is_mixed:
+            mixed.append(batch.num_prefill_tokens)
+        return batch
+
+    scheduler.schedule = recording
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts([9, 40, 130, 300], seed=5)], served,
+                            use_tqdm=False)
+    finally:
+        scheduler.schedule = schedule
+    return outs, mixed
+
+
 def test_start_up_records_each_phase_in_order(tmp_path):
     """Where a cold start's time goes (issue 23: start within 60 s; DeepSeek-V2-Lite's 50.9 s was not broken
     down): every phase of the runner's start-up, the warm-up last, with its wall seconds."""
@@ -197,12 +224,10 @@ def test_no_triton_compile_while_serving_after_start_up(arch, dtype, kv_cache_dt
         kinds = _serve_everything(llm, max_tokens=24)
         llm.generate([{"prompt_token_ids": p} for p in make_prompts([3] * 16 + [300], seed=4)],
                      SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, logprobs=2), use_tqdm=False)
-        served = [SamplingParams(max_tokens=6, prompt_logprobs=2, presence_penalty=0.5, seed=7),
-                  SamplingParams(n=2, temperature=0.8, top_k=5, min_tokens=3, max_tokens=6, logit_bias={5: 2.0}),
-                  SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.3,
-                                 max_tokens=6, logprobs=0)]
-        llm.generate([{"prompt_token_ids": p} for p in make_prompts([9, 40, 130], seed=5)], served, use_tqdm=False)
+        outs, mixed_prompt_tokens = _serve_request_features(llm)
         torch.cuda.synchronize()
     assert "mixed" in kinds
+    assert outs[0].prompt_logprobs and outs[3].prompt_logprobs and len(outs[1].outputs) == 2
+    assert mixed_prompt_tokens and max(mixed_prompt_tokens) <= (mixed_cap or 256), mixed_prompt_tokens
     assert compiles.kernels == [], f"Triton compiled while serving: {compiles.kernels}"
     assert cold_start < 60
