@@ -121,8 +121,27 @@ class ModelSpec:
         """Values the latent cache keeps per token and layer (MLA): kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def __post_init__(self):
+        """A config.json missing or mistyping a size is a ConfigError naming it, not a KeyError or a TypeError
+        deep in the engine."""
+        for name in _POSITIVE_SIZES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"the model's config.json: {_CONFIG_KEY.get(name, name)} must be a positive "
+                                       f"integer, got {value!r}")
+
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelSpec:
+        try:
+            return cls._from_dict(cfg)
+        except KeyError as err:
+            raise ModelConfigError(f"the model's config.json lacks {err.args[0]!r}, which "
+                                   f"{cfg.get('architectures')} needs") from None
+        except TypeError as err:  # arithmetic on a mistyped field before the checks above run
+            raise ModelConfigError(f"the model's config.json has a field of the wrong type ({err})") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict) -> ModelSpec:
         arch = _route_architecture(cfg)
         model_type = cfg.get("model_type", "")
         num_heads = cfg["num_attention_heads"]
@@ -166,8 +185,31 @@ class ModelSpec:
 
     @classmethod
     def from_file(cls, path: str) -> ModelSpec:
+        return cls.from_dict(read_config_json(path))
+
+
+class ModelConfigError(ConfigError):
+    """A checkpoint's config.json that is broken (not JSON, a size missing or mistyped), not one that asks for a
+    feature the engine lacks (spec_report.model_spec turns those into constraint violations)."""
+
+
+# the sizes every family needs, positive ints (ModelSpec.__post_init__), and their config.json names
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                   "head_dim", "max_position_embeddings")
+_CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}
+
+
+def read_config_json(path: str) -> dict:
+    """A checkpoint's config.json as a dict; one that is not a JSON object is a ConfigError naming the file."""
+    try:
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            cfg = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def _route_architecture(cfg: dict) -> str:

@@ -114,14 +114,14 @@ def _configured_max_model_len(args) -> int:
     if args.max_model_len is not None:
         return args.max_model_len
     from metainfer.config import locate_model
+    from metainfer.config.model_spec import read_config_json
     from metainfer.knowledge.spec_report import model_spec
     from metainfer.loader.gguf import gguf_config
 
     model_dir, gguf_file = locate_model(args.model or default_model_path())
     if gguf_file is not None:
         return model_spec(gguf_config(gguf_file)).max_position_embeddings
-    with open(f"{model_dir}/config.json") as f:
-        return model_spec(json.load(f)).max_position_embeddings
+    return model_spec(read_config_json(f"{model_dir}/config.json")).max_position_embeddings
 
 
 def check_fits_context(args, tokens: int, what: str) -> None:
@@ -182,7 +182,8 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--device", default=None, help="auto, cpu, cuda or mlx (the MLX backend; auto never picks it) "
                    "(default: cpu for the embedded model)")
     p.add_argument("--dtype", default="auto", help="auto (the model's), bfloat16, float16 or float32")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (float8_e4m3fn)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), or fp8 / fp8_e4m3 (float8_e4m3fn, the same)")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks (one GPU each on CUDA; default 1)")
     p.add_argument("--max-model-len", type=int, default=None,

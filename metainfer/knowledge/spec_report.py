@@ -35,7 +35,7 @@ import os
 import re
 
 from metainfer.config import KV_CACHE_DTYPES, ConfigError, ModelSpec
-from metainfer.config.model_spec import _route_architecture
+from metainfer.config.model_spec import ModelConfigError, _route_architecture, read_config_json
 
 NODES = ("constraint.supported_architecture", "constraint.tp_divides_heads", "constraint.tp_kv_heads",
          "constraint.tp_divides_intermediate", "constraint.tp_divides_moe_intermediate",
@@ -66,7 +66,7 @@ def model_spec(config: dict) -> ModelSpec:
         raise ConstraintViolation("constraint.supported_architecture", str(err)) from None
     try:
         return ModelSpec.from_dict(config)
-    except ConstraintViolation:
+    except (ConstraintViolation, ModelConfigError):
         raise
     except ConfigError as err:
         raise ConstraintViolation("constraint.supported_features", str(err)) from None
@@ -291,8 +291,7 @@ def load_config(model: str) -> dict:
         from metainfer.loader.gguf import gguf_config
 
         return gguf_config(gguf_file)
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
+    return read_config_json(os.path.join(folder, "config.json"))
 
 
 def features(spec: ModelSpec) -> dict:

@@ -87,3 +87,36 @@ def test_mla_dims_the_gpu_kernels_cannot_tile_are_refused_at_build():
         else:
             with pytest.raises(ValueError, match=f"powers of two >= 16 for .*{bad}.*device='cpu' runs this model"):
                 build_attention_backend(config, TRITON_OPS)
+
+
+def test_a_broken_config_is_one_error_naming_the_key_or_the_file(tmp_path):
+    """A config.json without a size, with one that is not a positive int, or not JSON at all is a ConfigError
+    (ModelConfigError) naming the key or the file: before, a KeyError or a TypeError deep in the engine or the
+    spec report."""
+    import json
+
+    from metainfer import LLM
+    from metainfer.config import ConfigError
+    from metainfer.config.model_spec import ModelConfigError, read_config_json
+    from metainfer.knowledge.spec_report import model_spec
+
+    good = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    assert ModelSpec.from_dict(good).num_heads == 4
+    for key in ("num_attention_heads", "vocab_size", "hidden_size", "num_hidden_layers"):
+        with pytest.raises(ModelConfigError, match=f"lacks '{key}'"):
+            model_spec({k: v for k, v in good.items() if k != key})
+    for key, value in (("num_attention_heads", "4"), ("num_hidden_layers", 0), ("vocab_size", True),
+                       ("head_dim", 2.5), ("num_key_value_heads", -2)):
+        with pytest.raises(ModelConfigError, match=key):
+            model_spec({**good, key: value})
+    path = tmp_path / "config.json"
+    path.write_text('{"a": 1,\n}')
+    with pytest.raises(ModelConfigError, match="config.json is not valid JSON"):
+        read_config_json(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="must hold a JSON object"):
+        read_config_json(str(path))
+    path.write_text(json.dumps({k: v for k, v in good.items() if k != "hidden_size"}))
+    with pytest.raises(ConfigError, match="lacks 'hidden_size'"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu")

@@ -432,3 +432,15 @@ def test_build_app_refuses_a_queue_cap_that_would_refuse_every_request():
 
     with pytest.raises(ValueError, match="max_queued_requests"):  # before any engine starts
         build_app({"model": MISSING}, max_queued_requests=0)
+
+
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["spec"], ["serve", "--port", "8049"]])
+def test_a_broken_model_config_is_one_line(capsys, command, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64}')
+    argv = [*command, "--model", str(tmp_path)] if command[0] != "spec" else ["spec", str(tmp_path)]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exit_:
+        rc = exit_.code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc not in (0, None) and len(lines) == 1 and "lacks 'num_attention_heads'" in lines[0], (rc, lines)
