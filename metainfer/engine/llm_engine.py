@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metainfer.config import EngineConfig, ModelSpec, locate_model
+from metainfer.config.model_spec import read_config_json
 from metainfer.engine.block_manager import BlockManager
 from metainfer.engine.logprob_entries import fill_sampled_texts, prompt_logprobs, store_prompt_logprobs
 from metainfer.engine.request_validation import (
@@ -576,14 +577,11 @@ def resolve_config(config: EngineConfig) -> ModelSpec:
 
 
 def _read_spec(config: EngineConfig) -> ModelSpec:
-    from metainfer.config.model_spec import read_config_json
-
     """Through the check `metainfer spec` runs (spec_report.model_spec): an unsupported architecture is refused
     naming constraint.supported_architecture before anything is loaded."""
     if config.gguf_file is not None:
         return model_spec(gguf_config(config.gguf_file))
-    path = os.path.join(config.model_dir, "config.json")
-    return model_spec(_with_generation_eos(read_config_json(path), config.model_dir))
+    return model_spec(_with_generation_eos(read_config_json(f"{config.model_dir}/config.json"), config.model_dir))
 
 
 def _with_generation_eos(cfg: dict, model_dir: str) -> dict:
