@@ -4,9 +4,10 @@ Contracts (the math of kernels/moe_ref.py, docs/CONTRACTS.md "MoE"):
 - `route_topk_triton(router_logits f32[T,E], top_k, method, n_group, topk_group, renormalize, scaling,
   *, pdl=False)`: route_topk_ref in one launch for `greedy`, K <= 8, E <= 256 (ties: the lowest
   expert id); other methods and sizes call route_topk_ref.
-- `router_topk_triton(x[T,H], weight[E,H], workspace, top_k, ..., *, pdl=False)` for T <= 16:
+- `router_topk_triton(x[T,H], weight[E,H], workspace, top_k, ..., *, pdl=False)` for T <= 512:
   router_topk_ref (the router GEMM in the weight's dtype, then route_topk_ref) in one launch; E / 4
-  programs compute the logits, the last to finish routes them (an acq_rel ticket counter).
+  programs compute the logits of a tile of up to 16 tokens, the last of them to finish routes the tile
+  (an acq_rel ticket counter a tile).
 
 Why a kernel of its own: HF's routing is softmax, topk (two kernels), renormalisation, scaling and, for
 DeepSeek, shared experts appended: five to seven small launches a layer; and at decode sizes the router's
@@ -80,15 +81,17 @@ def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_LOGITS: tl.constexpr,
                         RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
-    """The router GEMM and the routing in one launch, for a few tokens. Program p computes the logits of
-    experts [p*BLOCK_E, (p+1)*BLOCK_E) for every token (fp32 products and sums of the inputs' values; rounded
-    to the weight's dtype when ROUND_LOGITS, as a 16-bit GEMM's output is) into the workspace, then takes an
-    arrival ticket; the program that takes the last one routes all the logits (_route_rows) and resets the
-    counter for the next launch. The memory-ordering argument is attention_decode.py's in-kernel merge:
-    bar.sync, one thread's acq_rel ticket, bar.sync, then the last program's loads through L2 (.cg)."""
+    """The router GEMM and the routing in one launch. Program (p, r) computes the logits of experts
+    [p*BLOCK_E, (p+1)*BLOCK_E) for the tokens of row tile r (fp32 products and sums of the inputs' values;
+    rounded to the weight's dtype when ROUND_LOGITS, as a 16-bit GEMM's output is) into the workspace, then
+    takes an arrival ticket of its row tile; the program that takes the tile's last one routes its rows'
+    logits (_route_rows) and resets the tile's counter for the next launch. The memory-ordering argument is
+    attention_decode.py's in-kernel merge: bar.sync, one thread's acq_rel ticket, bar.sync, then the last
+    program's loads through L2 (.cg)."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_T)
+    tile = tl.program_id(1)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
     e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
@@ -105,10 +108,10 @@ def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + rows[:, None] * E_PAD + e[None, :], acc, mask=row_mask[:, None] & e_mask[None, :])
     tl.debug_barrier()  # every thread's logits stores precede the counting thread's release
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:  # the last program: every program's logits are visible
+    ticket = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:  # the tile's last program: its programs' logits are visible
         tl.debug_barrier()  # the acquire above precedes every thread's loads
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
         cols = tl.arange(0, E_PAD)
         col_mask = cols < num_experts
         logits = tl.load(logits_ptr + rows[:, None] * E_PAD + cols[None, :],
@@ -149,9 +152,12 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "gr
     return weights, ids
 
 
-# the fused router GEMM + routing: up to this many tokens (decode batches); a [tokens, BLOCK_E, BLOCK_K] fp32
-# product tile of at most _ROUTER_TILE_ELEMS, BLOCK_E experts a program (E / 4 programs read the weight)
-ROUTER_FUSED_MAX_TOKENS = 16
+# the fused router GEMM + routing: up to this many tokens (decode and small mixed batches; prefill chunks above it
+# keep cuBLAS, whose GEMM is work there, not latency); row tiles of up to _ROUTER_ROW_TILE tokens, a [tokens,
+# BLOCK_E, BLOCK_K] fp32 product tile of at most _ROUTER_TILE_ELEMS, BLOCK_E experts a program (E / 4 programs
+# a row tile read the weight)
+ROUTER_FUSED_MAX_TOKENS = 512
+_ROUTER_ROW_TILE = 16
 _ROUTER_TILE_ELEMS = 8192
 _ROUTER_BLOCK_E = 4
 
@@ -162,11 +168,11 @@ def router_fusable(num_experts: int, top_k: int, method: str) -> bool:
 
 
 def router_workspace(num_experts: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits scratch f32[ROUTER_FUSED_MAX_TOKENS, E_PAD], ticket counter i32[1] = 0) of one router: the
-    counter is back at 0 after every launch, so the pair serves every step and CUDA-graph replay."""
+    """(logits scratch f32[ROUTER_FUSED_MAX_TOKENS, E_PAD], ticket counters i32[row tiles] = 0) of one router:
+    each counter is back at 0 after every launch, so the pair serves every step and CUDA-graph replay."""
     e_pad = max(16, next_pow2(num_experts))
     return (torch.zeros(ROUTER_FUSED_MAX_TOKENS, e_pad, dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+            torch.zeros(cdiv(ROUTER_FUSED_MAX_TOKENS, _ROUTER_ROW_TILE), dtype=torch.int32, device=device))
 
 
 def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor],
@@ -176,7 +182,7 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[t
     tokens of a `router_fusable` router: x [T, H] (any float dtype), weight [E, H] (fp32 for the routers HF
     keeps in fp32, else the model dtype: the logits are then rounded to it, as that GEMM's output is),
     workspace from `router_workspace`. Replaces the input cast, the GEMM (two cuBLAS kernels at T = 1) and
-    the routing launch of a decode step's router."""
+    the routing launch of a decode step's router: three launches, two outside PDL's chain."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > ROUTER_FUSED_MAX_TOKENS or not router_fusable(num_experts, top_k, method):
@@ -192,9 +198,9 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[t
     if num_tokens == 0:
         return weights, ids
     e_pad = logits.shape[1]
-    block_t = next_pow2(num_tokens)
+    block_t = min(next_pow2(num_tokens), _ROUTER_ROW_TILE)
     block_k = max(16, min(next_pow2(hidden), _ROUTER_TILE_ELEMS // (block_t * _ROUTER_BLOCK_E)))
-    _router_topk_kernel[(cdiv(num_experts, _ROUTER_BLOCK_E),)](
+    _router_topk_kernel[(cdiv(num_experts, _ROUTER_BLOCK_E), cdiv(num_tokens, block_t))](
         x, weight, logits, counter, weights, ids, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0),
         float(scaling), TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=block_k, ROUND_LOGITS=weight.dtype != torch.float32,

@@ -123,8 +123,8 @@ class FusedExperts(nn.Module):
 class TopKRouter(ReplicatedLinear):
     """Router logits (a replicated GEMM; fp32 weight and math where the family keeps them fp32) -> the
     K routing weights (fp32) and expert ids of every token, then the S shared experts' ids with weight 1
-    (kernels/moe_ref.py: route_topk). A decode-sized batch (<= ROUTER_FUSED_MAX_TOKENS tokens) of a greedy
-    router takes `router_topk`, GEMM and routing in one launch (the step's shape picks it, so each CUDA
+    (kernels/moe_ref.py: route_topk). A decode or small mixed batch (<= ROUTER_FUSED_MAX_TOKENS tokens) of a
+    greedy router takes `router_topk`, GEMM and routing in one launch (the step's shape picks it, so each CUDA
     graph holds one form); larger ones the GEMM then `route_topk`."""
 
     def __init__(self, spec, ops, dtype):
