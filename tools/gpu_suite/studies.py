@@ -173,18 +173,8 @@ def attn_kv_dtype(args, results) -> dict:
 
 def _kernel_graph_ms(kernel, logits, temps, calls: int = 20, replays: int = 10) -> float:
     """The sampling kernel alone: `calls` launches (a new seed each) in one CUDA graph, ms a launch over `replays`."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for seed in range(calls):
-            kernel(logits, temps, seed=seed)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) / (calls * replays), 4)
+    seeds = iter(range(calls + 1))
+    return round(_graph_us(lambda: kernel(logits, temps, seed=next(seeds)), calls, replays) / 1000, 4)
 
 
 def sampler(args, results) -> dict:
@@ -232,9 +222,10 @@ def sampler(args, results) -> dict:
     return res
 
 
-def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """`fn` captured `calls` times in one CUDA graph: ms a call over `replays` replays (no host time)."""
-    fn()  # compiles outside the capture
+def _graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """`fn` captured `calls` times in one CUDA graph after one call outside it (compiles): us a call over
+    `replays` replays (no host time)."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -247,7 +238,7 @@ def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return round(start.elapsed_time(end) / (calls * replays) * 1000, 2)
+    return start.elapsed_time(end) / (calls * replays) * 1000
 
 
 MOE_ROUTER_SHAPES = {  # name: (routed experts, top_k, shared experts, router weight dtype), hidden 2048
@@ -307,10 +298,9 @@ def _router_case(x, weight, top_k: int, shared: int, block_m: int) -> dict:
         return fm.moe_align(ids, experts + shared, block_m, pdl=True)
 
     same = (old_router()[1].sort(1).values == ids.sort(1).values).all(1).float().mean()
-    return {"router_old_us": _graph_ms(old_router), "router_new_us": _graph_ms(new_router),
-            "align_old_us": _graph_ms(old_align), "align_new_us": _graph_ms(new_align),
-            "both_old_us": _graph_ms(lambda: (old_router(), old_align())),
-            "both_new_us": _graph_ms(lambda: (new_router(), new_align())), "ids_equal_rows": round(float(same), 4)}
+    forms = {"router_old": old_router, "router_new": new_router, "align_old": old_align, "align_new": new_align,
+             "both_old": lambda: (old_router(), old_align()), "both_new": lambda: (new_router(), new_align())}
+    return {**{f"{k}_us": round(_graph_us(fn), 2) for k, fn in forms.items()}, "ids_equal_rows": round(float(same), 4)}
 
 
 def _gpu_moe_table():
