@@ -237,7 +237,8 @@ def _moe_align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, nu
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bool = False):
     """(sorted_ids i32[P_max], expert_of_block i32[P_max // block_m], num_tokens_post_padded i32[1]);
-    see the module docstring. No host sync: two launches, shapes from T, K, E and block_m only."""
+    see the module docstring. No host sync: one launch up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs, two beyond;
+    shapes from T, K, E and block_m only."""
     require_triton()
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point or num_experts <= 0:
         raise ValueError(f"moe_align needs integer topk_ids[T, K] and num_experts > 0, got "

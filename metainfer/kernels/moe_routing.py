@@ -177,12 +177,14 @@ def router_workspace(num_experts: int, device=None) -> tuple[torch.Tensor, torch
 
 def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor],
                        top_k: int, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0, *, pdl: bool = False):
+                       renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0, *, pdl: bool = False,
+                       block_e: int = _ROUTER_BLOCK_E):
     """route_topk_ref(linear(x as weight's dtype, weight)) in one launch for up to ROUTER_FUSED_MAX_TOKENS
     tokens of a `router_fusable` router: x [T, H] (any float dtype), weight [E, H] (fp32 for the routers HF
     keeps in fp32, else the model dtype: the logits are then rounded to it, as that GEMM's output is),
     workspace from `router_workspace`. Replaces the input cast, the GEMM (two cuBLAS kernels at T = 1) and
-    the routing launch of a decode step's router: three launches, two outside PDL's chain."""
+    the routing launch of a decode step's router: three launches, two outside PDL's chain. `block_e` (experts a
+    program, a power of two) is the GPU study's knob (tools/gpu_suite moe_router)."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > ROUTER_FUSED_MAX_TOKENS or not router_fusable(num_experts, top_k, method):
@@ -190,20 +192,23 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[t
                          f"experts (<= {ROUTE_MAX_EXPERTS}), top_k {top_k} (<= {ROUTE_MAX_K}), method {method!r}")
     if weight.shape[1] != hidden or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: [T, H] and [E, H], unit last strides")
-    require_triton()
     logits, counter = workspace
+    block_t = min(next_pow2(max(num_tokens, 1)), _ROUTER_ROW_TILE)
+    if logits.shape[0] < num_tokens or logits.shape[1] < num_experts or counter.numel() < cdiv(num_tokens, block_t):
+        raise ValueError(f"router workspace {tuple(logits.shape)} / {counter.numel()} counters is too small for "
+                         f"{num_tokens} tokens and {num_experts} experts (router_workspace)")
+    require_triton()
     width = top_k + num_shared
     weights = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, width, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return weights, ids
     e_pad = logits.shape[1]
-    block_t = min(next_pow2(num_tokens), _ROUTER_ROW_TILE)
-    block_k = max(16, min(next_pow2(hidden), _ROUTER_TILE_ELEMS // (block_t * _ROUTER_BLOCK_E)))
-    _router_topk_kernel[(cdiv(num_experts, _ROUTER_BLOCK_E), cdiv(num_tokens, block_t))](
+    block_k = max(16, min(next_pow2(hidden), _ROUTER_TILE_ELEMS // (block_t * block_e)))
+    _router_topk_kernel[(cdiv(num_experts, block_e), cdiv(num_tokens, block_t))](
         x, weight, logits, counter, weights, ids, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0),
         float(scaling), TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=block_k, ROUND_LOGITS=weight.dtype != torch.float32,
+        BLOCK_E=block_e, BLOCK_K=block_k, ROUND_LOGITS=weight.dtype != torch.float32,
         RENORMALIZE=bool(renormalize), NUM_SHARED=num_shared, num_warps=4, **pdl_args(pdl))
     return weights, ids
 

@@ -101,7 +101,26 @@ def test_moe_align_matches_naive_grouping(name, one_program_max, monkeypatch):
     it (a bound of 0 sends every case there)."""
     monkeypatch.setattr(fm, "ALIGN_ONE_PROGRAM_MAX_PAIRS", one_program_max)
     ids, num_experts, block_m = ALIGN_CASES[name]
+    if ids.numel() <= one_program_max:  # the one-program form must not launch the scatter kernel
+        monkeypatch.setattr(fm, "_moe_align_scatter_kernel", None)
     _check_align(ids.to(torch.int32), num_experts, block_m)
+
+
+def test_moe_align_bound_is_inclusive(monkeypatch):
+    """4,096 pairs take one program, 4,097 the scatter kernel as well."""
+    launched = []
+    scatter = fm._moe_align_scatter_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return scatter[grid]
+
+    monkeypatch.setattr(fm, "_moe_align_scatter_kernel", Spy())
+    g = torch.Generator().manual_seed(4)
+    for pairs in (fm.ALIGN_ONE_PROGRAM_MAX_PAIRS, fm.ALIGN_ONE_PROGRAM_MAX_PAIRS + 1):
+        _check_align(torch.randint(0, 66, (pairs, 1), generator=g, dtype=torch.int32), 66, 32)
+    assert len(launched) == 1
 
 
 def test_moe_align_rejects_bad_arguments():

@@ -18,7 +18,7 @@ from tests.helpers.kernel_devices import DEVICE, ON_GPU
 
 pytest.importorskip("triton")
 
-SHAPES = [(64, 2048), (128, 2048)] if ON_GPU else [(8, 96), (64, 160), (128, 64)]
+SHAPES = [(64, 2048), (128, 2048)] if ON_GPU else [(8, 96), (64, 160), (128, 64), (6, 48)]  # 6: a partial expert tile
 
 
 def _margin_rows(x, weight, top_k) -> torch.Tensor:
@@ -103,6 +103,19 @@ def test_router_topk_counter_returns_to_zero_and_launches_repeat(num_tokens):
     assert not workspace[1].any()
 
 
+@pytest.mark.parametrize("block_e", [8, 16])
+def test_router_topk_expert_tile_width_changes_no_result(block_e):
+    """The study's knob (experts a program): the same logits and routing for 40 tokens (three row tiles)."""
+    x, weight = _inputs(40, 64, SHAPES[1][1], torch.bfloat16, torch.float32, seed=11)
+    first_ws, other_ws = router_workspace(64, DEVICE), router_workspace(64, DEVICE)
+    first = router_topk_triton(x, weight, first_ws, top_k=6, num_shared=2)
+    other = router_topk_triton(x, weight, other_ws, top_k=6, num_shared=2, block_e=block_e)
+    torch.testing.assert_close(other_ws[0][:40, :64], first_ws[0][:40, :64], rtol=1e-6, atol=1e-6)
+    rows = _decided(first_ws[0][:40, :64], 6)
+    assert rows.any() and torch.equal(other[1][rows], first[1][rows])
+    assert not other_ws[1].any()
+
+
 def test_router_topk_no_tokens_and_refusals():
     weight = torch.randn(8, 32, device=DEVICE)
     workspace = router_workspace(8, DEVICE)
@@ -110,6 +123,10 @@ def test_router_topk_no_tokens_and_refusals():
     assert weights.shape == ids.shape == (0, 2)
     with pytest.raises(ValueError, match="tokens"):
         router_topk_triton(torch.randn(ROUTER_FUSED_MAX_TOKENS + 1, 32, device=DEVICE), weight, workspace, top_k=2)
+    with pytest.raises(ValueError, match="workspace"):  # fewer counters than row tiles, fewer logit columns
+        router_topk_triton(torch.randn(40, 32, device=DEVICE), weight, (workspace[0], workspace[1][:2]), top_k=2)
+    with pytest.raises(ValueError, match="workspace"):
+        router_topk_triton(torch.randn(4, 32, device=DEVICE), torch.randn(20, 32, device=DEVICE), workspace, top_k=2)
     with pytest.raises(ValueError, match="method"):
         router_topk_triton(torch.randn(1, 32, device=DEVICE), weight, workspace, top_k=2,
                            method="group_limited_greedy", n_group=2, topk_group=1)

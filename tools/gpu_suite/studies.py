@@ -249,10 +249,10 @@ MOE_ROUTER_SHAPES = {  # name: (routed experts, top_k, shared experts, router we
 
 def moe_router(args, results) -> dict:
     """A MoE layer's routing front, us a layer under PDL in CUDA graphs, the forms before session 39 against
-    the current: the router at 17-512 tokens (input cast + cuBLAS GEMM + route_topk: three launches, two outside
-    PDL's chain, against router_topk's one) and moe_align (count + scatter kernels against one program up to
-    ALIGN_ONE_PROGRAM_MAX_PAIRS pairs); then both together. The routed ids of the two router forms are compared
-    (equal but for near-ties)."""
+    the current: the router at 17-512 tokens (input cast + cuBLAS GEMM + route_topk: three launches, two
+    outside PDL's chain, against router_topk's one, at 4 / 8 / 16 experts a program) and moe_align (count +
+    scatter kernels against one program up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs); then both together. The
+    routed ids of the two router forms are compared (equal but for near-ties)."""
     from metainfer.kernels import fused_moe as fm
 
     res = {}
@@ -298,7 +298,11 @@ def _router_case(x, weight, top_k: int, shared: int, block_m: int) -> dict:
         return fm.moe_align(ids, experts + shared, block_m, pdl=True)
 
     same = (old_router()[1].sort(1).values == ids.sort(1).values).all(1).float().mean()
-    forms = {"router_old": old_router, "router_new": new_router, "align_old": old_align, "align_new": new_align,
+    def wide_router(block_e: int):
+        return lambda: router_topk_triton(x, weight, workspace, pdl=True, block_e=block_e, **routing)
+
+    forms = {"router_old": old_router, "router_new": new_router, "router_new_be8": wide_router(8),
+             "router_new_be16": wide_router(16), "align_old": old_align, "align_new": new_align,
              "both_old": lambda: (old_router(), old_align()), "both_new": lambda: (new_router(), new_align())}
     return {**{f"{k}_us": round(_graph_us(fn), 2) for k, fn in forms.items()}, "ids_equal_rows": round(float(same), 4)}
 
