@@ -137,7 +137,8 @@ class TopKRouter(ReplicatedLinear):
         self.fused_max_tokens = ROUTER_FUSED_MAX_TOKENS if router_fusable(
             spec.num_experts, spec.num_experts_per_tok, spec.topk_method) else 0
         # buffers (they follow the module's device); empty where the router is not fusable
-        logits, counter = router_workspace(spec.num_experts) if self.fused_max_tokens else (torch.empty(0),) * 2
+        logits, counter = (router_workspace(spec.num_experts) if self.fused_max_tokens
+                           else (torch.empty(0), torch.empty(0, dtype=torch.int32)))
         self.register_buffer("fused_logits", logits, persistent=False)
         self.register_buffer("fused_ticket", counter, persistent=False)
 
