@@ -1,6 +1,7 @@
 """Skinny-GEMM sweep on CUDA: pick a SkinnyConfig per (decode weight shape, row bucket), against cuBLAS.
 
     python -m tools.tune_skinny [--out skinny_sweep.json] [--time-budget 240] [--write-config]
+                                [--model-config config.json] [--rows 32,64,128,256]
 
 `--write-config` merges the table into the `skinny` section of this GPU's shipped JSON
 (metainfer/kernels/configs/<device>.json, read by `metainfer.kernels.tuned_configs`). From a script:
@@ -60,8 +61,46 @@ SWEEP_CONFIGS: tuple[SkinnyConfig, ...] = (
     _S(128, 64, 4, 4),
     _S(32, 256, 4, 3, split_k=1),
     _S(16, 512, 4, 3, split_k=1),
+    # 128-256 padded rows: the [BLOCK_N, BLOCK_M] fp32 accumulator needs more warps (64 x 256 on 4 warps: 128
+    # registers a thread for it alone)
+    _S(64, 64, 8, 4),
+    _S(64, 128, 8, 3),
+    _S(32, 128, 8, 4),
+    _S(128, 64, 8, 3),
+    _S(128, 32, 8, 4),
 )
 ROWS = (4, 8, 16, 32, 64)  # run 21 swept 8-64; 4 added after its review (the 4-row graph bucket)
+
+
+_NOT_DECODE_LINEAR = (".mlp.gate", ".kv_b_proj")
+
+
+def model_linear_shapes(config_path: str, tp: int = 1) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """The (N, K) weights one decode step multiplies through the engine's linear (`KernelOps.linear`: every
+    LinearBase and the LM head) for a model config at one rank of `tp`, and how many of each: the engine's own
+    model built on the meta device, so fused projections (q + latent, gate + up) appear as the engine runs them.
+    Names are the shapes' first module path with the layer index dropped. Left out: the MoE router (`mlp.gate`,
+    its own routing kernel) and MLA's kv_b_proj (decode multiplies its absorbed halves, kernels/mla_absorb.py)."""
+    from metainfer.config.model_spec import ModelSpec
+    from metainfer.distributed.parallel_state import tp_state
+    from metainfer.kernels import REF_OPS
+    from metainfer.layers.embedding import ParallelLMHead
+    from metainfer.layers.linear import LinearBase
+    from metainfer.models.registry import model_class
+
+    spec = ModelSpec.from_file(config_path)
+    with tp_state(0, tp), torch.device("meta"):
+        model = model_class(spec)(spec, REF_OPS, dtype=torch.bfloat16)
+    shapes: dict[str, tuple[int, int]] = {}
+    counts: dict[str, int] = {}
+    names = {}
+    for path, module in model.named_modules():
+        if isinstance(module, LinearBase | ParallelLMHead) and not path.endswith(_NOT_DECODE_LINEAR):
+            shape = tuple(module.weight.shape)
+            name = names.setdefault(shape, ".".join(p for p in path.split(".") if not p.isdigit()))
+            shapes[name] = shape
+            counts[name] = counts.get(name, 0) + 1
+    return shapes, counts
 
 
 def sweep_shape(n: int, k: int, m: int, configs=SWEEP_CONFIGS, device="cuda", calls: int = 20, replays: int = 5,
@@ -112,8 +151,8 @@ def decode_set(table: dict, rows=ROWS, shapes=QWEN3_8B_DECODE_SHAPES, counts=QWE
 
 
 def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP_CONFIGS,
-          time_budget_s: float = 240.0, dtype=torch.bfloat16) -> dict:
-    """Every config on every (shape, row count) in 3..64; `["table"]` keeps, per (shape, BLOCK_M), the
+          time_budget_s: float = 240.0, dtype=torch.bfloat16, counts=QWEN3_8B_DECODE_COUNTS) -> dict:
+    """Every config on every (shape, row count) in 3..MAX_ROWS; `["table"]` keeps, per (shape, BLOCK_M), the
     config with the least time summed over that bucket's row counts, only where that sum beats
     cuBLAS's (a bucket entry may lose at one of its row counts: run 21's gate_up and down did at 16
     rows by 0.6% and 0.4%). `["shapes"]` keys are "name/rows M"; table keys "NxK/mBLOCK_M"."""
@@ -149,9 +188,16 @@ def sweep(device="cuda", shapes=QWEN3_8B_DECODE_SHAPES, rows=ROWS, configs=SWEEP
                 table[skinny_table_key(n, k, block_m)] = best.to_dict()
     res["table"] = table
     res["sweep_s"] = round(time.perf_counter() - started, 1)
-    res["decode_set"] = decode_set(table, rows, shapes, device=device, dtype=dtype)
+    res["decode_set"] = decode_set(table, rows, shapes, counts, device=device, dtype=dtype)
     res["elapsed_s"] = round(time.perf_counter() - started, 1)
     return res
+
+
+def _row_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rows: a comma list of integers, got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -160,15 +206,19 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds (wall) for the config sweep")
     p.add_argument("--write-config", action="store_true",
                    help="merge the table into the skinny section of the GPU's kernels/configs JSON")
+    p.add_argument("--model-config", help="a model's config.json: sweep its linear shapes (default: Qwen3-8B's)")
+    p.add_argument("--rows", type=_row_list, default=ROWS, help="row counts, a comma list (default 4,8,16,32,64)")
     args = p.parse_args(argv)
-    res = sweep(time_budget_s=args.time_budget)
+    shapes, counts = ((QWEN3_8B_DECODE_SHAPES, QWEN3_8B_DECODE_COUNTS) if args.model_config is None
+                      else model_linear_shapes(args.model_config))
+    res = sweep(shapes=shapes, counts=counts, rows=args.rows, time_budget_s=args.time_budget)
     print("table:", json.dumps(res["table"]))
     write = (lambda gpu, table: write_tuned_section(gpu, "skinny", table)) if args.write_config else None
     save_sweep(res, args.out, write)
     return 0
 
 
-__all__ = ["ROWS", "SWEEP_CONFIGS", "decode_set", "main", "sweep", "sweep_shape"]
+__all__ = ["ROWS", "SWEEP_CONFIGS", "decode_set", "main", "model_linear_shapes", "sweep", "sweep_shape"]
 
 
 if __name__ == "__main__":

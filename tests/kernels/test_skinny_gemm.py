@@ -1,4 +1,4 @@
-"""Skinny GEMM (tensor cores, a few to 64 rows): against F.linear in float64.
+"""Skinny GEMM (tensor cores, a few to 256 rows): against F.linear in float64.
 
 Interpreted on the CPU (fp32, fp16), compiled on the GPU with bf16 too: ragged row counts around
 the padded MMA width, N and K off the tile sizes, explicit and automatic K splits, a bias, and
@@ -42,7 +42,8 @@ CASES = [  # (m, n, k, config)
     (16, 130, 1000, SkinnyConfig(block_n=64, block_k=128)),          # automatic: too few K-steps to split
     (20, 64, 4096, SkinnyConfig()),                                  # the automatic split (8), BLOCK_M 32
     (33, 64, 256, SkinnyConfig(block_n=32, block_k=64, split_k=2)),  # rows past one MMA width of 32
-    (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),
+    (100, 48, 96, SkinnyConfig(block_n=16, block_k=32, split_k=2)),     # BLOCK_M 128, split K
+    (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),  # BLOCK_M 256
     (1, 48, 64, SkinnyConfig(block_n=16, block_k=16, split_k=1)),
 ]
 
@@ -200,7 +201,7 @@ def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
     ticks = iter(range(1, 10_000))  # later measurements look slower: cuBLAS (timed first) wins everywhere
     res = sb.sweep(device="cpu", shapes={"a": (40, 64)}, rows=(8,), configs=configs[:1], dtype=torch.float32)
     assert res["table"] == {} and res["shapes"]["a/rows8"]["best"]["config"] == configs[0].to_dict()
-    for bad in ((2, 8), (65,), ()):
+    for bad in ((2, 8), (MAX_ROWS + 1,), ()):
         with pytest.raises(ValueError, match="rows"):
             sb.sweep(device="cpu", shapes={"a": (40, 64)}, rows=bad, configs=configs[:1], dtype=torch.float32)
 
@@ -213,3 +214,25 @@ def test_a_row_does_not_depend_on_the_row_count(dtype):
     cfg = SkinnyConfig(block_n=32, block_k=32, split_k=2)
     x8, w, b = _inputs(8, 96, 256, dtype, bias=True, seed=4)
     assert torch.equal(skinny_gemm_triton(x8[:5].contiguous(), w, b, cfg), skinny_gemm_triton(x8, w, b, cfg)[:5])
+
+
+def test_model_linear_shapes_match_the_checkpoint_shapes():
+    """The sweep's shapes for DeepSeek-V2-Lite (the engine's model on the meta device) against the checkpoint's
+    parameter shapes (knowledge.spec_report, written from the config independently): the q and latent
+    projections fused, gate and up fused in the one dense layer, o_proj and the LM head as they are; the
+    router and kv_b_proj (not multiplied by the decode's linear) left out."""
+    from metainfer.config.model_spec import ModelSpec
+    from metainfer.knowledge.spec_report import param_shapes
+    from tools.tune_skinny import model_linear_shapes
+
+    path = "benchmarks/configs/deepseek-v2-lite.json"
+    spec = ModelSpec.from_file(path)
+    ckpt = param_shapes(spec)
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    dense = spec.num_layers - len(spec.moe_layers)
+    h, q, kv_a = spec.hidden_size, ckpt[a + "q_proj.weight"], ckpt[a + "kv_a_proj_with_mqa.weight"]
+    want = [(q[0] + kv_a[0], h, spec.num_layers), (*ckpt[a + "o_proj.weight"], spec.num_layers),
+            (2 * ckpt[m + "gate_proj.weight"][0], h, dense), (*ckpt[m + "down_proj.weight"], dense),
+            (*ckpt["lm_head.weight"], 1)]
+    shapes, counts = model_linear_shapes(path)
+    assert sorted((n, k, counts[name]) for name, (n, k) in shapes.items()) == sorted(want)
