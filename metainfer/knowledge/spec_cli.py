@@ -104,6 +104,9 @@ def summary(report: dict, tp: int) -> str:
             ranges = "".join(f" {key}={','.join(f'{a}-{b}' if a != b else str(a) for a, b in value[key])}"
                              for key in ("i", "e") if isinstance(value, dict) and key in value)
             lines.append(f"  {name} {list(shape)}{ranges}")
+    elif report["violations"]:  # the split-independent facts above hold; say why the per-rank ones are missing
+        lines.append(f"per-rank facts: none at tp={tp} (violated: "
+                     f"{', '.join(v['node'] for v in report['violations'])}; the error below)")
     if report["kv_bytes_per_token"] is not None:
         lines.append(f"KV cache per token per rank: {report['kv_bytes_per_token']:,} bytes")
     if report["memory"]:

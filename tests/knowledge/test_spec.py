@@ -338,6 +338,11 @@ def test_cli_exit_status_and_one_line(folders, capsys, tmp_path):
     out, err = capsys.readouterr()
     assert json.loads(out)["violations"][0]["node"] == "constraint.tp_divides_heads"
     assert err.count("\n") == 1 and "constraint.tp_divides_heads" in err and "num_attention_heads (32)" in err
+    assert main(["spec", folders["qwen3-8b"], "--tp", "3"]) == 1  # the summary says why it stops short
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == ("per-rank facts: none at tp=3 (violated: constraint.tp_divides_heads, "
+                                    "constraint.tp_kv_heads; the error below)")
+    assert err.count("\n") == 1 and "constraint.tp_divides_heads" in err
     target = tmp_path / "model_spec.yaml"
     assert main(["spec", folders["deepseek-v2-lite"], "--tp", "2", "-o", str(target)]) == 0
     yaml = pytest.importorskip("yaml")
