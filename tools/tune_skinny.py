@@ -1,7 +1,7 @@
 """Skinny-GEMM sweep on CUDA: pick a SkinnyConfig per (decode weight shape, row bucket), against cuBLAS.
 
     python -m tools.tune_skinny [--out skinny_sweep.json] [--time-budget 240] [--write-config]
-                                [--model-config config.json] [--rows 32,64,128,256]
+                                [--model-config config.json] [--rows 8,16,32,64]
 
 `--write-config` merges the table into the `skinny` section of this GPU's shipped JSON
 (metainfer/kernels/configs/<device>.json, read by `metainfer.kernels.tuned_configs`). From a script:
@@ -61,13 +61,6 @@ SWEEP_CONFIGS: tuple[SkinnyConfig, ...] = (
     _S(128, 64, 4, 4),
     _S(32, 256, 4, 3, split_k=1),
     _S(16, 512, 4, 3, split_k=1),
-    # 128-256 padded rows: the [BLOCK_N, BLOCK_M] fp32 accumulator needs more warps (64 x 256 on 4 warps: 128
-    # registers a thread for it alone)
-    _S(64, 64, 8, 4),
-    _S(64, 128, 8, 3),
-    _S(32, 128, 8, 4),
-    _S(128, 64, 8, 3),
-    _S(128, 32, 8, 4),
 )
 ROWS = (4, 8, 16, 32, 64)  # run 21 swept 8-64; 4 added after its review (the 4-row graph bucket)
 

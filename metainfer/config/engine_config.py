@@ -137,7 +137,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # kill switches (on by default where the device supports them; env overrides: config/env.py)
     enable_pdl: bool = True  # programmatic dependent launch of the Triton kernels (sm_90+)
-    enable_skinny_gemm: bool = True  # tensor-core skinny GEMM for 3-256-row GEMMs with a tuned table
+    enable_skinny_gemm: bool = True  # tensor-core skinny GEMM for 3-64-row decode GEMMs with a tuned table
     enable_fused_sampler: bool = True  # one-pass Gumbel-max sampler for greedy/temperature-only batches
     enable_custom_all_reduce: bool = True  # one-shot all-reduce over symmetric memory for small TP messages
     # every GEMM the engine leaves to torch (F.linear where no Triton kernel takes the shape, MLA's bmm above 16

@@ -164,7 +164,7 @@ def select_ops(device: torch.device | str, use_triton: bool | None = None, gpu_n
     -> config) replaces that table (an empty one: cuBLAS for every shape but the skinny GEMM's rows).
     With a table, `fuse_activation` folds SiLU-and-mul into the down GEMV (run 12: 0.6 us a layer).
     `pdl` binds every Triton launcher to programmatic dependent launch (a CUDA device of compute
-    capability >= 9: check with `pdl_supported`). `skinny_gemm` sends 3..256-row GEMMs to the tensor-core
+    capability >= 9: check with `pdl_supported`). `skinny_gemm` sends 3..64-row GEMMs to the tensor-core
     skinny GEMM (kernels/skinny_gemm.py) for the (shape, row bucket) entries of `skinny_table` or else of
     the GPU's `skinny` table; with neither it changes nothing (H200, run 21: batch 4 / 8 / 16 decode
     +5 / +8 / +2%). `fused_sampler` False leaves the Gumbel-max sampler out (the torch sampler).

@@ -32,9 +32,7 @@ Kernels (each launched with pdl_enter first, so `pdl=True` chains them under pro
 dependent launch):
 1. `_moe_align_count_kernel` (one program): per-expert histogram, padded prefix sum, the block ->
    expert map, the padded total, a write cursor per expert, sentinel fill of sorted_ids.
-2. `_moe_align_scatter_kernel`: each pair takes its slot with an atomic add on its expert's cursor. Up to
-   ALIGN_ONE_PROGRAM_MAX_PAIRS pairs (decode and small mixed steps) kernel 1 does this too, after a barrier:
-   one launch a MoE layer fewer where its cost is latency, not work.
+2. `_moe_align_scatter_kernel`: each pair takes its slot with an atomic add on its expert's cursor.
 3. `_moe_gate_up_kernel`: grouped GEMM over the sorted blocks, x rows gathered by token; one program
    holds matching gate and up tiles ([BLOCK_M, BLOCK_N] each) so SiLU(gate)*up is applied in
    registers; writes inter[T*K, N] (x's dtype) in pair order.
@@ -78,9 +76,6 @@ from .moe_ref import ExpertSlots
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _COUNT_BLOCK = 4096  # pairs a step of the one-program count kernel (few serial steps at prefill sizes)
-# up to this many pairs the count kernel also scatters them (one launch a layer fewer at decode sizes); beyond,
-# the scatter kernel spreads them over programs
-ALIGN_ONE_PROGRAM_MAX_PAIRS = 4096
 _ALIGN_BLOCK = 1024  # pairs a program of the scatter kernel
 _SUM_BLOCK = 1024  # hidden columns per program of the K-slot sum
 
@@ -182,11 +177,9 @@ def moe_max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _moe_align_count_kernel(ids_ptr, sorted_ids_ptr, expert_of_block_ptr, num_post_ptr, cursor_ptr,
                             num_pairs, num_experts, max_padded,
                             BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                            BLOCK_B: tl.constexpr, SCATTER: tl.constexpr, USE_PDL: tl.constexpr):
+                            BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: counts per expert, their padded prefix sum, expert_of_block, the padded total,
-    each expert's write cursor (its run's start) and the sentinel fill of sorted_ids; with SCATTER the
-    scatter kernel's work too, after a barrier (a CTA's global stores before bar.sync are visible to its
-    threads after it, so the cursors are set and the sentinels written before any pair takes its slot)."""
+    each expert's write cursor (its run's start) and the sentinel fill of sorted_ids."""
     pdl_enter(USE_PDL)
     offs = tl.arange(0, BLOCK)
     counts = tl.zeros([E_PAD], tl.int32)
@@ -210,20 +203,6 @@ def _moe_align_count_kernel(ids_ptr, sorted_ids_ptr, expert_of_block_ptr, num_po
     sentinel = tl.full([BLOCK], 0, tl.int32) + num_pairs
     for p0 in range(0, max_padded, BLOCK):
         tl.store(sorted_ids_ptr + p0 + offs, sentinel, mask=p0 + offs < max_padded)
-    if SCATTER:
-        tl.debug_barrier()
-        for start in range(0, num_pairs, BLOCK):
-            _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, start + offs, num_pairs, num_experts)
-
-
-@triton.jit
-def _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, pairs, num_pairs, num_experts):
-    """sorted_ids[cursor[e]++] = p for each valid pair p of `pairs` (e = ids[p])."""
-    in_range = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=in_range, other=-1)
-    valid = in_range & (ids >= 0) & (ids < num_experts)
-    slot = tl.atomic_add(cursor_ptr + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
-    tl.store(sorted_ids_ptr + slot, pairs, mask=valid)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -231,14 +210,17 @@ def _moe_align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, nu
                               BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """sorted_ids[cursor[e]++] = p for each valid pair p (e = ids[p])."""
     pdl_enter(USE_PDL)
-    _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), num_pairs,
-                   num_experts)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (ids >= 0) & (ids < num_experts)
+    slot = tl.atomic_add(cursor_ptr + tl.where(valid, ids, 0), 1, mask=valid)
+    tl.store(sorted_ids_ptr + slot, offs, mask=valid)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bool = False):
     """(sorted_ids i32[P_max], expert_of_block i32[P_max // block_m], num_tokens_post_padded i32[1]);
-    see the module docstring. No host sync: one launch up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs, two beyond;
-    shapes from T, K, E and block_m only."""
+    see the module docstring. No host sync: two launches, shapes from T, K, E and block_m only."""
     require_triton()
     if topk_ids.dim() != 2 or topk_ids.dtype.is_floating_point or num_experts <= 0:
         raise ValueError(f"moe_align needs integer topk_ids[T, K] and num_experts > 0, got "
@@ -254,12 +236,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bo
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     e_pad = max(16, next_pow2(num_experts))
-    one_program = num_pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS
     _moe_align_count_kernel[(1,)](
         ids, sorted_ids, expert_of_block, num_post, cursor, num_pairs, num_experts, max_padded,
-        BLOCK_M=block_m, E_PAD=e_pad, BLOCK=_COUNT_BLOCK, BLOCK_B=max(16, 4096 // e_pad), SCATTER=one_program,
-        num_warps=8, **pdl_args(pdl))
-    if num_pairs and not one_program:
+        BLOCK_M=block_m, E_PAD=e_pad, BLOCK=_COUNT_BLOCK, BLOCK_B=max(16, 4096 // e_pad), num_warps=8,
+        **pdl_args(pdl))
+    if num_pairs:
         _moe_align_scatter_kernel[(cdiv(num_pairs, _ALIGN_BLOCK),)](
             ids, sorted_ids, cursor, num_pairs, num_experts, BLOCK=_ALIGN_BLOCK, num_warps=4, **pdl_args(pdl))
     return sorted_ids, expert_of_block, num_post
@@ -466,6 +447,6 @@ def fused_moe_slots_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return ExpertSlots(out, ids, num_experts)
 
 
-__all__ = ["ALIGN_ONE_PROGRAM_MAX_PAIRS", "MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
+__all__ = ["MoeConfig", "TOKEN_BUCKETS", "default_moe_config",
            "fused_moe_slots_triton", "fused_moe_triton", "moe_align", "moe_config", "moe_sum_triton",
            "moe_max_padded", "moe_table_key", "parse_moe_table", "pick_bucket"]

@@ -4,10 +4,9 @@ Contracts (the math of kernels/moe_ref.py, docs/CONTRACTS.md "MoE"):
 - `route_topk_triton(router_logits f32[T,E], top_k, method, n_group, topk_group, renormalize, scaling,
   *, pdl=False)`: route_topk_ref in one launch for `greedy`, K <= 8, E <= 256 (ties: the lowest
   expert id); other methods and sizes call route_topk_ref.
-- `router_topk_triton(x[T,H], weight[E,H], workspace, top_k, ..., *, pdl=False)` for T <= 512:
+- `router_topk_triton(x[T,H], weight[E,H], workspace, top_k, ..., *, pdl=False)` for T <= 16:
   router_topk_ref (the router GEMM in the weight's dtype, then route_topk_ref) in one launch; E / 4
-  programs compute the logits of a tile of up to 16 tokens, the last of them to finish routes the tile
-  (an acq_rel ticket counter a tile).
+  programs compute the logits, the last to finish routes them (an acq_rel ticket counter).
 
 Why a kernel of its own: HF's routing is softmax, topk (two kernels), renormalisation, scaling and, for
 DeepSeek, shared experts appended: five to seven small launches a layer; and at decode sizes the router's
@@ -81,17 +80,15 @@ def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_LOGITS: tl.constexpr,
                         RENORMALIZE: tl.constexpr, NUM_SHARED: tl.constexpr, USE_PDL: tl.constexpr):
-    """The router GEMM and the routing in one launch. Program (p, r) computes the logits of experts
-    [p*BLOCK_E, (p+1)*BLOCK_E) for the tokens of row tile r (fp32 products and sums of the inputs' values;
-    rounded to the weight's dtype when ROUND_LOGITS, as a 16-bit GEMM's output is) into the workspace, then
-    takes an arrival ticket of its row tile; the program that takes the tile's last one routes its rows'
-    logits (_route_rows) and resets the tile's counter for the next launch. The memory-ordering argument is
-    attention_decode.py's in-kernel merge: bar.sync, one thread's acq_rel ticket, bar.sync, then the last
-    program's loads through L2 (.cg)."""
+    """The router GEMM and the routing in one launch, for a few tokens. Program p computes the logits of
+    experts [p*BLOCK_E, (p+1)*BLOCK_E) for every token (fp32 products and sums of the inputs' values; rounded
+    to the weight's dtype when ROUND_LOGITS, as a 16-bit GEMM's output is) into the workspace, then takes an
+    arrival ticket; the program that takes the last one routes all the logits (_route_rows) and resets the
+    counter for the next launch. The memory-ordering argument is attention_decode.py's in-kernel merge:
+    bar.sync, one thread's acq_rel ticket, bar.sync, then the last program's loads through L2 (.cg)."""
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
-    tile = tl.program_id(1)
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.arange(0, BLOCK_T)
     row_mask = rows < num_tokens
     e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
@@ -108,10 +105,10 @@ def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, weights_ptr, ids_
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + rows[:, None] * E_PAD + e[None, :], acc, mask=row_mask[:, None] & e_mask[None, :])
     tl.debug_barrier()  # every thread's logits stores precede the counting thread's release
-    ticket = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) - 1:  # the tile's last program: its programs' logits are visible
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(0) - 1:  # the last program: every program's logits are visible
         tl.debug_barrier()  # the acquire above precedes every thread's loads
-        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
         cols = tl.arange(0, E_PAD)
         col_mask = cols < num_experts
         logits = tl.load(logits_ptr + rows[:, None] * E_PAD + cols[None, :],
@@ -152,12 +149,9 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, method: str = "gr
     return weights, ids
 
 
-# the fused router GEMM + routing: up to this many tokens (decode and small mixed batches; prefill chunks above it
-# keep cuBLAS, whose GEMM is work there, not latency); row tiles of up to _ROUTER_ROW_TILE tokens, a [tokens,
-# BLOCK_E, BLOCK_K] fp32 product tile of at most _ROUTER_TILE_ELEMS, BLOCK_E experts a program (E / 4 programs
-# a row tile read the weight)
-ROUTER_FUSED_MAX_TOKENS = 512
-_ROUTER_ROW_TILE = 16
+# the fused router GEMM + routing: up to this many tokens (decode batches); a [tokens, BLOCK_E, BLOCK_K] fp32
+# product tile of at most _ROUTER_TILE_ELEMS, BLOCK_E experts a program (E / 4 programs read the weight)
+ROUTER_FUSED_MAX_TOKENS = 16
 _ROUTER_TILE_ELEMS = 8192
 _ROUTER_BLOCK_E = 4
 
@@ -168,23 +162,21 @@ def router_fusable(num_experts: int, top_k: int, method: str) -> bool:
 
 
 def router_workspace(num_experts: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits scratch f32[ROUTER_FUSED_MAX_TOKENS, E_PAD], ticket counters i32[row tiles] = 0) of one router:
-    each counter is back at 0 after every launch, so the pair serves every step and CUDA-graph replay."""
+    """(logits scratch f32[ROUTER_FUSED_MAX_TOKENS, E_PAD], ticket counter i32[1] = 0) of one router: the
+    counter is back at 0 after every launch, so the pair serves every step and CUDA-graph replay."""
     e_pad = max(16, next_pow2(num_experts))
     return (torch.zeros(ROUTER_FUSED_MAX_TOKENS, e_pad, dtype=torch.float32, device=device),
-            torch.zeros(cdiv(ROUTER_FUSED_MAX_TOKENS, _ROUTER_ROW_TILE), dtype=torch.int32, device=device))
+            torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor],
                        top_k: int, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0, *, pdl: bool = False,
-                       block_e: int = _ROUTER_BLOCK_E):
+                       renormalize: bool = False, scaling: float = 1.0, num_shared: int = 0, *, pdl: bool = False):
     """route_topk_ref(linear(x as weight's dtype, weight)) in one launch for up to ROUTER_FUSED_MAX_TOKENS
     tokens of a `router_fusable` router: x [T, H] (any float dtype), weight [E, H] (fp32 for the routers HF
     keeps in fp32, else the model dtype: the logits are then rounded to it, as that GEMM's output is),
     workspace from `router_workspace`. Replaces the input cast, the GEMM (two cuBLAS kernels at T = 1) and
-    the routing launch of a decode step's router: three launches, two outside PDL's chain. `block_e` (experts a
-    program, a power of two) is the GPU study's knob (tools/gpu_suite moe_router)."""
+    the routing launch of a decode step's router."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     if num_tokens > ROUTER_FUSED_MAX_TOKENS or not router_fusable(num_experts, top_k, method):
@@ -192,23 +184,20 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, workspace: tuple[t
                          f"experts (<= {ROUTE_MAX_EXPERTS}), top_k {top_k} (<= {ROUTE_MAX_K}), method {method!r}")
     if weight.shape[1] != hidden or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: [T, H] and [E, H], unit last strides")
-    logits, counter = workspace
-    block_t = min(next_pow2(max(num_tokens, 1)), _ROUTER_ROW_TILE)
-    if logits.shape[0] < num_tokens or logits.shape[1] < num_experts or counter.numel() < cdiv(num_tokens, block_t):
-        raise ValueError(f"router workspace {tuple(logits.shape)} / {counter.numel()} counters is too small for "
-                         f"{num_tokens} tokens and {num_experts} experts (router_workspace)")
     require_triton()
+    logits, counter = workspace
     width = top_k + num_shared
     weights = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, width, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return weights, ids
     e_pad = logits.shape[1]
-    block_k = max(16, min(next_pow2(hidden), _ROUTER_TILE_ELEMS // (block_t * block_e)))
-    _router_topk_kernel[(cdiv(num_experts, block_e), cdiv(num_tokens, block_t))](
+    block_t = next_pow2(num_tokens)
+    block_k = max(16, min(next_pow2(hidden), _ROUTER_TILE_ELEMS // (block_t * _ROUTER_BLOCK_E)))
+    _router_topk_kernel[(cdiv(num_experts, _ROUTER_BLOCK_E),)](
         x, weight, logits, counter, weights, ids, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0),
         float(scaling), TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=block_k, ROUND_LOGITS=weight.dtype != torch.float32,
+        BLOCK_E=_ROUTER_BLOCK_E, BLOCK_K=block_k, ROUND_LOGITS=weight.dtype != torch.float32,
         RENORMALIZE=bool(renormalize), NUM_SHARED=num_shared, num_warps=4, **pdl_args(pdl))
     return weights, ids
 

@@ -1,18 +1,15 @@
-"""Skinny GEMM on tensor cores for decode batches of a few to 256 rows: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+"""Skinny GEMM on tensor cores for decode batches of a few to ~64 rows: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 
 Why: between the Triton GEMV (M <= 2) and the compute-bound batches, every decode step streams all
 weights once, yet cuBLAS ran the Qwen3-8B decode set at 4.26-4.40 ms for M = 4..64 on the H200
 against 3.745 ms for the GEMV at M = 1 (docs/PERFORMANCE.md, run 17, `gemm_rows`): ~0.5-0.9 ms a
-step above the weight-streaming floor. At 65-256 rows the small projections of the MoE families
-(DeepSeek-V2-Lite's q + latent projection 3648 x 2048, o_proj 2048 x 2048) give cuBLAS a few dozen
-output tiles for 132 SMs: such GEMMs took 1.18 ms of a 256-row step on the H100 against ~0.4 ms of
-bytes (runs 96-97); split K fills the GPU. The engine takes it for the (shape, row bucket) entries
-of its GPU's tuned table (the `skinny` section of kernels/configs/<gpu>.json, chosen by
+step above the weight-streaming floor. The engine takes it for the (shape, row bucket) entries of
+its GPU's tuned table (the `skinny` section of kernels/configs/<gpu>.json, chosen by
 `tools.tune_skinny.sweep`; EngineConfig.enable_skinny_gemm=False turns it off), cuBLAS elsewhere.
 
 Contract: `skinny_gemm_triton(x[M, K], weight[N, K], bias[N] or None, config=None, *, pdl=False)
--> y[M, N]` in x's dtype, unit last strides, any M >= 1 (M <= MAX_ROWS: the batch, padded to a power of two,
-is one MMA operand); fp32 accumulation, the bias added in fp32, one rounding at the end (as F.linear).
+-> y[M, N]` in x's dtype, unit last strides, any M >= 1 (M <= MAX_ROWS: the padded batch is one
+MMA operand); fp32 accumulation, the bias added in fp32, one rounding at the end (as F.linear).
 
 Kernel design (`_skinny_gemm_kernel`, "swap AB"): a program owns BLOCK_N weight rows and one K
 range; each step multiplies a [BLOCK_N, BLOCK_K] weight tile by the [BLOCK_K, BLOCK_M] transposed
@@ -42,8 +39,7 @@ from ._triton import (
 )
 from .gemv import ENGINE_MAX_ROWS, _splitk_reduce, parse_shape_key
 
-MAX_ROWS = 256
-ROW_BUCKETS = (16, 32, 64, 128, 256)  # the padded row counts (BLOCK_M) a launch compiles for
+MAX_ROWS = 64
 # Programs a launch aims for when its config leaves split_k to the shape (split_k=0): two per SM
 # of an H200. A shape choice only: no CUDA call, so the launch stays graph-capturable.
 _TARGET_PROGRAMS = 264
@@ -84,9 +80,8 @@ def _parse_skinny_key(key) -> tuple[int, int, int]:
         block_m = int(bucket) if sep and bucket.strip().isdigit() else None
     elif isinstance(key, tuple | list) and len(key) == 3 and isinstance(key[2], int) and not isinstance(key[2], bool):
         shape, block_m = tuple(key[:2]), key[2]
-    if block_m not in ROW_BUCKETS:
-        raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' or (N, K, B) with B in "
-                         f"{'/'.join(map(str, ROW_BUCKETS))}, got {key!r}")
+    if block_m not in (16, 32, 64):
+        raise ValueError(f"a skinny GEMM table key must be 'NxK/mB' or (N, K, B) with B in 16/32/64, got {key!r}")
     try:
         return (*parse_shape_key(shape), block_m)
     except ValueError as exc:
@@ -198,5 +193,5 @@ def linear_with_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return base(x, weight, bias)
 
 
-__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "ROW_BUCKETS", "SkinnyConfig", "linear_with_skinny", "parse_skinny_table",
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "SkinnyConfig", "linear_with_skinny", "parse_skinny_table",
            "skinny_block_m", "skinny_gemm_triton", "skinny_split_k", "skinny_table_key"]

@@ -123,8 +123,8 @@ class FusedExperts(nn.Module):
 class TopKRouter(ReplicatedLinear):
     """Router logits (a replicated GEMM; fp32 weight and math where the family keeps them fp32) -> the
     K routing weights (fp32) and expert ids of every token, then the S shared experts' ids with weight 1
-    (kernels/moe_ref.py: route_topk). A decode or small mixed batch (<= ROUTER_FUSED_MAX_TOKENS tokens) of a
-    greedy router takes `router_topk`, GEMM and routing in one launch (the step's shape picks it, so each CUDA
+    (kernels/moe_ref.py: route_topk). A decode-sized batch (<= ROUTER_FUSED_MAX_TOKENS tokens) of a greedy
+    router takes `router_topk`, GEMM and routing in one launch (the step's shape picks it, so each CUDA
     graph holds one form); larger ones the GEMM then `route_topk`."""
 
     def __init__(self, spec, ops, dtype):
@@ -136,9 +136,7 @@ class TopKRouter(ReplicatedLinear):
                          dtype=torch.float32 if self.fp32 else dtype, ops=ops)
         self.fused_max_tokens = ROUTER_FUSED_MAX_TOKENS if router_fusable(
             spec.num_experts, spec.num_experts_per_tok, spec.topk_method) else 0
-        # buffers (they follow the module's device); empty where the router is not fusable
-        logits, counter = (router_workspace(spec.num_experts) if self.fused_max_tokens
-                           else (torch.empty(0), torch.empty(0, dtype=torch.int32)))
+        logits, counter = router_workspace(spec.num_experts)  # buffers: they follow the module's device
         self.register_buffer("fused_logits", logits, persistent=False)
         self.register_buffer("fused_ticket", counter, persistent=False)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metainfer.kernels.moe_ref import route_topk_ref, router_topk_ref
+from metainfer.kernels.moe_ref import router_topk_ref
 from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS, router_topk_triton, router_workspace
 from tests.helpers.aot import aot_main, run_aot_main
 from tests.helpers.kernel_devices import DEVICE, ON_GPU
 
 pytest.importorskip("triton")
 
-SHAPES = [(64, 2048), (128, 2048)] if ON_GPU else [(8, 96), (64, 160), (128, 64), (6, 48)]  # 6: a partial expert tile
+SHAPES = [(64, 2048), (128, 2048)] if ON_GPU else [(8, 96), (64, 160), (128, 64)]
 
 
 def _margin_rows(x, weight, top_k) -> torch.Tensor:
@@ -29,12 +29,6 @@ def _margin_rows(x, weight, top_k) -> torch.Tensor:
         return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     ulp = 2.0 ** -7 if weight.dtype != torch.float32 else 2.0 ** -20
     return (logits[:, top_k - 1] - logits[:, top_k]) > 4 * ulp * logits[:, top_k - 1].abs().clamp(min=1)
-
-
-def _decided(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Rows whose top_k + 1 largest logits are all distinct (no tie for the argmax rounds to break)."""
-    top = logits.topk(min(top_k + 1, logits.shape[1]), dim=1).values
-    return (top[:, :-1] > top[:, 1:]).all(dim=1)
 
 
 def _inputs(num_tokens, num_experts, hidden, x_dtype, w_dtype, seed, top_k=None):
@@ -50,8 +44,7 @@ def _inputs(num_tokens, num_experts, hidden, x_dtype, w_dtype, seed, top_k=None)
 
 
 @pytest.mark.parametrize("num_experts, hidden", SHAPES)
-# 37 tokens: three row tiles, the last one partial (a ticket counter each)
-@pytest.mark.parametrize("num_tokens", [1, 3, 16, 37] + ([256, ROUTER_FUSED_MAX_TOKENS] if ON_GPU else []))
+@pytest.mark.parametrize("num_tokens", [1, 3, ROUTER_FUSED_MAX_TOKENS])
 @pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                               (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("top_k, renormalize, scaling, shared", [(6, False, 1.0, 2), (8, True, 2.5, 0),
@@ -62,58 +55,31 @@ def test_router_topk_matches_ref(num_experts, hidden, num_tokens, x_dtype, w_dty
     x, weight = _inputs(num_tokens, num_experts, hidden, x_dtype, w_dtype, seed=num_tokens * 7 + num_experts,
                         top_k=top_k)
     routing = dict(top_k=top_k, renormalize=renormalize, scaling=scaling, num_shared=shared)
-    workspace = router_workspace(num_experts, DEVICE)
-    weights, ids = router_topk_triton(x, weight, workspace, **routing)
+    weights, ids = router_topk_triton(x, weight, router_workspace(num_experts, DEVICE), **routing)
     ref_w, ref_ids = router_topk_ref(x, weight, None, **routing)
-    # the kernel's logits (left in its workspace) against the GEMM's: fp32 sums in another order, so within a
-    # few fp32 ulps, or one ulp of a 16-bit weight's dtype where they are rounded to it
-    logits = workspace[0][:num_tokens, :num_experts]
-    ref_logits = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
-    one_ulp = dict(rtol=1e-5, atol=1e-5) if w_dtype == torch.float32 else dict(rtol=2.0 ** -7, atol=1e-3)
-    torch.testing.assert_close(logits, ref_logits, **one_ulp)
-    # routed from those logits, the weights are the reference's to fp32 rounding (ties aside: decided rows)
-    own_w, own_ids = route_topk_ref(logits, top_k, renormalize=renormalize, scaling=scaling, num_shared=shared)
-    own_rows = _decided(logits, top_k)
-    torch.testing.assert_close(weights[own_rows], own_w[own_rows], rtol=2e-6, atol=1e-7)
-    assert torch.equal(ids[own_rows], own_ids[own_rows])
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert ids.shape == weights.shape == (num_tokens, top_k + shared)
     assert torch.equal(ids[:, top_k:].cpu(), torch.arange(num_experts, num_experts + shared).expand(num_tokens, -1)
                        .int())
-    # against the reference end to end: the rows whose choice is decided pick the same experts (their order
-    # among the chosen may differ at a near-tie); fp32 routers' weights to fp32 rounding
+    # the logits' summation order differs from the GEMM's: compare the rows whose choice is decided
     rows = _margin_rows(x, weight, top_k)
+    # the experts chosen, each with its weight (their order among the chosen may differ at a near-tie)
     ids, order = ids[rows].sort(dim=1)
     ref_ids, ref_order = ref_ids[rows].sort(dim=1)
     assert torch.equal(ids, ref_ids)
-    if w_dtype == torch.float32:
-        torch.testing.assert_close(weights[rows].gather(1, order), ref_w[rows].gather(1, ref_order), rtol=1e-5,
-                                   atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-6) if w_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(weights[rows].gather(1, order), ref_w[rows].gather(1, ref_order), **tol)
 
 
-@pytest.mark.parametrize("num_tokens", [2, 40])
-def test_router_topk_counter_returns_to_zero_and_launches_repeat(num_tokens):
-    x, weight = _inputs(num_tokens, 64, SHAPES[1][1], torch.bfloat16, torch.float32, seed=5)
+def test_router_topk_counter_returns_to_zero_and_launches_repeat():
+    x, weight = _inputs(2, 64, SHAPES[1][1], torch.bfloat16, torch.float32, seed=5)
     workspace = router_workspace(64, DEVICE)
     first = router_topk_triton(x, weight, workspace, top_k=6, num_shared=2)
-    assert not workspace[1].any()
-    for tokens in (num_tokens, 1, num_tokens):  # another shape between: each tile's counter is its own
-        again = router_topk_triton(x[:tokens], weight, workspace, top_k=6, num_shared=2)
-        assert all(torch.equal(a, b[:tokens]) for a, b in zip(again, first, strict=True))
-    assert not workspace[1].any()
-
-
-@pytest.mark.parametrize("block_e", [8, 16])
-def test_router_topk_expert_tile_width_changes_no_result(block_e):
-    """The study's knob (experts a program): the same logits and routing for 40 tokens (three row tiles)."""
-    x, weight = _inputs(40, 64, SHAPES[1][1], torch.bfloat16, torch.float32, seed=11)
-    first_ws, other_ws = router_workspace(64, DEVICE), router_workspace(64, DEVICE)
-    first = router_topk_triton(x, weight, first_ws, top_k=6, num_shared=2)
-    other = router_topk_triton(x, weight, other_ws, top_k=6, num_shared=2, block_e=block_e)
-    torch.testing.assert_close(other_ws[0][:40, :64], first_ws[0][:40, :64], rtol=1e-6, atol=1e-6)
-    rows = _decided(first_ws[0][:40, :64], 6)
-    assert rows.any() and torch.equal(other[1][rows], first[1][rows])
-    assert not other_ws[1].any()
+    assert int(workspace[1].item()) == 0
+    for _ in range(3):
+        again = router_topk_triton(x, weight, workspace, top_k=6, num_shared=2)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert int(workspace[1].item()) == 0
 
 
 def test_router_topk_no_tokens_and_refusals():
@@ -123,19 +89,14 @@ def test_router_topk_no_tokens_and_refusals():
     assert weights.shape == ids.shape == (0, 2)
     with pytest.raises(ValueError, match="tokens"):
         router_topk_triton(torch.randn(ROUTER_FUSED_MAX_TOKENS + 1, 32, device=DEVICE), weight, workspace, top_k=2)
-    with pytest.raises(ValueError, match="workspace"):  # fewer counters than row tiles, fewer logit columns
-        router_topk_triton(torch.randn(40, 32, device=DEVICE), weight, (workspace[0], workspace[1][:2]), top_k=2)
-    with pytest.raises(ValueError, match="workspace"):
-        router_topk_triton(torch.randn(4, 32, device=DEVICE), torch.randn(20, 32, device=DEVICE), workspace, top_k=2)
     with pytest.raises(ValueError, match="method"):
         router_topk_triton(torch.randn(1, 32, device=DEVICE), weight, workspace, top_k=2,
                            method="group_limited_greedy", n_group=2, topk_group=1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: compiled on the GPU only")
-@pytest.mark.parametrize("num_tokens", [1, 200])
-def test_router_topk_replays_from_a_cuda_graph(num_tokens):
-    x, weight = _inputs(num_tokens, 64, 2048, torch.bfloat16, torch.float32, seed=9)
+def test_router_topk_replays_from_a_cuda_graph():
+    x, weight = _inputs(1, 64, 2048, torch.bfloat16, torch.float32, seed=9)
     workspace = router_workspace(64, DEVICE)
     expected = router_topk_ref(x, weight, None, top_k=6, num_shared=2)
     stream = torch.cuda.Stream()
@@ -146,18 +107,18 @@ def test_router_topk_replays_from_a_cuda_graph(num_tokens):
     with torch.cuda.graph(graph):
         out = router_topk_triton(x, weight, workspace, top_k=6, num_shared=2)
     for seed in range(4):
-        x.copy_(_inputs(num_tokens, 64, 2048, torch.bfloat16, torch.float32, seed=seed)[0])
+        x.copy_(_inputs(1, 64, 2048, torch.bfloat16, torch.float32, seed=seed)[0])
         graph.replay()
         ref_w, ref_ids = router_topk_ref(x, weight, None, top_k=6, num_shared=2)
         rows = _margin_rows(x, weight, 6)
         assert torch.equal(out[1][rows], ref_ids[rows])
-    assert not workspace[1].any()
+    assert int(workspace[1].item()) == 0
     del expected
 
 
 def _aot_main() -> int:
     """Compile the fused router's launches (DeepSeek-V2-Lite's fp32 router and Qwen3-30B-A3B's bf16 one at
-    1, 3 and 512 tokens, PDL on and off) for sm_90 as tools/aot_check.py does; run without TRITON_INTERPRET."""
+    1, 3 and 16 tokens, PDL on and off) for sm_90 as tools/aot_check.py does; run without TRITON_INTERPRET."""
     from metainfer.kernels import moe_routing as fm
 
     def launch():

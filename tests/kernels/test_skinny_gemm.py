@@ -1,4 +1,4 @@
-"""Skinny GEMM (tensor cores, a few to 256 rows): against F.linear in float64.
+"""Skinny GEMM (tensor cores, a few to 64 rows): against F.linear in float64.
 
 Interpreted on the CPU (fp32, fp16), compiled on the GPU with bf16 too: ragged row counts around
 the padded MMA width, N and K off the tile sizes, explicit and automatic K splits, a bias, and
@@ -42,8 +42,7 @@ CASES = [  # (m, n, k, config)
     (16, 130, 1000, SkinnyConfig(block_n=64, block_k=128)),          # automatic: too few K-steps to split
     (20, 64, 4096, SkinnyConfig()),                                  # the automatic split (8), BLOCK_M 32
     (33, 64, 256, SkinnyConfig(block_n=32, block_k=64, split_k=2)),  # rows past one MMA width of 32
-    (100, 48, 96, SkinnyConfig(block_n=16, block_k=32, split_k=2)),     # BLOCK_M 128, split K
-    (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),  # BLOCK_M 256
+    (MAX_ROWS, 96, 160, SkinnyConfig(block_n=32, block_k=32, num_stages=2)),
     (1, 48, 64, SkinnyConfig(block_n=16, block_k=16, split_k=1)),
 ]
 
@@ -201,7 +200,7 @@ def test_skinny_sweep_plumbing_on_cpu(monkeypatch):
     ticks = iter(range(1, 10_000))  # later measurements look slower: cuBLAS (timed first) wins everywhere
     res = sb.sweep(device="cpu", shapes={"a": (40, 64)}, rows=(8,), configs=configs[:1], dtype=torch.float32)
     assert res["table"] == {} and res["shapes"]["a/rows8"]["best"]["config"] == configs[0].to_dict()
-    for bad in ((2, 8), (MAX_ROWS + 1,), ()):
+    for bad in ((2, 8), (65,), ()):
         with pytest.raises(ValueError, match="rows"):
             sb.sweep(device="cpu", shapes={"a": (40, 64)}, rows=bad, configs=configs[:1], dtype=torch.float32)
 

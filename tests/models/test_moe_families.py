@@ -249,7 +249,7 @@ def test_triton_moe_and_mla_kernels_in_the_engine_match_hf(reference):
     folder, prompts, expected, model = reference
     ops = dataclasses.replace(
         REF_OPS, backend="triton",
-        **{n: getattr(TRITON_OPS, n) for n in ("route_topk", "router_topk", "fused_moe", "fused_moe_slots",
+        **{n: getattr(TRITON_OPS, n) for n in ("route_topk", "fused_moe", "fused_moe_slots",
                                                "fused_add_rms_norm_slots", "mla_absorb", "mla_value_up",
                                                "mla_latent_prep", "mla_decode_attention", "mla_prefill_attention",
                                                "mla_decode_workspace_numel")})

@@ -124,7 +124,7 @@ def test_the_default_run_names_existing_sections():
     assert {"gpu_tests", "kernels", "graphs", "agreement", "latency", "throughput", "baseline", "profile"} <= \
         set(DEFAULT_SECTIONS)
     assert not {"gemv", "gemm_rows", "skinny_sweep", "attn_sweep", "attn_kv_dtype", "ab", "sampler",
-                "profile_batch", "moe_router"} & set(DEFAULT_SECTIONS)
+                "profile_batch"} & set(DEFAULT_SECTIONS)
     assert parse_args([]).sections.split(",") == list(DEFAULT_SECTIONS)
     with pytest.raises(SystemExit):
         parse_args(["--sections", "latency,fused_decode_prep"])

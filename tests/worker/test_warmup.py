@@ -45,33 +45,6 @@ def test_warmup_lengths_cover_every_int_class_and_power_of_two_bucket(budget):
     assert len(lengths) <= 2 * budget.bit_length() + 1
 
 
-@pytest.mark.parametrize("slots", [6, 8, 10])  # (token, slot) pairs a token: K routed + S shared experts
-@pytest.mark.parametrize("budget", [512, 8192, 16384])
-def test_warmup_lengths_reach_both_moe_align_forms_and_router_forms_in_every_bucket(slots, budget):
-    """moe_align is one program up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs and two launches beyond (a SCATTER
-    constexpr), and the router is one launch up to ROUTER_FUSED_MAX_TOKENS tokens: each a variant of its own, so
-    every (MoE config, form) a step of T tokens can reach must be reached by a warm-up length, for every shipped
-    table's buckets (a bucket may span the bound: both ends are warmed)."""
-    from metainfer.kernels import fused_moe as fm
-    from metainfer.kernels.moe_routing import ROUTER_FUSED_MAX_TOKENS
-    from metainfer.kernels.tuned_configs import CONFIG_DIR, load_tuned_configs
-
-    tables = [fm.parse_moe_table(load_tuned_configs(f[:-len(".json")])["moe"]) for f in sorted(os.listdir(CONFIG_DIR))]
-    shapes = [(table, key) for table in tables for key in table]
-    assert shapes, "no shipped MoE table"
-
-    def forms(n: int, table, key) -> tuple:
-        cfg = fm.moe_config(table, *key, n)
-        pairs = n * slots
-        align = "none" if pairs <= fm.PAIR_BLOCKS_MAX_PAIRS else pairs <= fm.ALIGN_ONE_PROGRAM_MAX_PAIRS
-        return cfg, align, min(1 << (n - 1).bit_length(), 16) if n <= ROUTER_FUSED_MAX_TOKENS else "gemm"
-
-    lengths = warmup_lengths(budget)
-    for table, key in shapes:
-        want = {forms(n, table, key) for n in range(1, budget + 1)}
-        assert {forms(n, table, key) for n in lengths} == want, key
-
-
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 64, 256, 600])
 @pytest.mark.parametrize("configured", [None, (1, 100), (1, 5, 12), (3, 7, 300)])
 def test_decode_row_counts_cover_each_graph_bucket_and_the_rows_after_it(max_num_seqs, configured):

@@ -6,9 +6,9 @@ Writes $OUT/gpu_results.json after every section (a run cut short keeps what it 
 tests' output, and prints a short table last ($OUT/table.md). Sections (tools/gpu_suite/sections.py):
   default    latency, throughput, kernels, graphs, agreement, baseline, profile, gpu_tests
   by name    kv_fp8, allreduce, profile_batch, the sweeps gemv / gemm_rows / skinny_sweep / attn_sweep /
-             attn_kv_dtype, attn_ncu (Nsight Compute on the decode attention), sampler, moe_router (the MoE
-             routing front's forms), ab (in-engine kernel A/B and the kill switches), tree_ab (a protocol with
-             another commit's metainfer, tools/tree_ab.py); the MoE families:
+             attn_kv_dtype, attn_ncu (Nsight Compute on the decode attention), sampler, ab (in-engine kernel A/B and
+             the kill switches), tree_ab (a protocol with another commit's metainfer, tools/tree_ab.py); the MoE
+             families:
              moe_families (DeepSeek-V2-Lite and Qwen3-30B-A3B figures, HF beside, agreement), tune_moe,
              tune_gemv_moe, bench_moe, bench_mla, mla_split_sweep; serving (prefix hits after start, bench serve
              against the offline engine, 1,000 x 1,000 throughput: needs .gpu_assets/wheels for the server)

@@ -27,7 +27,6 @@ SECTIONS = {
     "attn_kv_dtype": studies.attn_kv_dtype,
     "attn_ncu": studies.attn_ncu,
     "sampler": studies.sampler,
-    "moe_router": studies.moe_router,
     "ab": ab.ab,
     "tree_ab": ab.tree_ab,
     "moe_families": families.moe_families,

@@ -173,8 +173,18 @@ def attn_kv_dtype(args, results) -> dict:
 
 def _kernel_graph_ms(kernel, logits, temps, calls: int = 20, replays: int = 10) -> float:
     """The sampling kernel alone: `calls` launches (a new seed each) in one CUDA graph, ms a launch over `replays`."""
-    seeds = iter(range(calls + 1))
-    return round(_graph_us(lambda: kernel(logits, temps, seed=next(seeds)), calls, replays) / 1000, 4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for seed in range(calls):
+            kernel(logits, temps, seed=seed)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / (calls * replays), 4)
 
 
 def sampler(args, results) -> dict:
@@ -220,97 +230,6 @@ def sampler(args, results) -> dict:
 
     res["metainfer_from"] = os.path.dirname(metainfer.__file__)
     return res
-
-
-def _graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """`fn` captured `calls` times in one CUDA graph after one call outside it (compiles): us a call over
-    `replays` replays (no host time)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (calls * replays) * 1000
-
-
-MOE_ROUTER_SHAPES = {  # name: (routed experts, top_k, shared experts, router weight dtype), hidden 2048
-    "deepseek-v2-lite": (64, 6, 2, torch.float32),
-    "qwen3-30b-a3b": (128, 8, 0, torch.bfloat16),
-}
-
-
-def moe_router(args, results) -> dict:
-    """A MoE layer's routing front, us a layer under PDL in CUDA graphs, the forms before session 39 against
-    the current: the router at 17-512 tokens (input cast + cuBLAS GEMM + route_topk: three launches, two
-    outside PDL's chain, against router_topk's one, at 4 / 8 / 16 experts a program) and moe_align (count +
-    scatter kernels against one program up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs); then both together. The
-    routed ids of the two router forms are compared (equal but for near-ties)."""
-    from metainfer.kernels import fused_moe as fm
-
-    res = {}
-    table = fm.parse_moe_table(_gpu_moe_table())
-    for name, (experts, top_k, shared, w_dtype) in MOE_ROUTER_SHAPES.items():
-        g = torch.Generator(device="cuda").manual_seed(0)
-        weight = (torch.randn(experts, 2048, generator=g, device="cuda") * 0.05).to(w_dtype)
-        for tokens in (17, 32, 64, 128, 256, 512):
-            x = torch.randn(tokens, 2048, generator=g, device="cuda").to(torch.bfloat16)
-            n = 1408 if experts == 64 else 768
-            block_m = fm.moe_config(table, experts + shared, n, 2048, tokens).block_m
-            res[f"{name}_t{tokens}"] = row = _router_case(x, weight, top_k, shared, block_m)
-            show(f"moe_router {name} T={tokens}", row)
-    return res
-
-
-def _router_case(x, weight, top_k: int, shared: int, block_m: int) -> dict:
-    import torch.nn.functional as F
-
-    from metainfer.kernels import fused_moe as fm
-    from metainfer.kernels.moe_routing import route_topk_triton, router_topk_triton, router_workspace
-
-    experts = weight.shape[0]
-    workspace = router_workspace(experts, "cuda")
-    routing = dict(top_k=top_k, renormalize=True, num_shared=shared)
-
-    def old_router():
-        return route_topk_triton(F.linear(x.to(weight.dtype), weight), pdl=True, **routing)
-
-    def new_router():
-        return router_topk_triton(x, weight, workspace, pdl=True, **routing)
-
-    ids = new_router()[1]
-
-    def old_align():
-        bound, fm.ALIGN_ONE_PROGRAM_MAX_PAIRS = fm.ALIGN_ONE_PROGRAM_MAX_PAIRS, 0
-        try:
-            return fm.moe_align(ids, experts + shared, block_m, pdl=True)
-        finally:
-            fm.ALIGN_ONE_PROGRAM_MAX_PAIRS = bound
-
-    def new_align():
-        return fm.moe_align(ids, experts + shared, block_m, pdl=True)
-
-    same = (old_router()[1].sort(1).values == ids.sort(1).values).all(1).float().mean()
-    def wide_router(block_e: int):
-        return lambda: router_topk_triton(x, weight, workspace, pdl=True, block_e=block_e, **routing)
-
-    forms = {"router_old": old_router, "router_new": new_router, "router_new_be8": wide_router(8),
-             "router_new_be16": wide_router(16), "align_old": old_align, "align_new": new_align,
-             "both_old": lambda: (old_router(), old_align()), "both_new": lambda: (new_router(), new_align())}
-    return {**{f"{k}_us": round(_graph_us(fn), 2) for k, fn in forms.items()}, "ids_equal_rows": round(float(same), 4)}
-
-
-def _gpu_moe_table():
-    from metainfer.kernels.tuned_configs import load_tuned_configs
-
-    return load_tuned_configs(torch.cuda.get_device_name())["moe"]
 
 
 NCU_CASES = [("fp8", 256, 600), ("bf16", 256, 600), ("fp8", 512, 1500)]
