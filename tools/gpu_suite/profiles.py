@@ -39,6 +39,16 @@ def top_kernels(prof, per: int, n: int) -> list:
     return sorted(rows, key=lambda kv: -kv[1])[:n]
 
 
+def kernel_timeline(prof, first: int = 80) -> list:
+    """The profiled window's first `first` device events in start order as (name[:60], us): under CUDA graphs a
+    cuBLAS kernel carries no shape, so its place in a step's sequence (after the attention, before the
+    o_proj's norm, ...) is what says which projection it runs."""
+    from torch.autograd import DeviceType
+
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    return [(e.name[:60], round(e.time_range.elapsed_us(), 2)) for e in events[:first]]
+
+
 def _profiled(engine, steps: int):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -138,8 +148,8 @@ def profile_batch(args, results) -> dict:
     _drain(engine)
     res = {"prefill": prefill, "running": 256, "context": "576 + 4..36", "wall_ms_per_step": wall_ms,
            "device_ms_per_step_by_kind": buckets, "device_ms_per_step": sum(buckets.values()),
-           "top_kernels_ms_per_step": top_kernels(prof, 8, 12)}
-    show("profile_batch", res)
+           "top_kernels_ms_per_step": top_kernels(prof, 8, 12), "first_kernels_us": kernel_timeline(prof)}
+    show("profile_batch", {k: v for k, v in res.items() if k != "first_kernels_us"})
     del llm, engine
     release()
     return res
