@@ -25,6 +25,10 @@ cases over an fp8 latent cache with `--cache-dtype fp8`: floors and rates then c
   (b) expanded: the step's context rows (attention.mla.context_rows), their latents gathered from the paged
       cache, up-projected by kv_b ([S,512] @ [512, H*(128+128)]), then mla_expanded_attention_triton (one
       varlen launch); reported whole and kernel only. Checked against torch SDPA per sequence.
+* `--absorb-rows T ...` (instead of the above): the absorbed form's per-head K-up and V-up of a decode step at T
+  rows (kernels/mla_absorb.py), us a layer (K-up + V-up) over 27 layers' distinct kv_b weights in one CUDA graph:
+  the refs' cuBLAS bmm (the engine above 16 rows), the tensor-core form (`mma_rows`) and the row-loop kernels
+  (`max_rows`), the Triton forms under PDL where the GPU has it.
 Timing: CUDA events, warm-up, median of repeats. `--budget-s` bounds the run: cases past it are listed as
 skipped. Importing this module makes no CUDA call.
 """
@@ -298,6 +302,53 @@ def _prefill_case(seqs: list[tuple[int, int]], weights, repeats: int) -> dict:
             "max_rel_diff_absorbed": round(err_absorbed, 5), "max_rel_diff_expanded": round(err_expanded, 5)}
 
 
+ABSORB_LAYERS = 27  # DeepSeek-V2-Lite's MLA layers: distinct weights, as a decode step reads them
+
+
+def bench_absorb(rows, budget_end: float, results: list, repeats: int) -> None:
+    """K-up + V-up a layer at each T: bmm against the tensor-core and row-loop Triton forms (module docstring)."""
+    from metainfer.kernels._triton import pdl_supported
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    kv_b = [torch.randn(HEADS, NOPE + V_DIM, LORA, generator=g, device=dev, dtype=torch.bfloat16) * LORA ** -0.5
+            for _ in range(ABSORB_LAYERS)]
+    for t in rows:
+        case = dict(kind="absorb", rows=t)
+        if time.monotonic() > budget_end:
+            results.append({**case, "skipped": "budget"})
+            continue
+        results.append({**case, **_absorb_case(t, kv_b, pdl_supported(dev), g, repeats)})
+        print(json.dumps(results[-1]), flush=True)
+
+
+def _absorb_case(t: int, kv_b: list, pdl: bool, g, repeats: int) -> dict:
+    from metainfer.kernels.mla_absorb import mla_absorb_ref, mla_absorb_triton, mla_value_up_ref, mla_value_up_triton
+
+    dev, bf16 = kv_b[0].device, kv_b[0].dtype
+    q_nope = torch.randn(t, HEADS, NOPE + ROPE, generator=g, device=dev, dtype=bf16)[..., :NOPE]
+    o_lat = torch.randn(t, HEADS, LORA, generator=g, device=dev, dtype=bf16)
+    out = torch.empty(t, HEADS * V_DIM, device=dev, dtype=bf16)
+    forms = {"bmm": (mla_absorb_ref, lambda o, w: mla_value_up_ref(o, w, out)),
+             "mma": (lambda x, w: mla_absorb_triton(x, w, pdl=pdl, max_rows=0, mma_rows=t),
+                     lambda o, w: mla_value_up_triton(o, w, out, pdl=pdl, max_rows=0, mma_rows=t)),
+             "rows": (lambda x, w: mla_absorb_triton(x, w, pdl=pdl, max_rows=t),
+                      lambda o, w: mla_value_up_triton(o, w, out, pdl=pdl, max_rows=t))}
+    ref = mla_absorb_ref(q_nope, kv_b[0][:, :NOPE]).float()
+    case = {}
+    for name, (absorb, value_up) in forms.items():
+        err = (absorb(q_nope, kv_b[0][:, :NOPE]).float() - ref).abs().max() / ref.abs().max()
+
+        def step(absorb=absorb, value_up=value_up):
+            for w in kv_b:
+                absorb(q_nope, w[:, :NOPE])
+                value_up(o_lat, w[:, NOPE:])
+
+        case[f"{name}_us_per_layer"] = round(_graph_us(step, 1, repeats) / ABSORB_LAYERS, 2)
+        case[f"{name}_absorb_rel_err"] = round(err.item(), 5)
+    return case
+
+
 def bench_prefill(steps, budget_end: float, results: list, repeats: int) -> None:
     weights = _prefill_weights(torch.device("cuda"))
     for label, seqs in steps:
@@ -328,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-batch-sweep", action="store_true",
                         help="only the 256-row launch-shape sweep at the engine's table width (module docstring)")
     parser.add_argument("--table-tokens", type=int, default=4096, help="the sweeps' block-table width in tokens")
+    parser.add_argument("--absorb-rows", type=int, nargs="*", default=None,
+                        help="only the K-up / V-up forms at these decode row counts (module docstring)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA GPU", file=sys.stderr)
@@ -335,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     budget_end = start + args.budget_s
     results: list[dict] = []
+    if args.absorb_rows:
+        bench_absorb(args.absorb_rows, budget_end, results, args.repeats)
+        args.skip_decode = args.skip_prefill = True
     sweeps = [(name, sweep) for name, sweep, on in (("split_sweep", SPLIT_SWEEP, args.split_sweep),
                                                     ("large_batch_sweep", LARGE_BATCH_SWEEP, args.large_batch_sweep))
               if on]

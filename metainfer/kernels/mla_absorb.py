@@ -18,6 +18,11 @@ Contracts (shapes per rank: H = heads / tp):
   T <= max_rows (default MAX_ROWS), the refs beyond (tensor-core GEMMs win once every weight tile serves
   many rows). H200 A/B in the engine (run 62, DeepSeek-V2-Lite bs1 decode): 2.38 -> 2.22 ms a token
   (419.9 / 421.1 -> 450.3 tok/s), so the engine binds them.
+- `mma_rows` (default 0: off): max_rows < T <= mma_rows take tensor-core tiles (`_mla_absorb_mma_kernel`,
+  `_mla_value_up_mma_kernel`: BLOCK_T rows x a column block of one head a program; the K-up's weight tile
+  loaded before the PDL wait) instead of the refs' cuBLAS bmm, which sits outside the PDL chain (~5.4 us a launch
+  at 256 rows on an H100, runs 96-97, against ~1-2 us of bytes and FLOPs). Not yet on the engine's path:
+  `tools/bench_mla.py --absorb-rows` times it against the bmm first (docs/PERFORMANCE.md, Pending).
 """
 
 from __future__ import annotations
@@ -80,6 +85,59 @@ def _mla_value_up_kernel(o_ptr, w_ptr, out_ptr, T, DV, L, stride_ot, stride_oh, 
         tl.store(out_ptr + t * stride_yt + h * DV + offs_v, acc.to(out_ptr.dtype.element_ty), mask=v_mask)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _mla_absorb_mma_kernel(q_ptr, w_ptr, out_ptr, T, D, L, stride_qt, stride_qh, stride_wh, stride_wd,
+                           stride_ot, stride_oh, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t, h, l] = sum_d q[t, h, d] * w[h, d, l] for the BLOCK_T rows and BLOCK_L columns of program
+    (h, l block, t block): one [BLOCK_T, D] x [D, BLOCK_L] tensor-core product (D <= BLOCK_D, one tile)."""
+    h = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask, l_mask, t_mask = offs_d < D, offs_l < L, offs_t < T
+    w = tl.load(w_ptr + h * stride_wh + offs_d[:, None] * stride_wd + offs_l[None, :],
+                mask=d_mask[:, None] & l_mask[None, :], other=0.0)  # before the wait: a weight
+    pdl_enter(USE_PDL)
+    q = tl.load(q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.dot(q, w, input_precision="ieee" if q.dtype == tl.float32 else "tf32")
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_l[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & l_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mla_value_up_mma_kernel(o_ptr, w_ptr, out_ptr, T, DV, L, stride_ot, stride_oh, stride_wh, stride_wv, stride_yt,
+                             BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    """out[t, h*DV + v] = sum_l o[t, h, l] * w[h, v, l] for the BLOCK_T rows and BLOCK_V value rows of program
+    (h, v block, t block): [BLOCK_T, L] x [L, BLOCK_V] on tensor cores, L in BLOCK_K steps."""
+    h = tl.program_id(0).to(tl.int64)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    v_mask, t_mask = offs_v < DV, offs_t < T
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        k_mask = (k0 + offs_k) < L
+        w = tl.load(w_ptr + h * stride_wh + offs_v[None, :] * stride_wv + (k0 + offs_k)[:, None],
+                    mask=k_mask[:, None] & v_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]: w[h]^T
+        o = tl.load(o_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + (k0 + offs_k)[None, :],
+                    mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(o, w, acc, input_precision="ieee" if o.dtype == tl.float32 else "tf32")
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + h * DV + offs_v[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
+
+
+# the tensor-core forms' tiles: BLOCK_T rows a program; the K-up's [Dn, 64] weight tile, the V-up's 64 value
+# rows in 64-wide latent steps
+_MMA_BLOCK_T = 64
+_MMA_ABSORB_BLOCK_L = 64
+_MMA_VALUE_UP_BLOCK_V = 64
+_MMA_VALUE_UP_BLOCK_K = 64
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, name: str, w_dim: int) -> None:
     """x [T, H, K] against w [H, ., .] whose axis w_dim is K: same heads, same dtype, unit last strides."""
     if not (x.dim() == 3 and w.dim() == 3 and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[w_dim]
@@ -89,49 +147,69 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str, w_dim: int) -> None:
                          f"strides {w.stride()}")
 
 
-def _takes_triton(x: torch.Tensor, w: torch.Tensor, max_rows: int, name: str, w_dim: int) -> bool:
-    """1 <= T <= max_rows: the Triton kernel, its inputs checked (_check); else the reference."""
-    if not 0 < x.shape[0] <= max_rows:
-        return False
-    require_triton()
-    _check(x, w, name, w_dim)
-    return True
+def _form(x: torch.Tensor, w: torch.Tensor, max_rows: int, mma_rows: int, name: str, w_dim: int) -> str:
+    """"rows" (1 <= T <= max_rows: the row-loop kernel), "mma" (max_rows < T <= mma_rows: tensor-core tiles),
+    else "ref"; a Triton form's inputs are checked (_check)."""
+    rows = x.shape[0]
+    form = "rows" if 0 < rows <= max_rows else "mma" if max_rows < rows <= mma_rows else "ref"
+    if form != "ref":
+        require_triton()
+        _check(x, w, name, w_dim)
+    return form
 
 
 def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = False,
-                      max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """mla_absorb_ref's q_lat, contiguous [T, H, L], by the Triton kernel for T <= max_rows (else the ref)."""
-    if not _takes_triton(q_nope, w_uk, max_rows, "mla_absorb_triton", 1):
+                      max_rows: int = MAX_ROWS, mma_rows: int = 0) -> torch.Tensor:
+    """mla_absorb_ref's q_lat, contiguous [T, H, L], by the Triton kernels for T <= max(max_rows, mma_rows)
+    (else the ref)."""
+    form = _form(q_nope, w_uk, max_rows, mma_rows, "mla_absorb_triton", 1)
+    if form == "ref":
         return mla_absorb_ref(q_nope, w_uk)
     num_tokens = q_nope.shape[0]
     heads, dn, lat = w_uk.shape
     out = torch.empty(num_tokens, heads, lat, dtype=q_nope.dtype, device=q_nope.device)
+    strides = (q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1), out.stride(0), out.stride(1))
+    if form == "mma":
+        block_l, block_t = min(_MMA_ABSORB_BLOCK_L, max(16, next_pow2(lat))), _MMA_BLOCK_T
+        _mla_absorb_mma_kernel[(heads, cdiv(lat, block_l), cdiv(num_tokens, block_t))](
+            q_nope, w_uk, out, num_tokens, dn, lat, *strides, BLOCK_T=block_t, BLOCK_D=max(16, next_pow2(dn)),
+            BLOCK_L=block_l, num_warps=4, **pdl_args(pdl))
+        return out
     block_l = min(_ABSORB_BLOCK_L, next_pow2(lat))
     _mla_absorb_kernel[(heads, cdiv(lat, block_l))](
-        q_nope, w_uk, out, num_tokens, dn, lat, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
-        out.stride(0), out.stride(1), BLOCK_D=next_pow2(dn), BLOCK_L=block_l, num_warps=4, **pdl_args(pdl))
+        q_nope, w_uk, out, num_tokens, dn, lat, *strides, BLOCK_D=next_pow2(dn), BLOCK_L=block_l, num_warps=4,
+        **pdl_args(pdl))
     return out
 
 
 def mla_value_up_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None, *,
-                        pdl: bool = False, max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """mla_value_up_ref's [T, H * Dv] by the Triton kernel for T <= max_rows (else the ref), into `out`."""
+                        pdl: bool = False, max_rows: int = MAX_ROWS, mma_rows: int = 0) -> torch.Tensor:
+    """mla_value_up_ref's [T, H * Dv] by the Triton kernels for T <= max(max_rows, mma_rows) (else the ref),
+    into `out`."""
     if out is not None:  # checked on both paths: a bad buffer is the caller's error, whichever GEMM runs
         _check(o_lat, w_uv, "mla_value_up_triton", 2)
         width = w_uv.shape[0] * w_uv.shape[1]
         if out.shape != (o_lat.shape[0], width) or out.stride(-1) != 1 or out.dtype != o_lat.dtype:
             raise ValueError(f"mla_value_up_triton: out must be [{o_lat.shape[0]}, {width}] {o_lat.dtype} with a "
                              f"unit last stride, got {tuple(out.shape)} {out.dtype}")
-    if not _takes_triton(o_lat, w_uv, max_rows, "mla_value_up_triton", 2):
+    form = _form(o_lat, w_uv, max_rows, mma_rows, "mla_value_up_triton", 2)
+    if form == "ref":
         return mla_value_up_ref(o_lat, w_uv, out)
     num_tokens = o_lat.shape[0]
     heads, dv, lat = w_uv.shape
     if out is None:
         out = torch.empty(num_tokens, heads * dv, dtype=o_lat.dtype, device=o_lat.device)
+    strides = (o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0))
+    if form == "mma":
+        block_v, block_t = min(_MMA_VALUE_UP_BLOCK_V, max(16, next_pow2(dv))), _MMA_BLOCK_T
+        _mla_value_up_mma_kernel[(heads, cdiv(dv, block_v), cdiv(num_tokens, block_t))](
+            o_lat, w_uv, out, num_tokens, dv, lat, *strides, BLOCK_T=block_t, BLOCK_V=block_v,
+            BLOCK_K=min(_MMA_VALUE_UP_BLOCK_K, max(16, next_pow2(lat))), num_warps=4, **pdl_args(pdl))
+        return out
     block_v = min(_VALUE_UP_BLOCK_V, next_pow2(dv))
     _mla_value_up_kernel[(heads, cdiv(dv, block_v))](
-        o_lat, w_uv, out, num_tokens, dv, lat, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),
-        out.stride(0), BLOCK_V=block_v, BLOCK_L=next_pow2(lat), num_warps=4, **pdl_args(pdl))
+        o_lat, w_uv, out, num_tokens, dv, lat, *strides, BLOCK_V=block_v, BLOCK_L=next_pow2(lat), num_warps=4,
+        **pdl_args(pdl))
     return out
 
 

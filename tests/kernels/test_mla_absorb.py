@@ -112,3 +112,69 @@ def test_value_up_writes_into_out_rows(rows):
         mla_value_up_triton(o_lat[:2], w_uv, buffer[:3], max_rows=MAX_ROWS)  # out's rows differ
     with pytest.raises(ValueError, match="mla_value_up_triton"):  # the reference's path checks it too
         mla_value_up_triton(o_lat, w_uv, buffer[:rows].half(), max_rows=0)
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("tokens", [MAX_ROWS + 1, 70])  # one row tile, and two with a ragged last one
+@pytest.mark.parametrize("dims", [(2, 32, 32, 64, 16), (3, 24, 20, 80, 8)])  # (H, Dn, Dv, L, R); 2nd off the tiles
+def test_tensor_core_form_matches_reference(monkeypatch, dtype, tokens, dims):
+    """max_rows < T <= mma_rows: the tensor-core kernels (one launch each, a program per (head, column block, row
+    tile)), against the references, into a fresh output and into `out` rows of a larger buffer."""
+    import metainfer.kernels.mla_absorb as ma
+
+    heads, dn, dv, lat, rope = dims
+    absorb, value_up = _Spy(ma._mla_absorb_mma_kernel), _Spy(ma._mla_value_up_mma_kernel)
+    monkeypatch.setattr(ma, "_mla_absorb_mma_kernel", absorb)
+    monkeypatch.setattr(ma, "_mla_value_up_mma_kernel", value_up)
+    q_nope, w_uk, w_uv, o_lat = _inputs(tokens, heads, dn, dv, lat, rope, dtype, DEVICE, seed=tokens + heads)
+    q_lat = mla_absorb_triton(q_nope, w_uk, mma_rows=256)
+    assert q_lat.is_contiguous()
+    _close(q_lat, mla_absorb_ref(q_nope, w_uk), dtype)
+    _close(mla_value_up_triton(o_lat, w_uv, mma_rows=256), mla_value_up_ref(o_lat, w_uv), dtype)
+    buffer = torch.full((tokens + 3, heads * dv), 7.0, device=DEVICE, dtype=dtype)
+    mla_value_up_triton(o_lat, w_uv, buffer[:tokens], mma_rows=256)
+    _close(buffer[:tokens], mla_value_up_ref(o_lat, w_uv), dtype)
+    assert torch.equal(buffer[tokens:], torch.full_like(buffer[tokens:], 7.0))
+    row_tiles = -(-tokens // 64)
+    assert absorb.grids == [(heads, -(-lat // 64), row_tiles)]
+    assert value_up.grids == [(heads, -(-dv // 64), row_tiles)] * 2
+
+
+def test_tensor_core_form_bounds():
+    """mma_rows bounds the tensor-core form: above it (and with it 0, the default) the reference, bit for bit;
+    at or below max_rows the row-loop kernel is kept."""
+    q_nope, w_uk, w_uv, o_lat = _inputs(40, 2, 16, 16, 32, 8, torch.float32, DEVICE)
+    for mma_rows in (0, 39):
+        assert torch.equal(mla_absorb_triton(q_nope, w_uk, mma_rows=mma_rows), mla_absorb_ref(q_nope, w_uk))
+        assert torch.equal(mla_value_up_triton(o_lat, w_uv, mma_rows=mma_rows), mla_value_up_ref(o_lat, w_uv))
+    small = q_nope[:MAX_ROWS]
+    assert torch.equal(mla_absorb_triton(small, w_uk, mma_rows=256), mla_absorb_triton(small, w_uk))
+    with pytest.raises(ValueError, match="mla_absorb_triton"):
+        mla_absorb_triton(q_nope, w_uk[:1], mma_rows=256)  # the tensor-core form checks its inputs too
+
+
+@pytest.mark.skipif(not ON_GPU, reason="PDL and graph capture need CUDA (METAINFER_TEST_GPU=1)")
+@pytest.mark.parametrize("heads", [16, 8])  # DeepSeek-V2-Lite at tp 1 and 2
+@pytest.mark.parametrize("tokens", [17, 100, 256])
+def test_tensor_core_form_real_shapes_under_pdl_and_graphs_gpu(heads, tokens):
+    q_nope, w_uk, w_uv, o_lat = _inputs(tokens, heads, 128, 128, 512, 64, torch.bfloat16, DEVICE, seed=heads)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    expected = mla_absorb_triton(q_nope, w_uk, mma_rows=256, pdl=pdl)
+    _close(expected, mla_absorb_ref(q_nope, w_uk), torch.bfloat16)
+    _close(mla_value_up_triton(o_lat, w_uv, mma_rows=256, pdl=pdl), mla_value_up_ref(o_lat, w_uv), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mla_absorb_triton(q_nope, w_uk, mma_rows=256, pdl=pdl)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=0, atol=0)

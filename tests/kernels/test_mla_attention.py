@@ -464,15 +464,17 @@ def aot_compile_mla() -> int:
                                                 torch.zeros(3, heads, 192, dtype=bf16)[..., 128:],
                                                 torch.zeros(8, 64), cache, lens, pdl=True)
             kv_b = torch.zeros(heads, 256, 512, dtype=bf16)  # kv_b_proj's weight per head: [Dn + Dv, L]
-            for rows, pdl in ((1, True), (mla_absorb.MAX_ROWS, False)):
+            for rows, pdl in ((1, True), (mla_absorb.MAX_ROWS, False), (256, True)):  # 256: the tensor-core form
                 q = torch.zeros(rows, heads, 192, dtype=bf16)
-                mla_absorb.mla_absorb_triton(q[..., :128], kv_b[:, :128], pdl=pdl, max_rows=mla_absorb.MAX_ROWS)
+                mla_absorb.mla_absorb_triton(q[..., :128], kv_b[:, :128], pdl=pdl, max_rows=mla_absorb.MAX_ROWS,
+                                             mma_rows=256)
                 mla_absorb.mla_value_up_triton(torch.zeros(rows, heads, 512, dtype=bf16), kv_b[:, 128:], pdl=pdl,
-                                               max_rows=mla_absorb.MAX_ROWS)
+                                               max_rows=mla_absorb.MAX_ROWS, mma_rows=256)
 
     return aot_main([mla._mla_decode_kernel, mla._mla_prefill_kernel, mla_expanded._mla_expanded_kernel,
-                     mla_prep._mla_latent_prep_kernel,
-                     mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel], launch, fail_on_spills=True)
+                     mla_prep._mla_latent_prep_kernel, mla_absorb._mla_absorb_kernel, mla_absorb._mla_value_up_kernel,
+                     mla_absorb._mla_absorb_mma_kernel, mla_absorb._mla_value_up_mma_kernel], launch,
+                    fail_on_spills=True)
 
 
 def test_aot_compile_sm90_mla_kernels():

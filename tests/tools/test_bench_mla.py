@@ -83,3 +83,31 @@ def test_decode_sweep_runs_every_knob_combination(monkeypatch):
     assert all(r["us"] == 1.0 and r["timing"] == "cuda_graph" and r["splits"] == 2 for r in ok)
     assert [r["live_splits"] for r in ok] == [2, 1]
     assert all("block_n must be a power of two" in r["error"] for r in results if r["block_n"] == 24)
+
+
+def test_absorb_case_times_every_form_over_every_layer(monkeypatch):
+    """`--absorb-rows`' bookkeeping on the CPU (Triton interpreted; the graph timer replaced by one call that
+    counts the K-up / V-up launches): the three forms, each over every layer's weights, each against the bmm."""
+    pytest.importorskip("triton")
+    import torch
+
+    from metainfer.kernels import mla_absorb
+    from tools import bench_mla
+
+    calls = []
+    for name in ("mla_absorb_ref", "mla_value_up_ref", "mla_absorb_triton", "mla_value_up_triton"):
+        real = getattr(mla_absorb, name)
+        monkeypatch.setattr(mla_absorb, name, lambda *a, _real=real, _name=name, **k: calls.append(_name)
+                            or _real(*a, **k))
+    monkeypatch.setattr(bench_mla, "_graph_us", lambda fn, inner, repeats: fn() or 270.0)
+    monkeypatch.setattr(bench_mla, "ABSORB_LAYERS", 2)
+    g = torch.Generator().manual_seed(0)
+    kv_b = [torch.randn(bench_mla.HEADS, 256, 512, generator=g) / 512 ** 0.5 for _ in range(2)]
+    case = bench_mla._absorb_case(17, kv_b, False, g, repeats=1)
+    assert set(case) == {f"{form}_{what}" for form in ("bmm", "mma", "rows") for what in
+                         ("us_per_layer", "absorb_rel_err")}
+    assert all(case[f"{form}_us_per_layer"] == 135.0 for form in ("bmm", "mma", "rows"))
+    assert all(case[f"{form}_absorb_rel_err"] < 1e-5 for form in ("bmm", "mma", "rows"))
+    # each form: one K-up for its error, then K-up + V-up per layer (the Triton forms call the refs never)
+    assert calls.count("mla_absorb_ref") == 1 + 1 + 2 and calls.count("mla_value_up_ref") == 2
+    assert calls.count("mla_absorb_triton") == 2 * (1 + 2) and calls.count("mla_value_up_triton") == 2 * 2
