@@ -111,20 +111,23 @@ def _mla_value_up_mma_kernel(o_ptr, w_ptr, out_ptr, T, DV, L, stride_ot, stride_
                              BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_PDL: tl.constexpr):
     """out[t, h*DV + v] = sum_l o[t, h, l] * w[h, v, l] for the BLOCK_T rows and BLOCK_V value rows of program
-    (h, v block, t block): [BLOCK_T, L] x [L, BLOCK_V] on tensor cores, L in BLOCK_K steps."""
+    (h, v block, t block): [BLOCK_T, L] x [L, BLOCK_V] on tensor cores, L in BLOCK_K steps; the first step's
+    weight tile is loaded before the PDL wait."""
     h = tl.program_id(0).to(tl.int64)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
     v_mask, t_mask = offs_v < DV, offs_t < T
+    w_ptrs = w_ptr + h * stride_wh + offs_v[None, :] * stride_wv + offs_k[:, None]  # [BLOCK_K, BLOCK_V]: w[h]^T
+    o_ptrs = o_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=(offs_k < L)[:, None] & v_mask[None, :], other=0.0)  # before the wait: a weight
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
     for k0 in range(0, L, BLOCK_K):
         k_mask = (k0 + offs_k) < L
-        w = tl.load(w_ptr + h * stride_wh + offs_v[None, :] * stride_wv + (k0 + offs_k)[:, None],
-                    mask=k_mask[:, None] & v_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]: w[h]^T
-        o = tl.load(o_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + (k0 + offs_k)[None, :],
-                    mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        if k0 > 0:
+            w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & v_mask[None, :], other=0.0)
+        o = tl.load(o_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(o, w, acc, input_precision="ieee" if o.dtype == tl.float32 else "tf32")
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + h * DV + offs_v[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
@@ -136,6 +139,7 @@ _MMA_BLOCK_T = 64
 _MMA_ABSORB_BLOCK_L = 64
 _MMA_VALUE_UP_BLOCK_V = 64
 _MMA_VALUE_UP_BLOCK_K = 64
+_MMA_MAX_DN = 256  # the K-up holds all of Dn in one tile (DeepSeek: 128); a larger Dn takes the reference
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, name: str, w_dim: int) -> None:
@@ -162,7 +166,7 @@ def mla_absorb_triton(q_nope: torch.Tensor, w_uk: torch.Tensor, *, pdl: bool = F
                       max_rows: int = MAX_ROWS, mma_rows: int = 0) -> torch.Tensor:
     """mla_absorb_ref's q_lat, contiguous [T, H, L], by the Triton kernels for T <= max(max_rows, mma_rows)
     (else the ref)."""
-    form = _form(q_nope, w_uk, max_rows, mma_rows, "mla_absorb_triton", 1)
+    form = _form(q_nope, w_uk, max_rows, mma_rows if w_uk.shape[1] <= _MMA_MAX_DN else 0, "mla_absorb_triton", 1)
     if form == "ref":
         return mla_absorb_ref(q_nope, w_uk)
     num_tokens = q_nope.shape[0]

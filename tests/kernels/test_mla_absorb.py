@@ -162,6 +162,8 @@ def test_tensor_core_form_bounds():
     assert torch.equal(mla_absorb_triton(small, w_uk, mma_rows=256), mla_absorb_triton(small, w_uk))
     with pytest.raises(ValueError, match="mla_absorb_triton"):
         mla_absorb_triton(q_nope, w_uk[:1], mma_rows=256)  # the tensor-core form checks its inputs too
+    wide_q, wide_w, _, _ = _inputs(40, 2, 264, 16, 32, 8, torch.float32, DEVICE)  # Dn over one K-up tile
+    assert torch.equal(mla_absorb_triton(wide_q, wide_w, mma_rows=256), mla_absorb_ref(wide_q, wide_w))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="PDL and graph capture need CUDA (METAINFER_TEST_GPU=1)")
@@ -173,8 +175,13 @@ def test_tensor_core_form_real_shapes_under_pdl_and_graphs_gpu(heads, tokens):
     expected = mla_absorb_triton(q_nope, w_uk, mma_rows=256, pdl=pdl)
     _close(expected, mla_absorb_ref(q_nope, w_uk), torch.bfloat16)
     _close(mla_value_up_triton(o_lat, w_uv, mma_rows=256, pdl=pdl), mla_value_up_ref(o_lat, w_uv), torch.bfloat16)
+    expected_o = mla_value_up_triton(o_lat, w_uv, mma_rows=256, pdl=pdl)
+    buffer = torch.full((tokens + 3, heads * 128), 7.0, device=DEVICE, dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = mla_absorb_triton(q_nope, w_uk, mma_rows=256, pdl=pdl)
+        mla_value_up_triton(o_lat, w_uv, buffer[:tokens], mma_rows=256, pdl=pdl)
     graph.replay()
     torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+    torch.testing.assert_close(buffer[:tokens], expected_o, rtol=0, atol=0)
+    assert torch.equal(buffer[tokens:], torch.full_like(buffer[tokens:], 7.0))

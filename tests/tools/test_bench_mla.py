@@ -105,9 +105,10 @@ def test_absorb_case_times_every_form_over_every_layer(monkeypatch):
     kv_b = [torch.randn(bench_mla.HEADS, 256, 512, generator=g) / 512 ** 0.5 for _ in range(2)]
     case = bench_mla._absorb_case(17, kv_b, False, g, repeats=1)
     assert set(case) == {f"{form}_{what}" for form in ("bmm", "mma", "rows") for what in
-                         ("us_per_layer", "absorb_rel_err")}
+                         ("us_per_layer", "absorb_rel_err", "value_up_rel_err")}
     assert all(case[f"{form}_us_per_layer"] == 135.0 for form in ("bmm", "mma", "rows"))
-    assert all(case[f"{form}_absorb_rel_err"] < 1e-5 for form in ("bmm", "mma", "rows"))
-    # each form: one K-up for its error, then K-up + V-up per layer (the Triton forms call the refs never)
-    assert calls.count("mla_absorb_ref") == 1 + 1 + 2 and calls.count("mla_value_up_ref") == 2
-    assert calls.count("mla_absorb_triton") == 2 * (1 + 2) and calls.count("mla_value_up_triton") == 2 * 2
+    assert all(case[f"{form}_{p}_rel_err"] < 1e-5 for form in ("bmm", "mma", "rows") for p in ("absorb", "value_up"))
+    # each form: one K-up and one V-up for its errors, then three timed rounds of K-up + V-up a layer (the refs
+    # once more for the errors' yardsticks; the Triton forms never call the refs)
+    assert calls.count("mla_absorb_ref") == 1 + 1 + 3 * 2 and calls.count("mla_value_up_ref") == 1 + 1 + 3 * 2
+    assert calls.count("mla_absorb_triton") == 2 * (1 + 3 * 2) and calls.count("mla_value_up_triton") == 2 * (1 + 3 * 2)

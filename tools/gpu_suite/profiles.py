@@ -45,7 +45,8 @@ def kernel_timeline(prof, first: int = 80) -> list:
     o_proj's norm, ...) is what says which projection it runs."""
     from torch.autograd import DeviceType
 
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation),
+                    key=lambda e: e.time_range.start)
     return [(e.name[:60], round(e.time_range.elapsed_us(), 2)) for e in events[:first]]
 
 
